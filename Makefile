@@ -1,0 +1,35 @@
+# The two set-up commands of the README: `make demo` and `make test`. Both install what is missing.
+PY ?= python3
+PIP = $(PY) -m pip
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: demo test install install-servers test-fast bench clean
+
+# torch first, from the pinned CPU wheel (a GPU machine keeps the torch it has): pyproject only declares
+# a range, so pip never resolves a newer torch with gigabytes of CUDA packages.
+install:
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	@$(PY) -c "import meshscope_cli, streamlit, duckdb, pyarrow, prometheus_client, pytest_timeout, hypothesis, playwright, yaml" 2>/dev/null \
+		|| $(PIP) install -e '.[test]'
+
+# Real servers and a real browser for the integration tiers (Debian packages).
+install-servers:
+	@if ! command -v promtool >/dev/null || ! command -v prometheus-alertmanager >/dev/null || ! command -v chromium >/dev/null; then \
+		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq prometheus prometheus-alertmanager chromium >/dev/null; \
+	fi
+
+demo: install install-servers
+	$(PY) -m meshscope_cli demo
+
+test: install install-servers
+	$(PY) -m pytest tests
+
+test-fast: install
+	$(PY) -m pytest tests -m "not gloo and not server and not browser"
+
+bench: install
+	$(PY) bench/telemetry_overhead.py
+	$(PY) bench/agent_ingest.py
+
+clean:
+	rm -rf .runs artifacts .pytest_cache

@@ -1,0 +1,70 @@
+"""The narrow interface between instrumentation hooks and the telemetry core.
+
+Hooks (collective tracing, pipeline spans) only ever call a ``Recorder``; the core (``Telemetry``) owns
+buffering, step accounting and transport. Keeping the hooks behind this protocol lets them be tested with
+a plain list-backed recorder and keeps the training thread's cost to one call per event.
+
+Every method must be cheap, must never block and must never raise into the training loop: a hook that
+fails calls ``record_error`` and carries on.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class Clock(Protocol):
+    def now(self) -> float:
+        """Seconds since the epoch, monotonic within the process (see ``AnchoredClock``)."""
+
+
+class AnchoredClock:
+    """``time.time()`` read once, advanced by ``perf_counter``: one time base across ranks (NTP-level
+    agreement), with the monotonicity and resolution of ``perf_counter`` inside a process."""
+
+    __slots__ = ("_wall0", "_perf0")
+
+    def __init__(self) -> None:
+        self._wall0 = time.time()
+        self._perf0 = time.perf_counter()
+
+    def now(self) -> float:
+        return self._wall0 + (time.perf_counter() - self._perf0)
+
+
+class Recorder(Protocol):
+    clock: Clock
+
+    def record_collective(
+        self, *, op: str, dim: str, group: str, group_size: int, nbytes: int, t_start: float, t_end: float,
+        wait_s: float, peer: int = -1, source: str,
+    ) -> None:
+        """One collective or P2P op. ``t_start``..``t_end`` is issue to observed completion;
+        ``wait_s`` is the time the training thread was blocked waiting for it (its exposed part)."""
+
+    def record_span(self, *, stage: int, microbatch: int, kind: str, t_start: float, t_end: float) -> None:
+        """One pipeline compute span (forward / backward / weight) of one microbatch on one stage."""
+
+    def record_error(self, where: str, exc: BaseException) -> None:
+        """A hook failed; counted and reported, never raised."""
+
+
+@dataclass
+class ListRecorder:
+    """A recorder that keeps everything in lists: for tests and for offline use."""
+
+    clock: Clock = field(default_factory=AnchoredClock)
+    collectives: list[dict] = field(default_factory=list)
+    spans: list[dict] = field(default_factory=list)
+    errors: list[tuple[str, BaseException]] = field(default_factory=list)
+
+    def record_collective(self, **kw) -> None:
+        self.collectives.append(kw)
+
+    def record_span(self, **kw) -> None:
+        self.spans.append(kw)
+
+    def record_error(self, where: str, exc: BaseException) -> None:
+        self.errors.append((where, exc))

@@ -1,0 +1,107 @@
+"""Versioned record schema: the contract between ranks (writers), the node agent and the run store.
+
+Every record kind is one Arrow schema. Ranks batch rows of one kind into an Arrow record batch and the
+spool frames it (see ``agent.transport``); the agent validates a batch against the schema of its kind and
+version, derives metrics from it and appends it to the store as Parquet under
+``<store>/tables/<kind>/run=<run>/rank=<rank>/``. ``run`` and ``rank`` are the hive partition keys and are
+therefore not columns of the stored files (DuckDB's ``hive_partitioning`` adds them back).
+
+Conventions: times are float64 seconds since the Unix epoch (a per-process anchor of ``time.time()``
+advanced by ``time.perf_counter()``, so intervals are monotonic and ranks share one time base); durations
+are float64 seconds; sizes are int64 bytes; ``step`` is the optimizer step (0-based). Bump
+``SCHEMA_VERSION`` on any incompatible change; readers reject versions they do not know.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+# The parallel dimensions a collective can belong to (taken from the DeviceMesh dim names).
+DIMS = ("dp", "fsdp", "tp", "pp", "world", "other")
+# Collective / P2P op names as recorded (nccl-tests naming).
+OPS = (
+    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce",
+    "send", "recv", "barrier",
+)
+# Pipeline span kinds.
+SPAN_KINDS = ("forward", "backward", "weight")
+# Event kinds (run timeline).
+EVENT_KINDS = ("start", "end", "crash", "nonfinite_loss", "skipped_step", "restart", "telemetry_error", "hang")
+
+_f64, _i64, _i32, _str, _bool = pa.float64(), pa.int64(), pa.int32(), pa.string(), pa.bool_()
+
+SCHEMAS: dict[str, pa.Schema] = {
+    # One per rank and attempt, at start. Run-level facts repeat on every rank (cheap, and any rank alone
+    # is enough to describe the run).
+    "run": pa.schema([
+        ("rank", _i32), ("world_size", _i32), ("local_rank", _i32), ("host", _str), ("pid", _i64),
+        ("attempt", _i32),  # torchrun restart count (TORCHELASTIC_RESTART_COUNT)
+        ("t_start", _f64),
+        ("strategy", _str),  # e.g. "ddp", "fsdp", "tp", "pp", "fsdp+tp", "pp+fsdp", "pp+tp+fsdp"
+        ("mesh", _str),  # JSON: {"dp": 2, "tp": 1, "pp": 1}
+        ("coords", _str),  # JSON: this rank's coordinate per mesh dim, e.g. {"dp": 1, "tp": 0, "pp": 0}
+        ("schedule", _str), ("microbatches", _i32), ("virtual_stages", _i32),
+        ("model", _str), ("n_params", _i64), ("n_params_nonembedding", _i64),
+        ("n_layers", _i32), ("d_model", _i32), ("seq_len", _i32), ("global_batch", _i32),
+        ("flops_per_token", _f64),  # 6*N_ne + 12*L*D*S (training, causal not discounted)
+        ("peak_flops", _f64), ("peak_source", _str),  # "table:H100", "override", "calibrated-cpu"
+        ("device", _str), ("backend", _str), ("dtype", _str),
+        ("torch_version", _str), ("meshscope_version", _str), ("python_version", _str),
+        ("config", _str),  # JSON of the full trainer/user config
+    ]),
+    # One per rank and optimizer step. wall = compute + exposed_comm + bubble + other.
+    "step": pa.schema([
+        ("step", _i64), ("t_start", _f64), ("t_end", _f64), ("wall_s", _f64),
+        ("compute_s", _f64), ("exposed_comm_s", _f64), ("bubble_s", _f64), ("other_s", _f64),
+        ("data_s", _f64), ("forward_s", _f64), ("backward_s", _f64), ("optimizer_s", _f64),
+        ("tokens", _i64),  # tokens this rank's replica processed (global tokens / dp)
+        ("flops", _f64),  # model FLOPs attributed to this rank in this step
+        ("mfu", _f64),  # flops / wall_s / peak_flops
+        ("loss", _f64), ("loss_nonfinite", _bool), ("grad_norm", _f64), ("lr", _f64),
+        ("skipped", _bool),  # optimizer step skipped (non-finite gradients)
+        ("n_collectives", _i32),
+        ("dropped_records_total", _i64),  # telemetry records this rank could not write so far
+    ]),
+    # One per collective or P2P op. wait_s is the time the training thread was blocked on it (exposed).
+    "collective": pa.schema([
+        ("step", _i64), ("op", _str), ("dim", _str), ("group", _str), ("group_size", _i32),
+        ("seq", _i64),  # per-group sequence number (per rank, counts ops issued on that group)
+        ("bytes", _i64), ("t_start", _f64), ("t_end", _f64), ("duration_s", _f64), ("wait_s", _f64),
+        ("algbw", _f64), ("busbw", _f64),  # bytes/s
+        ("peer", _i32),  # P2P peer global rank, -1 for collectives
+        ("source", _str),  # which hook saw it: "ddp_comm_hook", "fsdp_comm", "funcol", "c10d", "nccl_fr"
+    ]),
+    # Pipeline compute spans (waits excluded).
+    "span": pa.schema([
+        ("step", _i64), ("stage", _i32), ("microbatch", _i32), ("kind", _str),
+        ("t_start", _f64), ("t_end", _f64),
+    ]),
+    "memory": pa.schema([
+        ("step", _i64), ("t", _f64), ("rss_bytes", _i64), ("rss_peak_bytes", _i64),
+        ("allocated_bytes", _i64), ("allocated_peak_bytes", _i64),
+        ("reserved_bytes", _i64), ("reserved_peak_bytes", _i64),
+        ("active_bytes", _i64), ("active_peak_bytes", _i64),
+        ("alloc_retries", _i64), ("ooms", _i64),
+        ("device_free_bytes", _i64), ("device_total_bytes", _i64),  # -1 where not applicable (CPU)
+    ]),
+    # Timeline events: start, end, crash, non-finite loss, restarts, telemetry errors.
+    "event": pa.schema([
+        ("t", _f64), ("step", _i64), ("kind", _str), ("message", _str),
+    ]),
+    # Agent-side GPU samples (NVML). rank = -1; the gpu index is a column.
+    "gpu": pa.schema([
+        ("t", _f64), ("host", _str), ("gpu", _i32), ("uuid", _str), ("name", _str),
+        ("util_ratio", _f64), ("mem_util_ratio", _f64), ("mem_used_bytes", _i64), ("mem_total_bytes", _i64),
+        ("power_watts", _f64), ("temperature_celsius", _f64), ("sm_clock_hz", _f64), ("sm_clock_max_hz", _f64),
+        ("throttle_reasons", _i64), ("xid_errors_total", _i64), ("ecc_errors_total", _i64),
+    ]),
+}
+
+KINDS = tuple(SCHEMAS)
+
+
+def empty_table(kind: str) -> pa.Table:
+    """An empty table of one kind (for readers that must return a well-typed nothing)."""
+    return SCHEMAS[kind].empty_table()

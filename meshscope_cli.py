@@ -1,0 +1,42 @@
+"""``meshscope`` command line: a thin dispatcher. Each sub-command lives with the package that owns it
+and is imported only when used, so ``meshscope agent`` never imports torch and nothing imports the
+dashboard unless asked to."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# sub-command -> (module, function, one-line help). Each function takes argv (list[str]) and returns an
+# exit code.
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "train": ("trainer.launch", "main", "launch the reference trainer on this node (wraps torch.distributed.run)"),
+    "agent": ("agent.collector.cli", "agent_main", "run the node agent: follow rank spools, serve /metrics, write the store"),
+    "ingest": ("agent.collector.cli", "ingest_main", "ingest every spool under a store once and exit"),
+    "export-trace": ("agent.trace", "main", "write a Perfetto / Chrome-trace JSON of a step range"),
+    "dashboard": ("dashboard.cli", "main", "serve the Streamlit dashboard over a store (and Prometheus)"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: meshscope <command> [options]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"meshscope: error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module, func, _ = COMMANDS[name]
+    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
