@@ -1,0 +1,84 @@
+"""Model FLOPs and the peak they are compared against (MFU).
+
+MFU = achieved model FLOPs per second / peak FLOP/s of the device. Model FLOPs per token for training a
+decoder-only transformer: 6·N_nonembedding + 12·L·D·S (see ``trainer.model.flops_per_token``: the
+attention term counts scores and values, forward and backward, causal mask NOT discounted). Per rank:
+that rank's share of the step's model FLOPs / its wall time / its device peak.
+
+The peak comes from, in order: an explicit override; a per-device table of dense bf16 peaks (GPU); on
+CPU a short fp32 matmul benchmark at start, because no table can know a CPU's effective peak and a
+measured one is the only honest denominator there.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+# Dense bf16 tensor-core peaks (FLOP/s), from the vendors' data sheets (SXM parts where both exist).
+PEAK_BF16: dict[str, float] = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "GH200": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "A10G": 70e12,
+    "L4": 121e12,
+}
+
+
+def table_peak(device_name: str) -> tuple[float, str] | None:
+    """Longest table key contained in the device name (so 'GH200' wins over 'H200')."""
+    name = device_name.upper()
+    for key in sorted(PEAK_BF16, key=len, reverse=True):
+        if key in name:
+            return PEAK_BF16[key], f"table:{key}"
+    return None
+
+
+def calibrate_cpu_peak(*, size: int = 512, min_seconds: float = 0.2, dtype: torch.dtype = torch.float32) -> float:
+    """Best observed FLOP/s of a square matmul on this process's CPU threads (2·n³ FLOPs per matmul)."""
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
+    torch.mm(a, b)  # warm-up: thread pool, caches
+    best = 0.0
+    deadline = time.perf_counter() + min_seconds
+    while True:
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        dt = time.perf_counter() - t0
+        best = max(best, 2.0 * size**3 / dt)
+        if time.perf_counter() > deadline:
+            return best
+
+
+def device_peak(device: torch.device, *, override: float = 0.0) -> tuple[float, str]:
+    """(peak FLOP/s, where it came from)."""
+    if override > 0:
+        return override, "override"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        found = table_peak(name)
+        if found:
+            return found
+        # Unknown GPU: say so rather than guess; MFU is then reported against the calibrated figure.
+        return _calibrate_cuda(device), f"calibrated:{name}"
+    return calibrate_cpu_peak(), "calibrated-cpu"
+
+
+def _calibrate_cuda(device: torch.device, *, size: int = 8192) -> float:
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    torch.mm(a, b)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        torch.mm(a, b)
+    end.record()
+    end.synchronize()
+    return 10 * 2.0 * size**3 / (start.elapsed_time(end) / 1e3)

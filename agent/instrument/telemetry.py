@@ -1,0 +1,407 @@
+"""The in-process telemetry core: what a training loop calls.
+
+    tel = Telemetry(config=TelemetryConfig(store="runs", run="exp1"), rank=rank, world_size=world)
+    tel.start(run_info)                                  # one `run` record
+    tel.attach(model_parts=parts, mesh=mesh, schedule=schedule)
+    for step in range(steps):
+        with tel.step(step) as s:
+            with tel.phase("data"): ...
+            with tel.phase("forward"): ...
+            with tel.phase("backward"): ...
+            with tel.phase("optimizer"): ...
+            s.update(loss=loss, tokens=tokens, flops=flops)
+    tel.close()
+
+Step time accounting (per rank), wall = compute + exposed_comm + bubble + other:
+- exposed_comm: time the training thread was blocked on non-pipeline collectives (hooks report each
+  op's ``wait_s`` on the thread that waited);
+- bubble (pipeline phase only): phase time − Σ compute spans − non-pipeline waits outside spans, i.e.
+  the stage's idle time including its P2P waits (on CPU a P2P wait cannot be split into transfer and
+  idle; both are time the stage had nothing to compute);
+- compute: time in compute phases (forward, backward, optimizer, pipeline, compute) minus the waits and
+  bubble inside them;
+- other: the rest (data loading, logging, host overhead between phases).
+
+Rows are appended to per-kind deques on the training thread (one append per record, thread-safe without a
+lock) and drained by a background flusher into the spool writer, so nothing on the training thread does
+I/O. Every deque is bounded: what does not fit is counted as dropped, never raised.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import platform
+import socket
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from agent.instrument import memory
+from agent.instrument.recorder import AnchoredClock, Clock
+from agent.schema import SCHEMAS
+
+COMPUTE_PHASES = frozenset({"forward", "backward", "optimizer", "pipeline", "compute"})
+_RUN_FIELDS = SCHEMAS["run"].names
+
+
+@dataclass(kw_only=True, slots=True)
+class TelemetryConfig:
+    store: str
+    run: str
+    max_rows_per_kind: int = 200_000  # bound on buffered rows per kind between flushes
+    flush_interval_s: float = 0.25  # how often the flusher drains (hang visibility bound)
+    memory_every: int = 1  # memory sample every N steps
+
+    def __post_init__(self) -> None:
+        bad = []
+        if not self.store:
+            bad.append(f"store={self.store!r}")
+        if not self.run or "/" in self.run or self.run.startswith("."):
+            bad.append(f"run={self.run!r}")
+        if self.max_rows_per_kind < 1:
+            bad.append(f"max_rows_per_kind={self.max_rows_per_kind}")
+        if self.flush_interval_s <= 0:
+            bad.append(f"flush_interval_s={self.flush_interval_s}")
+        if self.memory_every < 1:
+            bad.append(f"memory_every={self.memory_every}")
+        if bad:
+            raise ValueError(f"invalid TelemetryConfig: {', '.join(bad)}")
+
+
+class _StepState:
+    __slots__ = (
+        "step", "t_start", "phases", "phase", "waits_in_phase", "exposed", "pp_wait", "span_time",
+        "span_depth", "nonpp_wait_outside_spans", "span_kind_time", "n_collectives", "values",
+    )
+
+    def __init__(self, step: int, t_start: float) -> None:
+        self.step = step
+        self.t_start = t_start
+        self.phases: dict[str, float] = collections.defaultdict(float)
+        self.phase: str | None = None
+        self.waits_in_phase: dict[str, float] = collections.defaultdict(float)
+        self.exposed = 0.0
+        self.pp_wait = 0.0
+        self.span_time = 0.0
+        self.span_depth = 0
+        self.nonpp_wait_outside_spans = 0.0
+        self.span_kind_time: dict[str, float] = collections.defaultdict(float)
+        self.n_collectives = 0
+        self.values: dict[str, Any] = {}
+
+
+class StepContext:
+    """Handed out by ``Telemetry.step``; ``update`` attaches the step's results."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state: _StepState) -> None:
+        self._state = state
+
+    def update(self, **values: Any) -> None:
+        """Known keys: loss, tokens, flops, grad_norm, lr, skipped. Values may be tensors (read at step end)."""
+        self._state.values.update(values)
+
+
+class Telemetry:
+    """Per-rank recorder. Implements ``agent.instrument.recorder.Recorder`` for the hooks."""
+
+    def __init__(
+        self, *, config: TelemetryConfig, rank: int, world_size: int, local_rank: int = 0, attempt: int = 0,
+        clock: Clock | None = None, writer: Any = None, device: Any = None,
+    ) -> None:
+        self.config = config
+        self.rank, self.world_size, self.local_rank, self.attempt = rank, world_size, local_rank, attempt
+        self.clock = clock or AnchoredClock()
+        self._device = device
+        self._bufs = {kind: collections.deque() for kind in SCHEMAS}
+        self.dropped_records = 0  # rows refused by the bounded buffers
+        self.errors = 0
+        self._peak_flops = 0.0
+        self._cur: _StepState | None = None
+        self._last_step = -1
+        self._tracers: list[Any] = []
+        self._writer = writer if writer is not None else self._open_writer()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._flusher = threading.Thread(target=self._flush_loop, name="meshscope-flush", daemon=True)
+        self._flusher.start()
+
+    # ------------------------------------------------------------------------------------ lifecycle
+    def _open_writer(self):
+        from agent.transport import SpoolWriter
+
+        path = Path(self.config.store) / "spool" / self.config.run / f"rank-{self.rank}.a{self.attempt}.spool"
+        return SpoolWriter(
+            path=path, run=self.config.run, rank=self.rank, attempt=self.attempt, host=socket.gethostname(),
+        )
+
+    def start(self, info: dict[str, Any]) -> None:
+        """Write this rank's ``run`` record. ``info`` holds run-level fields of agent.schema 'run'
+        (strategy, mesh, schedule, model sizes, flops_per_token, peak_flops, ...); the rest is filled here."""
+        self._peak_flops = float(info.get("peak_flops") or 0.0)
+        import torch
+
+        row = {
+            "rank": self.rank, "world_size": self.world_size, "local_rank": self.local_rank,
+            "host": socket.gethostname(), "pid": os.getpid(), "attempt": self.attempt, "t_start": self.clock.now(),
+            "torch_version": torch.__version__, "meshscope_version": _version(),
+            "python_version": platform.python_version(),
+        }
+        for key, value in info.items():
+            row.setdefault(key, json.dumps(value, sort_keys=True) if isinstance(value, dict) else value)
+        defaults = {f.name: ("" if f.type == "string" else 0) for f in SCHEMAS["run"]}
+        self._push("run", tuple(row.get(name, defaults[name]) for name in _RUN_FIELDS))
+        self.event("start", f"rank {self.rank} of {self.world_size} attempt {self.attempt}")
+
+    def attach(self, *, model_parts: list | None = None, mesh: Any = None, schedule: Any = None,
+               stages: list | None = None) -> None:
+        """Attach collective tracing to the model (DDP / FSDP2 / TP / plain c10d) and span tracing to a
+        pipeline schedule. Safe to call once per component; every hook is reversible (``close``)."""
+        from agent.instrument.collectives import CollectiveTracer
+        from agent.instrument.meshinfo import MeshInfo
+        from agent.instrument.pipeline import PipelineTracer
+
+        try:
+            tracer = CollectiveTracer(self, mesh_info=MeshInfo(mesh))
+            tracer.attach(model_parts or [])
+            self._tracers.append(tracer)
+            if schedule is not None:
+                ptracer = PipelineTracer(self, on_span_enter=self._span_enter, on_span_exit=self._span_exit)
+                ptracer.attach(schedule, stages)
+                self._tracers.append(ptracer)
+        except Exception as exc:  # instrumentation must never take training down
+            self.record_error("attach", exc)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        for tracer in reversed(self._tracers):
+            try:
+                tracer.detach()
+            except Exception as exc:
+                self.record_error("detach", exc)
+        self._tracers.clear()
+        self._stop.set()
+        self._wake.set()
+        self._flusher.join(timeout_s)
+        self._drain()
+        try:
+            self._writer.close(timeout_s=timeout_s)
+        except Exception:
+            self.errors += 1
+
+    # ------------------------------------------------------------------------------------ step API
+    @contextmanager
+    def step(self, step: int) -> Iterator[StepContext]:
+        state = _StepState(step, self.clock.now())
+        self._cur = state
+        try:
+            yield StepContext(state)
+        finally:
+            self._end_step(state)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        state = self._cur
+        if state is None or state.phase is not None:  # outside a step, or nested: time the outer only
+            yield
+            return
+        state.phase = name
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            state.phases[name] += time.perf_counter() - t0
+            state.phase = None
+
+    def event(self, kind: str, message: str = "", *, step: int | None = None) -> None:
+        self._push("event", (self.clock.now(), self._last_step if step is None else step, kind, message))
+
+    def flush(self) -> None:
+        """Ask the flusher to drain now (e.g. before an intentional exit); does not wait for disk."""
+        self._wake.set()
+
+    # ------------------------------------------------------------------------------- Recorder API
+    def record_collective(self, *, op: str, dim: str, group: str, group_size: int, nbytes: int, t_start: float,
+                          t_end: float, wait_s: float, peer: int = -1, source: str) -> None:
+        state = self._cur
+        step = state.step if state is not None else self._last_step
+        duration = t_end - t_start
+        algbw = nbytes / duration if duration > 0 else 0.0
+        self._push("collective", (step, op, dim, group, group_size, self._next_seq(group), nbytes, t_start, t_end,
+                                  duration, wait_s, algbw, algbw * _busbw_factor(op, group_size), peer, source))
+        if state is None:
+            return
+        state.n_collectives += 1
+        if dim == "pp":
+            state.pp_wait += wait_s
+            return
+        state.exposed += wait_s
+        if state.phase is not None:
+            state.waits_in_phase[state.phase] += wait_s
+            if state.span_depth == 0:
+                state.nonpp_wait_outside_spans += wait_s
+
+    def record_span(self, *, stage: int, microbatch: int, kind: str, t_start: float, t_end: float) -> None:
+        state = self._cur
+        self._push("span", (state.step if state else self._last_step, stage, microbatch, kind, t_start, t_end))
+        if state is not None:
+            state.span_time += t_end - t_start
+            state.span_kind_time[kind] += t_end - t_start
+
+    def record_error(self, where: str, exc: BaseException) -> None:
+        self.errors += 1
+        if self.errors <= 20:  # a broken hook must not flood the spool
+            self.event("telemetry_error", f"{where}: {type(exc).__name__}: {exc}"[:500])
+
+    def _span_enter(self) -> None:
+        if self._cur is not None:
+            self._cur.span_depth += 1
+
+    def _span_exit(self) -> None:
+        if self._cur is not None and self._cur.span_depth > 0:
+            self._cur.span_depth -= 1
+
+    # ----------------------------------------------------------------------------------- internals
+    _seq: dict[str, int]
+
+    def _next_seq(self, group: str) -> int:
+        seqs = self.__dict__.setdefault("_seq", {})
+        n = seqs.get(group, 0) + 1
+        seqs[group] = n
+        return n
+
+    def _push(self, kind: str, row: tuple) -> None:
+        buf = self._bufs[kind]
+        if len(buf) >= self.config.max_rows_per_kind:
+            self.dropped_records += 1
+            return
+        buf.append(row)
+
+    def _end_step(self, state: _StepState) -> None:
+        try:
+            t_end = self.clock.now()
+            wall = t_end - state.t_start
+            v = state.values
+            pipeline_time = state.phases.get("pipeline", 0.0)
+            bubble = 0.0
+            if pipeline_time > 0:
+                bubble = max(0.0, pipeline_time - state.span_time - state.nonpp_wait_outside_spans)
+            compute = sum(t - state.waits_in_phase.get(p, 0.0) for p, t in state.phases.items() if p in COMPUTE_PHASES)
+            compute = max(0.0, compute - bubble)
+            other = max(0.0, wall - compute - state.exposed - bubble)
+            if state.span_time > 0:
+                fwd = state.span_kind_time.get("forward", 0.0)
+                bwd = state.span_kind_time.get("backward", 0.0) + state.span_kind_time.get("weight", 0.0)
+            else:
+                fwd, bwd = state.phases.get("forward", 0.0), state.phases.get("backward", 0.0)
+            loss = _as_float(v.get("loss"))
+            flops = _as_float(v.get("flops"), 0.0)
+            mfu = flops / wall / self._peak_flops if wall > 0 and self._peak_flops > 0 else 0.0
+            dropped = self.dropped_records + int(getattr(self._writer, "dropped_records", 0))
+            self._push("step", (
+                state.step, state.t_start, t_end, wall, compute, state.exposed, bubble, other,
+                state.phases.get("data", 0.0), fwd, bwd, state.phases.get("optimizer", 0.0),
+                int(v.get("tokens", 0)), flops, mfu, loss, not (loss == loss and abs(loss) != float("inf")),
+                _as_float(v.get("grad_norm")), _as_float(v.get("lr"), 0.0), bool(v.get("skipped", False)),
+                state.n_collectives, dropped,
+            ))
+            if state.step % self.config.memory_every == 0:
+                self._push("memory", memory.sample(state.step, t_end, self._device_or_cpu()))
+        except Exception as exc:
+            self.record_error("end_step", exc)
+        finally:
+            self._last_step = state.step
+            self._cur = None
+            self._wake.set()
+
+    def _device_or_cpu(self):
+        if self._device is None:
+            import torch
+
+            self._device = torch.device("cpu")
+        return self._device
+
+    def _flush_loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.config.flush_interval_s)
+            self._wake.clear()
+            self._drain()
+
+    def _drain(self) -> None:
+        for kind, buf in self._bufs.items():
+            if not buf:
+                continue
+            rows = []
+            try:
+                while True:
+                    rows.append(buf.popleft())
+            except IndexError:
+                pass
+            try:
+                if not self._writer.submit(kind, rows):
+                    pass  # the writer counted the drop
+            except Exception:
+                self.errors += 1
+                self.dropped_records += len(rows)
+
+
+class NullTelemetry:
+    """Stands in when telemetry is off: the same API, doing nothing (no branches in the user's loop)."""
+
+    dropped_records = 0
+
+    def start(self, info: dict[str, Any]) -> None:
+        pass
+
+    def attach(self, **_: Any) -> None:
+        pass
+
+    @contextmanager
+    def step(self, step: int) -> Iterator[StepContext]:
+        yield StepContext(_StepState(step, 0.0))
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        yield
+
+    def event(self, kind: str, message: str = "", *, step: int | None = None) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        pass
+
+
+def _as_float(value: Any, default: float = float("nan")) -> float:
+    if value is None:
+        return default
+    try:
+        return float(value.item() if hasattr(value, "item") else value)
+    except (TypeError, ValueError, RuntimeError):
+        return default
+
+
+_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+           "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
+
+
+def _busbw_factor(op: str, n: int) -> float:
+    f = _FACTOR.get(op)
+    return f(n) if f is not None and n > 0 else 1.0
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("meshscope")
+    except Exception:
+        return "0+unknown"

@@ -1,0 +1,51 @@
+"""Faults injected on purpose, so that the observability path can be proven against a known cause.
+
+- straggler: the chosen ranks spend ``straggler_seconds`` extra inside their model's forward each step
+  (a forward pre-hook, so the delay lands in compute — inside the pipeline span under PP — exactly where
+  a slow GPU or a thermally throttled device would put it);
+- hang: a rank stops making progress at a step (its peers then block in their next collective);
+- crash: a rank exits abruptly at a step (after flushing what telemetry it has, as an exception would);
+- non-finite loss: the loss becomes NaN at a step; the trainer then skips that optimizer step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from torch import nn
+
+from trainer.config import FaultConfig
+
+
+class Faults:
+    def __init__(self, cfg: FaultConfig, *, rank: int) -> None:
+        self.cfg, self.rank = cfg, rank
+        self._step = -1
+        self._straggled_step = -1
+
+    def install(self, module: nn.Module) -> None:
+        if self.rank in self.cfg.straggler_ranks and self.cfg.straggler_seconds > 0:
+            module.register_forward_pre_hook(self._straggle)
+
+    def _straggle(self, module: nn.Module, args) -> None:
+        # Once per step, however many microbatches or stages run through this module.
+        if self._step >= self.cfg.straggler_from_step and self._straggled_step != self._step:
+            self._straggled_step = self._step
+            time.sleep(self.cfg.straggler_seconds)
+
+    def before_step(self, step: int, tel) -> None:
+        self._step = step
+        c = self.cfg
+        if c.crash_rank == self.rank and c.crash_step == step:
+            tel.event("crash", f"injected crash of rank {self.rank} at step {step}", step=step)
+            tel.close(timeout_s=2.0)
+            os._exit(13)
+        if c.hang_rank == self.rank and c.hang_step == step:
+            tel.flush()
+            while True:  # an injected hang: only a signal ends it
+                time.sleep(1.0)
+
+    def poison(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * float("nan") if self.cfg.nan_step == self._step else loss

@@ -1,0 +1,225 @@
+"""Reference trainer entry point: ``torchrun --nproc_per_node=N -m trainer.train [flags]``.
+
+Also runs as a single process (``python -m trainer.train``): it then makes a world of one. The trainer
+is meshscope's first *user*: it instruments itself through the public ``agent`` API exactly as any
+training loop would, and owns none of the instrumentation.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from agent.instrument.flops import device_peak
+from agent.instrument.telemetry import NullTelemetry, Telemetry, TelemetryConfig
+from trainer import checkpoint, config, data, model as model_lib, optim
+from trainer.config import ConfigError, TrainConfig
+from trainer.faults import Faults
+from trainer.parallel import Layout, build_mesh, build_schedule, parallelize, unwrap, world_loss
+from trainer.progress import StepPrinter
+
+
+def _is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _single_process_env() -> None:
+    """Without torchrun, make a world of one on loopback."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def _device(cfg: TrainConfig) -> torch.device:
+    want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if want_cuda:
+        if not torch.cuda.is_available():
+            raise ConfigError("device='cuda' but no CUDA device is available")
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
+        return dev
+    return torch.device("cpu")
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, *, device: torch.device, layout: Layout, peak_flops: float) -> None:
+        self.cfg, self.device, self.layout = cfg, device, layout
+        self.peak_flops = peak_flops
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        p = cfg.parallel
+        self.flavor = model_lib.FLAVORS[cfg.model.flavor]
+        self.seq_len = cfg.model.seq_len
+        torch.manual_seed(cfg.seed)  # the same full model on every rank, before any sharding
+        full = model_lib.GPT(self.flavor, seq_len=self.seq_len)
+        self.parts = parallelize(full, layout=layout, device=device,
+                                 activation_checkpoint=cfg.model.activation_checkpoint)
+        self.optimizers = optim.build_optimizers(self.parts, cfg.optim)
+        self.faults = Faults(cfg.faults, rank=self.rank)
+        for part in self.parts:
+            self.faults.install(unwrap(part))
+        self.scale = 1.0 / (p.microbatches * cfg.optim.grad_accum) if p.pp > 1 else 1.0 / cfg.optim.grad_accum
+        self.schedule = (
+            build_schedule(self.parts, layout=layout, device=device, loss_fn=self._pp_loss) if p.pp > 1 else None
+        )
+        self.autocast = device.type == "cuda"
+        self.tokens_per_step = cfg.data.batch_size * self.seq_len
+        self.flops_per_token = model_lib.flops_per_token(self.flavor, seq_len=self.seq_len)
+
+    # The pipeline schedule calls this per microbatch on the last stage.
+    def _pp_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.faults.poison(model_lib.loss_fn(logits, targets) * self.scale)
+
+    def _micro_step(self, step: int, micro: int, tel) -> torch.Tensor | None:
+        cfg, p = self.cfg, self.layout.parallel
+        with tel.phase("data"):
+            x, y = data.batch(
+                step, micro_step=micro, grad_accum=cfg.optim.grad_accum, global_batch=cfg.data.batch_size,
+                dp_rank=self.layout.dp_rank, dp=p.dp, source=cfg.data.source, seed=cfg.seed,
+                seq_len=self.seq_len, vocab=self.flavor.vocab_size, device=self.device,
+            )
+        if self.schedule is not None:
+            stage_ids = self.layout.stage_ids()
+            first, last = 0 in stage_ids, p.n_stages - 1 in stage_ids
+            losses: list[torch.Tensor] = []
+            with tel.phase("pipeline"), torch.autocast("cuda", torch.bfloat16, enabled=self.autocast):
+                args = (x,) if first else ()
+                kwargs = {"target": y, "losses": losses} if last else {}
+                self.schedule.step(*args, **kwargs)
+            return torch.stack(losses).sum() if last else None
+        with tel.phase("forward"), torch.autocast("cuda", torch.bfloat16, enabled=self.autocast):
+            loss = self.faults.poison(model_lib.loss_fn(self.parts[0](x), y) * self.scale)
+        with tel.phase("backward"):
+            loss.backward()
+        return loss.detach()
+
+    def run(self, tel) -> int:
+        cfg, p = self.cfg, self.layout.parallel
+        start = 0
+        stage_ids = self.layout.stage_ids()
+        if cfg.checkpoint.resume:
+            path = checkpoint.latest(cfg.checkpoint.dir)
+            if path is not None:
+                start = checkpoint.load(path, parts=self.parts, optimizers=self.optimizers, stage_ids=stage_ids)
+                tel.event("restart", f"resumed from {path.name}", step=start)
+        printer = StepPrinter(total=cfg.steps, start=start, enabled=self.rank == 0, every=cfg.log_every)
+        pp_group = self.layout.mesh["pp"].get_group() if p.pp > 1 else None
+        for step in range(start, cfg.steps):
+            self.faults.before_step(step, tel)
+            t0 = time.perf_counter()
+            with tel.step(step) as s:
+                lr = optim.lr_at(step, cfg=cfg.optim, total_steps=cfg.steps)
+                for opt in self.optimizers:
+                    for group in opt.param_groups:
+                        group["lr"] = lr
+                total = None
+                for micro in range(cfg.optim.grad_accum):
+                    loss = self._micro_step(step, micro, tel)
+                    if loss is not None:
+                        total = loss if total is None else total + loss
+                with tel.phase("optimizer"):
+                    norm = optim.global_grad_norm(self.parts, pp_group=pp_group)
+                    skipped = not bool(torch.isfinite(norm))
+                    if not skipped:
+                        if cfg.optim.grad_clip > 0:
+                            optim.clip_(self.parts, max_norm=cfg.optim.grad_clip, total_norm=norm)
+                        for opt in self.optimizers:
+                            opt.step()
+                    for opt in self.optimizers:
+                        opt.zero_grad(set_to_none=True)
+                loss_value = world_loss(total, layout=self.layout)
+                flops = self.flops_per_token * self.tokens_per_step / self.world
+                s.update(loss=loss_value, tokens=self.tokens_per_step // p.dp, flops=flops,
+                         grad_norm=float(norm), lr=lr, skipped=skipped)
+            if skipped:
+                tel.event("skipped_step", f"non-finite gradient norm at step {step}", step=step)
+            dt = time.perf_counter() - t0
+            mfu = flops / dt / self.peak_flops if self.peak_flops > 0 else float("nan")
+            printer.step(step, loss=loss_value, lr=lr, tokens_per_s=self.tokens_per_step / dt, step_s=dt,
+                         mfu=mfu, grad_norm=float(norm), skipped=skipped)
+            done = step + 1
+            if cfg.checkpoint.dir and (
+                (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.steps
+            ):
+                checkpoint.save(cfg.checkpoint.dir, step=done, parts=self.parts, optimizers=self.optimizers,
+                                stage_ids=stage_ids)
+        printer.close()
+        return 0
+
+
+def run_info(cfg: TrainConfig, *, layout: Layout, device: torch.device, peak: float, peak_source: str) -> dict:
+    flavor = model_lib.FLAVORS[cfg.model.flavor]
+    n, n_ne = model_lib.count_params(flavor)
+    p = layout.parallel
+    return {
+        "strategy": p.strategy, "mesh": layout.sizes(), "coords": layout.coords(),
+        "schedule": p.schedule if p.pp > 1 else "", "microbatches": p.microbatches if p.pp > 1 else 0,
+        "virtual_stages": p.virtual_stages, "model": cfg.model.flavor, "n_params": n, "n_params_nonembedding": n_ne,
+        "n_layers": flavor.n_layers, "d_model": flavor.d_model, "seq_len": cfg.model.seq_len,
+        "global_batch": cfg.data.batch_size,
+        "flops_per_token": model_lib.flops_per_token(flavor, seq_len=cfg.model.seq_len),
+        "peak_flops": peak, "peak_source": peak_source,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "backend": dist.get_backend(), "dtype": "bf16-autocast" if device.type == "cuda" else "fp32",
+        "config": config.dumps(cfg),
+    }
+
+
+def default_run_name(cfg: TrainConfig) -> str:
+    return f"{cfg.parallel.strategy.replace('+', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = config.from_args(config.parser("trainer.train").parse_args(argv))
+        _single_process_env()
+        cfg = cfg.resolve(int(os.environ["WORLD_SIZE"]))
+        device = _device(cfg)
+    except ConfigError as e:
+        if _is_rank0():
+            print(f"meshscope train: error: {e}", file=sys.stderr)
+        return 2
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(minutes=10),
+                            device_id=device if device.type == "cuda" else None)
+    try:
+        layout = build_mesh(cfg.parallel, device_type=device.type)
+        rank = dist.get_rank()
+        tcfg = cfg.telemetry
+        peak, peak_source = device_peak(device, override=tcfg.peak_flops)
+        if tcfg.store:
+            run = tcfg.run or default_run_name(cfg)
+            tel = Telemetry(
+                config=TelemetryConfig(store=tcfg.store, run=run), rank=rank, world_size=dist.get_world_size(),
+                local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), device=device,
+            )
+        else:
+            tel = NullTelemetry()
+        trainer = Trainer(cfg, device=device, layout=layout, peak_flops=peak)
+        tel.start(run_info(cfg, layout=layout, device=device, peak=peak, peak_source=peak_source))
+        tel.attach(model_parts=trainer.parts, mesh=layout.mesh, schedule=trainer.schedule,
+                   stages=getattr(trainer.schedule, "_stages", None) or
+                   ([trainer.schedule._stage] if trainer.schedule is not None else None))
+        try:
+            code = trainer.run(tel)
+            tel.event("end", f"finished {cfg.steps} steps")
+        finally:
+            tel.close()
+        return code
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
