@@ -197,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         tcfg = cfg.telemetry
         peak, peak_source = device_peak(device, override=tcfg.peak_flops)
         if tcfg.store:
-            run = tcfg.run or default_run_name(cfg)
+            # One name for all ranks: rank 0's, so per-rank clocks cannot disagree on a timestamp.
+            names = [tcfg.run or default_run_name(cfg)]
+            dist.broadcast_object_list(names, src=0)
+            run = names[0]
             tel = Telemetry(
                 config=TelemetryConfig(store=tcfg.store, run=run), rank=rank, world_size=dist.get_world_size(),
                 local_rank=int(os.environ.get("LOCAL_RANK", "0")),

@@ -1,0 +1,72 @@
+"""``meshscope train``: the one-node convenience around ``torch.distributed.run``.
+
+It validates the whole configuration for the world it is about to launch *before* starting any process
+(so a bad value gets one clear line, not a traceback from every rank), names the run once for all ranks,
+then runs ``torchrun -m trainer.train`` with the same flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from trainer import config
+from trainer.config import ConfigError
+
+
+def _launcher_parser() -> argparse.ArgumentParser:
+    p = config._Parser(prog="meshscope train", add_help=False)
+    p.add_argument("--nproc", type=int, default=1, help="processes (ranks) on this node")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes in the job")
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=int, default=29500)
+    p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts of failed workers")
+    return p
+
+
+def _help() -> str:
+    full = config.parser("meshscope train")
+    for action in _launcher_parser()._actions:
+        full._add_action(action)
+    return full.format_help()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(_help())
+        return 0
+    try:
+        launch, rest = _launcher_parser().parse_known_args(argv)
+        for name in ("nproc", "nnodes", "max_restarts"):
+            value = getattr(launch, name)
+            if value < (0 if name == "max_restarts" else 1):
+                raise ConfigError(f"--{name.replace('_', '-')}={value} must be >= {0 if name == 'max_restarts' else 1}")
+        cfg = config.from_args(config.parser("meshscope train").parse_args(rest))
+        cfg.resolve(launch.nproc * launch.nnodes)
+    except ConfigError as e:
+        print(f"meshscope train: error: {e}", file=sys.stderr)
+        return 2
+    if cfg.telemetry.store and not cfg.telemetry.run:
+        rest += ["--run", f"{cfg.parallel.strategy.replace('+', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"]
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    targs = ["--nproc_per_node", str(launch.nproc), "--max_restarts", str(launch.max_restarts)]
+    if launch.nnodes == 1:
+        targs.append("--standalone")
+    else:
+        targs += ["--nnodes", str(launch.nnodes), "--node_rank", str(launch.node_rank),
+                  "--master_addr", launch.master_addr, "--master_port", str(launch.master_port)]
+    targs += ["-m", "trainer.train", *rest]
+    try:
+        run(get_args_parser().parse_args(targs))
+    except ChildFailedError as e:
+        first = min(e.failures.items(), key=lambda kv: kv[1].timestamp) if e.failures else None
+        where = f"rank {first[0]} exited with code {first[1].exitcode}" if first else "a worker failed"
+        print(f"meshscope train: error: {where} (its output is above)", file=sys.stderr)
+        return 1
+    return 0
