@@ -1,0 +1,128 @@
+"""The telemetry core's step accounting against injected, known delays (unit tier: no processes)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from agent.instrument.telemetry import NullTelemetry, Telemetry, TelemetryConfig
+from agent.schema import SCHEMAS
+
+
+class MemoryWriter:
+    """Stands in for the spool writer (the transport has its own tests): keeps rows per kind."""
+
+    def __init__(self, *, fail: bool = False) -> None:
+        self.rows: dict[str, list[tuple]] = {k: [] for k in SCHEMAS}
+        self.fail = fail
+        self.dropped_records = 0
+        self.lock = threading.Lock()
+
+    def submit(self, kind: str, rows: list[tuple]) -> bool:
+        if self.fail:
+            raise OSError("disk on fire")
+        with self.lock:
+            self.rows[kind].extend(rows)
+        return True
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        pass
+
+    def table(self, kind: str) -> list[dict]:
+        names = SCHEMAS[kind].names
+        return [dict(zip(names, r, strict=True)) for r in self.rows[kind]]
+
+
+def make(writer=None, **cfg) -> tuple[Telemetry, MemoryWriter]:
+    w = writer or MemoryWriter()
+    tel = Telemetry(config=TelemetryConfig(store="unused", run="r", **cfg), rank=0, world_size=1, writer=w)
+    return tel, w
+
+
+def test_step_breakdown_adds_up_and_matches_injected_times():
+    tel, w = make()
+    tel.start({"strategy": "ddp", "mesh": {"dp": 1}, "peak_flops": 1e9})
+    with tel.step(0) as s:
+        with tel.phase("data"):
+            time.sleep(0.02)
+        with tel.phase("forward"):
+            time.sleep(0.03)
+        with tel.phase("backward"):
+            time.sleep(0.03)
+            now = tel.clock.now()
+            # a collective whose wait blocked the training thread for 20 ms (exposed)
+            tel.record_collective(op="all_reduce", dim="dp", group="g", group_size=2, nbytes=4096,
+                                  t_start=now - 0.05, t_end=now, wait_s=0.02, source="test")
+        with tel.phase("optimizer"):
+            time.sleep(0.01)
+        s.update(loss=1.5, tokens=100, flops=1e7)
+    tel.close()
+    (step,) = w.table("step")
+    assert step["wall_s"] == pytest.approx(step["compute_s"] + step["exposed_comm_s"] + step["bubble_s"] + step["other_s"])
+    assert step["exposed_comm_s"] == pytest.approx(0.02)
+    # forward 30 + backward 30 + optimizer 10 ms, minus the 20 ms blocked inside backward
+    assert step["compute_s"] == pytest.approx(0.05, abs=0.015)
+    assert step["data_s"] == pytest.approx(0.02, abs=0.01)
+    assert step["mfu"] == pytest.approx(1e7 / step["wall_s"] / 1e9)
+    (coll,) = w.table("collective")
+    assert coll["busbw"] == pytest.approx(coll["algbw"] * 1.0)  # 2(n-1)/n = 1 for n=2
+    assert coll["seq"] == 1 and coll["step"] == 0
+    assert [e["kind"] for e in w.table("event")] == ["start"]
+    (run,) = w.table("run")
+    assert run["strategy"] == "ddp" and '"dp": 1' in run["mesh"]
+    assert len(w.table("memory")) == 1 and w.table("memory")[0]["rss_bytes"] > 0
+
+
+def test_pipeline_bubble_is_region_minus_spans_and_p2p_waits_are_not_exposed():
+    tel, w = make()
+    with tel.step(0):
+        with tel.phase("pipeline"):
+            t0 = tel.clock.now()
+            tel._span_enter()
+            time.sleep(0.03)
+            tel._span_exit()
+            tel.record_span(stage=0, microbatch=0, kind="forward", t_start=t0, t_end=t0 + 0.03)
+            time.sleep(0.04)  # idle: waiting for the next stage
+            tel.record_collective(op="recv", dim="pp", group="pp", group_size=2, nbytes=10, t_start=t0,
+                                  t_end=tel.clock.now(), wait_s=0.04, peer=1, source="test")
+    tel.close()
+    (step,) = w.table("step")
+    assert step["exposed_comm_s"] == 0.0
+    assert step["bubble_s"] == pytest.approx(0.04, abs=0.015)
+    assert step["compute_s"] == pytest.approx(0.03, abs=0.01)
+    assert step["forward_s"] == pytest.approx(0.03)
+
+
+def test_bounded_buffers_count_drops_and_writer_failures_never_raise():
+    tel, w = make(MemoryWriter(fail=True), max_rows_per_kind=3)
+    tel._stop.set()  # hold the flusher so the buffer fills
+    for i in range(10):
+        tel.record_span(stage=0, microbatch=i, kind="forward", t_start=0.0, t_end=1.0)
+    assert tel.dropped_records == 7
+    tel.close()  # the writer raises on submit: counted, not raised
+    assert tel.errors >= 1
+
+
+def test_hook_errors_are_recorded_not_raised():
+    tel, w = make()
+    tel.record_error("hook", RuntimeError("boom"))
+    tel.close()
+    (ev,) = w.table("event")
+    assert ev["kind"] == "telemetry_error" and "boom" in ev["message"]
+
+
+def test_null_telemetry_has_the_same_api():
+    tel = NullTelemetry()
+    tel.start({})
+    tel.attach(model_parts=[], mesh=None, schedule=None)
+    with tel.step(0) as s, tel.phase("forward"):
+        s.update(loss=1.0)
+    tel.event("end")
+    tel.close()
+
+
+def test_config_names_bad_values():
+    with pytest.raises(ValueError, match=r"run='../x'.*flush_interval_s=0"):
+        TelemetryConfig(store="s", run="../x", flush_interval_s=0)
