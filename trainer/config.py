@@ -335,7 +335,9 @@ FLAGS: dict[str, tuple[str, type, str]] = {
     "--device": ("device", str, "auto, cpu or cuda"),
     "--log-every": ("log_every", int, "print every N steps"),
     "--store": ("telemetry.store", str, "meshscope run store (telemetry on when set)"),
-    "--run": ("telemetry.run", str, "run name in the store"),
+    "--run": ("telemetry.run", str, "run name in the store (under raw torchrun use --run-name: torchrun's "
+              "parser takes --run for an abbreviation of its own --run-path)"),
+    "--run-name": ("telemetry.run", str, "same as --run"),
     "--peak-flops": ("telemetry.peak_flops", float, "override the per-device peak FLOP/s for MFU"),
     "--checkpoint-dir": ("checkpoint.dir", str, "checkpoint directory (torch.distributed.checkpoint)"),
     "--checkpoint-every": ("checkpoint.every", int, "save every N steps"),

@@ -49,8 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"meshscope train: error: {e}", file=sys.stderr)
         return 2
+    # torchrun's own parser would take --run for an abbreviation of its --run-path: forward --run-name.
+    rest = ["--run-name" if a == "--run" else ("--run-name=" + a[6:] if a.startswith("--run=") else a) for a in rest]
     if cfg.telemetry.store and not cfg.telemetry.run:
-        rest += ["--run", f"{cfg.parallel.strategy.replace('+', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"]
+        rest += ["--run-name", f"{cfg.parallel.strategy.replace('+', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"]
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run

@@ -177,8 +177,10 @@ def parallelize(
         if p.fsdp:
             apply_fsdp(part, dp_mesh, pipelined=p.pp > 1)
         elif p.dp > 1:
-            part = DistributedDataParallel(part, process_group=dp_mesh.get_group(), device_ids=None
-                                           if device.type == "cpu" else [device])
+            # No buffer broadcast: the only buffers (rotary tables) are derived from the shape and equal
+            # everywhere; broadcasting them would add a collective to every step for nothing.
+            part = DistributedDataParallel(part, process_group=dp_mesh.get_group(), broadcast_buffers=False,
+                                           device_ids=None if device.type == "cpu" else [device])
         wrapped.append(part)
     return wrapped
 

@@ -39,10 +39,11 @@ class Recorder(Protocol):
 
     def record_collective(
         self, *, op: str, dim: str, group: str, group_size: int, nbytes: int, t_start: float, t_end: float,
-        wait_s: float, peer: int = -1, source: str,
+        wait_s: float, peer: int = -1, source: str, seq: int = 0,
     ) -> None:
         """One collective or P2P op. ``t_start``..``t_end`` is issue to observed completion;
-        ``wait_s`` is the time the training thread was blocked waiting for it (its exposed part)."""
+        ``wait_s`` is the time the training thread was blocked waiting for it (its exposed part);
+        ``seq`` the per-group issue order (0: let the recorder number it)."""
 
     def record_span(self, *, stage: int, microbatch: int, kind: str, t_start: float, t_end: float) -> None:
         """One pipeline compute span (forward / backward / weight) of one microbatch on one stage."""

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from agent.instrument import memory
+from agent.instrument import bandwidth, memory
 from agent.instrument.recorder import AnchoredClock, Clock
 from agent.schema import SCHEMAS
 
@@ -228,13 +228,17 @@ class Telemetry:
 
     # ------------------------------------------------------------------------------- Recorder API
     def record_collective(self, *, op: str, dim: str, group: str, group_size: int, nbytes: int, t_start: float,
-                          t_end: float, wait_s: float, peer: int = -1, source: str) -> None:
+                          t_end: float, wait_s: float, peer: int = -1, source: str, seq: int = 0) -> None:
         state = self._cur
         step = state.step if state is not None else self._last_step
         duration = t_end - t_start
-        algbw = nbytes / duration if duration > 0 else 0.0
-        self._push("collective", (step, op, dim, group, group_size, self._next_seq(group), nbytes, t_start, t_end,
-                                  duration, wait_s, algbw, algbw * _busbw_factor(op, group_size), peer, source))
+        try:
+            alg = bandwidth.algbw(nbytes, duration)
+            bus = alg * bandwidth.busbw_factor(op, max(1, group_size))
+        except ValueError:  # an op outside the nccl-tests table: no bus-bandwidth figure
+            alg = bus = float("nan")
+        self._push("collective", (step, op, dim, group, group_size, seq or self._next_seq(group), nbytes, t_start,
+                                  t_end, duration, wait_s, alg, bus, peer, source))
         if state is None:
             return
         state.n_collectives += 1
@@ -284,6 +288,13 @@ class Telemetry:
         buf.append(row)
 
     def _end_step(self, state: _StepState) -> None:
+        for tracer in self._tracers:  # async ops that completed without a Python-visible wait
+            flush = getattr(tracer, "flush", None)
+            if flush is not None:
+                try:
+                    flush()
+                except Exception as exc:
+                    self.record_error("tracer_flush", exc)
         try:
             t_end = self.clock.now()
             wall = t_end - state.t_start
@@ -387,15 +398,6 @@ def _as_float(value: Any, default: float = float("nan")) -> float:
         return float(value.item() if hasattr(value, "item") else value)
     except (TypeError, ValueError, RuntimeError):
         return default
-
-
-_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-           "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
-
-
-def _busbw_factor(op: str, n: int) -> float:
-    f = _FACTOR.get(op)
-    return f(n) if f is not None and n > 0 else 1.0
 
 
 def _version() -> str:
