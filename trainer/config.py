@@ -186,6 +186,26 @@ class TelemetryConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ProfileConfig:
+    """A torch.profiler trace of a step range, per rank (the ground truth the telemetry is tested against)."""
+
+    dir: str = ""  # empty: no profiling
+    steps: str = ""  # "A:B": steps A .. B-1
+
+    def __post_init__(self) -> None:
+        if self.dir or self.steps:
+            _check(bool(self.dir) and bool(self.steps), "profiling needs both --profile-dir and --profile-steps")
+            a, sep, b = self.steps.partition(":")
+            _check(sep == ":" and a.isdigit() and b.isdigit() and int(a) < int(b),
+                   f"profile steps {self.steps!r} must look like A:B with A < B")
+
+    @property
+    def range(self) -> tuple[int, int]:
+        a, _, b = self.steps.partition(":")
+        return int(a), int(b)
+
+
+@dataclass(kw_only=True, slots=True)
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -194,6 +214,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     steps: int = 10
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
@@ -339,6 +360,8 @@ FLAGS: dict[str, tuple[str, type, str]] = {
               "parser takes --run for an abbreviation of its own --run-path)"),
     "--run-name": ("telemetry.run", str, "same as --run"),
     "--peak-flops": ("telemetry.peak_flops", float, "override the per-device peak FLOP/s for MFU"),
+    "--profile-dir": ("profile.dir", str, "write a torch.profiler Chrome trace per rank here"),
+    "--profile-steps": ("profile.steps", str, "steps to profile, A:B"),
     "--checkpoint-dir": ("checkpoint.dir", str, "checkpoint directory (torch.distributed.checkpoint)"),
     "--checkpoint-every": ("checkpoint.every", int, "save every N steps"),
     "--straggler-ranks": ("faults.straggler_ranks", str, "fault: comma-separated straggler ranks"),

@@ -29,6 +29,9 @@ class Flavor:
 FLAVORS: dict[str, Flavor] = {
     # CPU tests: a step well under a second on 2 gloo ranks. vocab 256 = byte-level.
     "tiny": Flavor(n_layers=4, d_model=64, n_heads=4, vocab_size=256, max_seq_len=64),
+    # Wide enough that the blocks dominate (embedding and head are a few % of a stage): balanced pipeline
+    # stages for bubble measurements on CPU.
+    "tiny-wide": Flavor(n_layers=4, d_model=256, n_heads=4, vocab_size=256, max_seq_len=64),
     # ~123M parameters (GPT-2 small's shape, untied head, 24k vocabulary).
     "small": Flavor(n_layers=12, d_model=768, n_heads=12, vocab_size=24576, max_seq_len=1024),
     # ~1.04B parameters (GPU).

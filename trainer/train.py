@@ -22,6 +22,7 @@ from trainer import checkpoint, config, data, model as model_lib, optim
 from trainer.config import ConfigError, TrainConfig
 from trainer.faults import Faults
 from trainer.parallel import Layout, build_mesh, build_schedule, parallelize, unwrap, world_loss
+from trainer.profiling import Profiler
 from trainer.progress import StepPrinter
 
 
@@ -74,6 +75,7 @@ class Trainer:
         self.autocast = device.type == "cuda"
         self.tokens_per_step = cfg.data.batch_size * self.seq_len
         self.flops_per_token = model_lib.flops_per_token(self.flavor, seq_len=self.seq_len)
+        self.pp_group = layout.mesh["pp"].get_group() if p.pp > 1 else None
 
     # The pipeline schedule calls this per microbatch on the last stage.
     def _pp_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -102,8 +104,40 @@ class Trainer:
             loss.backward()
         return loss.detach()
 
-    def run(self, tel) -> int:
+    def train_step(self, step: int, tel) -> dict:
+        """One optimizer step (all gradient-accumulation micro-steps), instrumented through ``tel``."""
         cfg, p = self.cfg, self.layout.parallel
+        with tel.step(step) as s:
+            lr = optim.lr_at(step, cfg=cfg.optim, total_steps=cfg.steps)
+            for opt in self.optimizers:
+                for group in opt.param_groups:
+                    group["lr"] = lr
+            total = None
+            for micro in range(cfg.optim.grad_accum):
+                loss = self._micro_step(step, micro, tel)
+                if loss is not None:
+                    total = loss if total is None else total + loss
+            with tel.phase("optimizer"):
+                norm = optim.global_grad_norm(self.parts, pp_group=self.pp_group)
+                skipped = not bool(torch.isfinite(norm))
+                if not skipped:
+                    if cfg.optim.grad_clip > 0:
+                        optim.clip_(self.parts, max_norm=cfg.optim.grad_clip, total_norm=norm)
+                    for opt in self.optimizers:
+                        opt.step()
+                for opt in self.optimizers:
+                    opt.zero_grad(set_to_none=True)
+            loss_value = world_loss(total, layout=self.layout)
+            flops = self.flops_per_token * self.tokens_per_step / self.world
+            result = dict(loss=loss_value, tokens=self.tokens_per_step // p.dp, flops=flops,
+                          grad_norm=float(norm), lr=lr, skipped=skipped)
+            s.update(**result)
+        if skipped:
+            tel.event("skipped_step", f"non-finite gradient norm at step {step}", step=step)
+        return result
+
+    def run(self, tel) -> int:
+        cfg = self.cfg
         start = 0
         stage_ids = self.layout.stage_ids()
         if cfg.checkpoint.resume:
@@ -112,46 +146,22 @@ class Trainer:
                 start = checkpoint.load(path, parts=self.parts, optimizers=self.optimizers, stage_ids=stage_ids)
                 tel.event("restart", f"resumed from {path.name}", step=start)
         printer = StepPrinter(total=cfg.steps, start=start, enabled=self.rank == 0, every=cfg.log_every)
-        pp_group = self.layout.mesh["pp"].get_group() if p.pp > 1 else None
-        for step in range(start, cfg.steps):
-            self.faults.before_step(step, tel)
-            t0 = time.perf_counter()
-            with tel.step(step) as s:
-                lr = optim.lr_at(step, cfg=cfg.optim, total_steps=cfg.steps)
-                for opt in self.optimizers:
-                    for group in opt.param_groups:
-                        group["lr"] = lr
-                total = None
-                for micro in range(cfg.optim.grad_accum):
-                    loss = self._micro_step(step, micro, tel)
-                    if loss is not None:
-                        total = loss if total is None else total + loss
-                with tel.phase("optimizer"):
-                    norm = optim.global_grad_norm(self.parts, pp_group=pp_group)
-                    skipped = not bool(torch.isfinite(norm))
-                    if not skipped:
-                        if cfg.optim.grad_clip > 0:
-                            optim.clip_(self.parts, max_norm=cfg.optim.grad_clip, total_norm=norm)
-                        for opt in self.optimizers:
-                            opt.step()
-                    for opt in self.optimizers:
-                        opt.zero_grad(set_to_none=True)
-                loss_value = world_loss(total, layout=self.layout)
-                flops = self.flops_per_token * self.tokens_per_step / self.world
-                s.update(loss=loss_value, tokens=self.tokens_per_step // p.dp, flops=flops,
-                         grad_norm=float(norm), lr=lr, skipped=skipped)
-            if skipped:
-                tel.event("skipped_step", f"non-finite gradient norm at step {step}", step=step)
-            dt = time.perf_counter() - t0
-            mfu = flops / dt / self.peak_flops if self.peak_flops > 0 else float("nan")
-            printer.step(step, loss=loss_value, lr=lr, tokens_per_s=self.tokens_per_step / dt, step_s=dt,
-                         mfu=mfu, grad_norm=float(norm), skipped=skipped)
-            done = step + 1
-            if cfg.checkpoint.dir and (
-                (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.steps
-            ):
-                checkpoint.save(cfg.checkpoint.dir, step=done, parts=self.parts, optimizers=self.optimizers,
-                                stage_ids=stage_ids)
+        with Profiler(cfg.profile, rank=self.rank, start=start) as prof:
+            for step in range(start, cfg.steps):
+                self.faults.before_step(step, tel)
+                t0 = time.perf_counter()
+                r = self.train_step(step, tel)
+                prof.step(step)
+                dt = time.perf_counter() - t0
+                mfu = r["flops"] / dt / self.peak_flops if self.peak_flops > 0 else float("nan")
+                printer.step(step, loss=r["loss"], lr=r["lr"], tokens_per_s=self.tokens_per_step / dt, step_s=dt,
+                             mfu=mfu, grad_norm=r["grad_norm"], skipped=r["skipped"])
+                done = step + 1
+                if cfg.checkpoint.dir and (
+                    (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.steps
+                ):
+                    checkpoint.save(cfg.checkpoint.dir, step=done, parts=self.parts, optimizers=self.optimizers,
+                                    stage_ids=stage_ids)
         printer.close()
         return 0
 

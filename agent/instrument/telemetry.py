@@ -13,8 +13,8 @@
     tel.close()
 
 Step time accounting (per rank), wall = compute + exposed_comm + bubble + other:
-- exposed_comm: time the training thread was blocked on non-pipeline collectives (hooks report each
-  op's ``wait_s`` on the thread that waited);
+- exposed_comm: time the training thread was blocked on collectives (not P2P sends/receives; hooks
+  report each op's ``wait_s`` on the thread that waited);
 - bubble (pipeline phase only): phase time − Σ compute spans − non-pipeline waits outside spans, i.e.
   the stage's idle time including its P2P waits (on CPU a P2P wait cannot be split into transfer and
   idle; both are time the stage had nothing to compute);
@@ -47,6 +47,7 @@ from agent.instrument.recorder import AnchoredClock, Clock
 from agent.schema import SCHEMAS
 
 COMPUTE_PHASES = frozenset({"forward", "backward", "optimizer", "pipeline", "compute"})
+_P2P = frozenset({"send", "recv"})
 _RUN_FIELDS = SCHEMAS["run"].names
 
 
@@ -242,7 +243,7 @@ class Telemetry:
         if state is None:
             return
         state.n_collectives += 1
-        if dim == "pp":
+        if op in _P2P:  # a pipeline stage waiting for its neighbour: bubble, not exposed communication
             state.pp_wait += wait_s
             return
         state.exposed += wait_s
