@@ -1,0 +1,109 @@
+"""The node agent: follow spools, keep /metrics current, write the run store, sample GPUs."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from types import ModuleType
+
+from prometheus_client.registry import CollectorRegistry
+
+from agent.collector.exposition import MeshscopeCollector
+from agent.collector.gpu import GpuSampler
+from agent.collector.ingest import IngestConfig, Ingestor
+from agent.collector.server import MetricsServer, serve_metrics
+from agent.collector.state import MetricsState
+from agent.instrument.recorder import Clock
+from agent.schema import SCHEMAS
+
+_GPU_FIELDS = tuple(SCHEMAS["gpu"].names)
+
+
+@dataclass(kw_only=True, slots=True)
+class AgentConfig:
+    store: Path
+    host: str = "127.0.0.1"
+    port: int = 9477
+    poll_interval_s: float = 1.0
+    gpu_interval_s: float = 5.0  # 0 disables GPU sampling
+    run_ttl_s: float = 600.0  # a run's series are dropped this long after its last record
+    ingest: IngestConfig = field(default_factory=IngestConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port ({self.port}) must be in 0..65535")
+        if self.poll_interval_s <= 0:
+            raise ValueError(f"poll interval ({self.poll_interval_s}) must be > 0")
+        if self.gpu_interval_s < 0 or self.run_ttl_s <= 0:
+            raise ValueError(f"gpu interval ({self.gpu_interval_s}) must be >= 0 and run ttl "
+                             f"({self.run_ttl_s}) > 0")
+
+
+def version() -> str:
+    try:
+        return metadata.version("meshscope")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+class Agent:
+    """Composes the pieces. ``nvml`` is an initialised NVML module (``gpu.load_nvml``) or None."""
+
+    def __init__(self, config: AgentConfig, *, clock: Clock, registry: CollectorRegistry | None = None,
+                 nvml: ModuleType | None = None) -> None:
+        self.config = config
+        self.clock = clock
+        self.host = socket.gethostname()
+        self.state = MetricsState(run_ttl_s=config.run_ttl_s)
+        self.ingestor = Ingestor(store=config.store, state=self.state, clock=clock, config=config.ingest)
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
+        self.registry.register(MeshscopeCollector(self.state, host=self.host, version=version()))
+        sample_gpus = nvml is not None and config.gpu_interval_s > 0
+        self.gpu = GpuSampler(nvml, host=self.host, clock=clock) if sample_gpus else None
+        self.server: MetricsServer | None = None
+        self._next_gpu = 0.0
+
+    def serve(self) -> int:
+        """Start the /metrics endpoint; returns the bound port."""
+        self.server = serve_metrics(self.registry, host=self.config.host, port=self.config.port)
+        return self.server.port
+
+    def step(self) -> bool:
+        """One loop iteration: ingest, sample GPUs when due, expire ended runs. True if data arrived."""
+        progress = self.ingestor.poll()
+        now = self.clock.now()
+        if self.gpu is not None and now >= self._next_gpu:
+            self._next_gpu = now + self.config.gpu_interval_s
+            self.sample_gpus()
+        self.state.expire(now)
+        return progress
+
+    def sample_gpus(self) -> None:
+        rows = self.gpu.sample()
+        with self.state.lock:
+            self.state.gpu_errors = self.gpu.errors
+            for row in rows:
+                self.state.gpus[row[2]] = dict(zip(_GPU_FIELDS, row))
+        self.ingestor.add_gpu_rows(rows)
+
+    def run(self, stop: threading.Event) -> None:
+        """Loop until ``stop`` is set, then write everything buffered to the store."""
+        while not stop.is_set():
+            if not self.step():
+                stop.wait(self.config.poll_interval_s)
+        self.ingestor.poll(final=True)
+
+    def run_once(self) -> None:
+        if self.gpu is not None:
+            self.sample_gpus()
+        self.ingestor.ingest_all()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        if self.gpu is not None:
+            self.gpu.close()
+

@@ -1,0 +1,19 @@
+"""Rank → agent transport: framed Arrow batches in append-only per-rank spool files.
+
+Rank side: :class:`SpoolWriter` (``submit(kind, rows)`` from the training thread, never blocks or
+raises). Agent side: :class:`SpoolReader` (follow a file from an offset, reject damage with a reason).
+The on-disk format is documented in :mod:`agent.transport.frame`.
+"""
+
+from agent.transport.frame import (
+    FORMAT_VERSION, KIND_CODES, MAGIC, REJECT_REASONS, FrameError, check_run_name, encode_data_frame,
+    encode_file_header, rows_to_batch, spool_path,
+)
+from agent.transport.reader import Frame, ReadResult, SpoolReader
+from agent.transport.writer import SpoolWriter
+
+__all__ = [
+    "FORMAT_VERSION", "KIND_CODES", "MAGIC", "REJECT_REASONS", "Frame", "FrameError", "ReadResult",
+    "SpoolReader", "SpoolWriter", "check_run_name", "encode_data_frame", "encode_file_header",
+    "rows_to_batch", "spool_path",
+]

@@ -1,0 +1,198 @@
+"""The spool frame format: how a rank's telemetry batches sit in its append-only spool file.
+
+A spool file (``<store>/spool/<run>/rank-<rank>.a<attempt>.spool``, see :func:`spool_path`) is a sequence
+of frames. The first frame is a *file header* frame; every later frame carries one Arrow record batch of
+one record kind (``agent.schema.SCHEMAS``).
+
+Frame layout (little-endian, 24-byte frame header, then the payload)::
+
+    offset size field
+         0    4 magic                b"MSPL"
+         4    1 format version       FORMAT_VERSION (1)
+         5    1 kind code            KIND_CODES: 0 file header, 1 run, 2 step, 3 collective, 4 span,
+                                     5 memory, 6 event, 7 gpu
+         6    2 schema version       agent.schema.SCHEMA_VERSION the payload was written with
+         8    4 payload length       bytes, at most MAX_PAYLOAD
+        12    4 payload CRC32        zlib.crc32 of the payload
+        16    4 reserved             0 (keeps the payload 8-byte aligned for zero-copy Arrow reads)
+        20    4 header CRC32         zlib.crc32 of bytes 0..19
+        24    n payload
+
+The header CRC is not in the minimal contract but it matters: without it a flipped bit in the length
+field makes a reader wait forever for a "tail" that will never be written. With it a damaged frame
+header is rejected at once and the reader resynchronises to the next magic.
+
+Payloads: the file header frame holds UTF-8 JSON ``{"format_version", "schema_version", "run", "rank",
+"attempt", "host", "stream_id", "created"}`` padded with spaces to a multiple of 8 bytes; ``stream_id`` is
+a random token naming this file's generation (a file deleted and recreated gets a new one, so the agent
+never confuses the two). A data frame's payload is one Arrow IPC *stream* (schema message + record
+batch), so it is self-describing and the reader can check it against the schema of its kind/version.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import zlib
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from agent.schema import SCHEMA_VERSION, SCHEMAS
+
+MAGIC = b"MSPL"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<4sBBHIII")  # magic, format, kind, schema version, length, payload crc, reserved
+FRAME_HEADER_SIZE = HEADER.size + 4  # + header CRC32
+MAX_PAYLOAD = 256 * 1024 * 1024
+
+HEADER_KIND = "header"
+# Fixed codes (never derived from dict order: the codes are on disk).
+KIND_CODES: dict[str, int] = {
+    HEADER_KIND: 0, "run": 1, "step": 2, "collective": 3, "span": 4, "memory": 5, "event": 6, "gpu": 7,
+}
+CODE_KINDS: dict[int, str] = {code: kind for kind, code in KIND_CODES.items()}
+assert set(KIND_CODES) - {HEADER_KIND} == set(SCHEMAS), "every schema kind needs a frame code"
+
+# Schemas by the version the agent can read. Older versions join here when SCHEMA_VERSION is bumped.
+KNOWN_SCHEMAS: dict[int, dict[str, pa.Schema]] = {SCHEMA_VERSION: SCHEMAS}
+
+# Why a reader rejected bytes (the label values of meshscope_agent_frames_rejected_total).
+REJECT_REASONS = (
+    "bad_magic",  # bytes that are not a frame header (garbage, or the middle of a damaged frame)
+    "bad_header_crc",  # frame header damaged
+    "bad_payload_crc",  # payload damaged
+    "too_large",  # declared payload length above MAX_PAYLOAD
+    "truncated",  # frame cut short (another frame header starts inside its declared payload)
+    "unknown_format_version",
+    "unknown_kind",
+    "unknown_schema_version",
+    "decode_error",  # payload is not a readable Arrow IPC stream (or header JSON)
+    "schema_mismatch",  # readable, but not the schema of its kind/version
+    "bad_file_header",  # the file does not start with a valid header frame
+)
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class FrameError(Exception):
+    """A frame that cannot be used; ``reason`` is one of REJECT_REASONS."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        assert reason in REJECT_REASONS, reason
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def check_run_name(run: str) -> str:
+    """Run names become directory and hive-partition names: letters, digits, ``.``, ``_``, ``-``."""
+    if not isinstance(run, str) or not _RUN_NAME.match(run):
+        raise ValueError(
+            f"run name {run!r} is not usable as a directory name: use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return run
+
+
+def spool_path(store: str | Path, *, run: str, rank: int, attempt: int) -> Path:
+    """The spool file of one rank and restart attempt: ``<store>/spool/<run>/rank-<rank>.a<attempt>.spool``."""
+    check_run_name(run)
+    if int(rank) < 0 or int(attempt) < 0:
+        raise ValueError(f"rank ({rank}) and attempt ({attempt}) must be >= 0")
+    return Path(store) / "spool" / run / f"rank-{int(rank)}.a{int(attempt)}.spool"
+
+
+SPOOL_NAME = re.compile(r"^rank-(\d+)\.a(\d+)\.spool$")
+
+
+def encode_frame(kind: str, payload: bytes, *, schema_version: int = SCHEMA_VERSION) -> bytes:
+    head = HEADER.pack(
+        MAGIC, FORMAT_VERSION, KIND_CODES[kind], schema_version, len(payload), zlib.crc32(payload), 0
+    )
+    return head + struct.pack("<I", zlib.crc32(head)) + payload
+
+
+def encode_file_header(
+    *, run: str, rank: int, attempt: int, host: str, stream_id: str, created: float
+) -> bytes:
+    meta = {
+        "format_version": FORMAT_VERSION, "schema_version": SCHEMA_VERSION, "run": run, "rank": int(rank),
+        "attempt": int(attempt), "host": host, "stream_id": stream_id, "created": float(created),
+    }
+    raw = json.dumps(meta, sort_keys=True).encode()
+    raw += b" " * (-len(raw) % 8)
+    return encode_frame(HEADER_KIND, raw)
+
+
+def encode_batch(batch: pa.RecordBatch | pa.Table) -> bytes:
+    """One Arrow IPC stream holding ``batch`` (the payload of a data frame)."""
+    sink = pa.BufferOutputStream()
+    with ipc.new_stream(sink, batch.schema) as writer:
+        writer.write(batch)
+    return sink.getvalue().to_pybytes()
+
+
+def encode_data_frame(kind: str, batch: pa.RecordBatch | pa.Table) -> bytes:
+    return encode_frame(kind, encode_batch(batch))
+
+
+def rows_to_batch(kind: str, rows: list[tuple]) -> pa.RecordBatch:
+    """Rows (tuples in the field order of ``SCHEMAS[kind]``) to a record batch; raises on bad rows."""
+    schema = SCHEMAS[kind]
+    columns = list(zip(*rows))
+    if len(columns) != len(schema):
+        raise ValueError(f"{kind} rows have {len(columns)} fields, the schema has {len(schema)}")
+    arrays = [pa.array(col, type=field.type) for col, field in zip(columns, schema)]
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def parse_frame_header(buf: memoryview | bytes, pos: int) -> tuple[str, int, int, int]:
+    """Validate the frame header at ``pos`` (which must have FRAME_HEADER_SIZE bytes).
+
+    Returns (kind, schema version, payload length, payload crc); raises FrameError. Checks that need the
+    payload (CRC, decoding) happen in :func:`decode_payload`.
+    """
+    magic, fmt, code, version, length, crc, _reserved = HEADER.unpack_from(buf, pos)
+    if magic != MAGIC:
+        raise FrameError("bad_magic", f"no frame magic at offset {pos}")
+    (head_crc,) = struct.unpack_from("<I", buf, pos + HEADER.size)
+    if zlib.crc32(buf[pos:pos + HEADER.size]) != head_crc:
+        raise FrameError("bad_header_crc", f"frame header CRC mismatch at offset {pos}")
+    if fmt != FORMAT_VERSION:
+        raise FrameError("unknown_format_version", f"format version {fmt} (this reader knows {FORMAT_VERSION})")
+    if length > MAX_PAYLOAD:
+        raise FrameError("too_large", f"payload length {length} > {MAX_PAYLOAD}")
+    kind = CODE_KINDS.get(code)
+    if kind is None:
+        raise FrameError("unknown_kind", f"kind code {code}")
+    if kind != HEADER_KIND and version not in KNOWN_SCHEMAS:
+        raise FrameError("unknown_schema_version", f"schema version {version} (known: {sorted(KNOWN_SCHEMAS)})")
+    return kind, version, length, crc
+
+
+def decode_payload(kind: str, version: int, payload: memoryview, crc: int) -> pa.Table | dict:
+    """Check the CRC and decode: a dict for the file header, else a pa.Table of the kind's schema."""
+    if zlib.crc32(payload) != crc:
+        raise FrameError("bad_payload_crc", f"{kind} payload CRC mismatch")
+    if kind == HEADER_KIND:
+        try:
+            meta = json.loads(bytes(payload))
+            meta["run"] = check_run_name(meta["run"])
+            meta["rank"], meta["attempt"] = int(meta["rank"]), int(meta["attempt"])
+            meta["stream_id"] = str(meta["stream_id"])
+            if not re.fullmatch(r"[0-9a-f]{8,64}", meta["stream_id"]):
+                raise ValueError(f"bad stream_id {meta['stream_id']!r}")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise FrameError("decode_error", f"file header: {exc}") from None
+        return meta
+    try:
+        table = ipc.open_stream(pa.py_buffer(payload)).read_all()
+    except Exception as exc:  # noqa: BLE001 - untrusted bytes into a C++ decoder: any failure is a reject
+        raise FrameError("decode_error", f"{kind}: {type(exc).__name__}: {exc}") from None
+    expected = KNOWN_SCHEMAS[version][kind]
+    if not table.schema.equals(expected, check_metadata=False):
+        raise FrameError("schema_mismatch", f"{kind} v{version}: got {table.schema.names}")
+    return table

@@ -1,0 +1,116 @@
+"""export-trace: a valid Chrome-trace JSON with ranks as processes, steps, spans and collectives."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import pytest
+
+from agent.collector.ingest import Ingestor
+from agent.collector.state import MetricsState
+from agent.trace import main, parse_steps
+from agent.transport.frame import spool_path
+from agent.transport.writer import SpoolWriter
+
+
+class Clock:
+    def now(self) -> float:
+        return 2_000_000_000.0
+
+
+T0 = 1_700_000_000.0
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    store = tmp_path_factory.mktemp("trace")
+    for rank in range(2):
+        w = SpoolWriter(path=spool_path(store, run="pp", rank=rank, attempt=0), run="pp", rank=rank, attempt=0,
+                        host=f"node{rank}", start=False)
+        steps, spans, colls = [], [], []
+        for s in range(6):
+            t = T0 + s
+            steps.append((s, t, t + 0.9, 0.9, 0.5, 0.2, 0.1, 0.1, 0.05, 0.15, 0.3, 0.05, 1024, 1e12, 0.3,
+                          float("nan") if s == 4 else 2.0, s == 4, 1.0, 1e-4, False, 3, 0))
+            for m in range(2):
+                spans.append((s, rank, m, "forward", t + 0.1 + 0.1 * m, t + 0.15 + 0.1 * m))
+                spans.append((s, rank, m, "backward", t + 0.4 + 0.2 * m, t + 0.5 + 0.2 * m))
+            # two overlapping all-gathers (prefetch) and a send on another dim
+            colls.append((s, "all_gather", "fsdp", "fsdp0", 2, 3 * s, 4_000_000, t + 0.1, t + 0.3, 0.2, 0.05,
+                          2e7, 1e7, -1, "fsdp_comm"))
+            colls.append((s, "all_gather", "fsdp", "fsdp0", 2, 3 * s + 1, 4_000_000, t + 0.2, t + 0.35, 0.15,
+                          0.0, 2.7e7, 1.3e7, -1, "fsdp_comm"))
+            colls.append((s, "send", "pp", "pp0", 2, 3 * s + 2, 1000, t + 0.6, t + 0.61, 0.01, 0.0, 1e5, 1e5,
+                          1 - rank, "c10d"))
+        w.submit("step", steps)
+        w.submit("span", spans)
+        w.submit("collective", colls)
+        w.submit("event", [(T0 + 4.5, 4, "nonfinite_loss", "loss is nan")])
+        w.submit("run", [(rank, 2, rank, f"node{rank}", 100 + rank, 0, T0, "pp", '{"pp": 2}', "{}", "1f1b", 2, 1,
+                          "tiny", 1, 1, 1, 1, 1, 1, 1.0, 1.0, "override", "cpu", "gloo", "fp32", "2.13", "0.1",
+                          "3.11", "{}")])
+        w.flush()
+        assert w.close()
+    Ingestor(store=store, state=MetricsState(), clock=Clock()).ingest_all()
+    return store
+
+
+def export(store, tmp_path, *extra) -> dict:
+    out = tmp_path / "t.json"
+    assert main(["--store", str(store), "--run", "pp", "--out", str(out), *extra]) == 0
+    return json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+
+
+def test_trace_structure(store, tmp_path):
+    trace = export(store, tmp_path, "--steps", "2:5")
+    ev = trace["traceEvents"]
+    assert trace["metadata"]["run"] == "pp" and trace["metadata"]["ranks"] == 2
+    procs = {e["pid"]: e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "process_name"}
+    assert procs == {0: "rank 0 (node0)", 1: "rank 1 (node1)"}
+    threads = {(e["pid"], e["args"]["name"]) for e in ev if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {(0, "steps"), (0, "phases"), (0, "pp stage 0"), (1, "pp stage 1"), (0, "comm fsdp"),
+            (0, "comm fsdp #2"), (0, "comm pp"), (0, "events")} <= threads
+    steps = [e for e in ev if e.get("cat") == "step"]
+    assert sorted((e["pid"], e["args"]["step"]) for e in steps) == [(r, s) for r in (0, 1) for s in (2, 3, 4)]
+    nan_step = next(e for e in steps if e["args"]["step"] == 4)
+    assert nan_step["args"]["loss"] is None and nan_step["dur"] == pytest.approx(0.9e6)
+    coll = [e for e in ev if e.get("cat", "").startswith("comm")]
+    assert len(coll) == 2 * 3 * 3
+    ag = next(e for e in coll if e["args"]["seq"] == 6 and e["pid"] == 0)
+    assert ag["name"] == "all_gather" and ag["args"]["bytes"] == 4_000_000 and ag["args"]["busbw_GBps"] == 0.01
+    assert ag["dur"] == pytest.approx(0.2e6)
+    spans = [e for e in ev if e.get("cat") == "pipeline"]
+    assert {e["name"] for e in spans} == {"F0", "F1", "B0", "B1"} and len(spans) == 2 * 3 * 4
+    events = sorted((e["pid"], e["name"]) for e in ev if e.get("cat") == "event")
+    assert events == [(0, "nonfinite_loss"), (1, "nonfinite_loss")]
+    assert min(e["ts"] for e in ev if e["ph"] == "X") == 0
+
+
+def test_slices_nest_within_each_thread(store, tmp_path):
+    ev = export(store, tmp_path)["traceEvents"]
+    by_thread = defaultdict(list)
+    for e in ev:
+        if e["ph"] == "X":
+            by_thread[(e["pid"], e["tid"])].append((e["ts"], e["ts"] + e["dur"]))
+    for slices in by_thread.values():
+        slices.sort()
+        for (_, end), (start, _) in zip(slices, slices[1:]):
+            assert start >= end - 1e-3  # no partial overlap on one track
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--run", "nope"], "unknown run 'nope'"),
+    (["--run", "pp", "--steps", "50:60"], "has no steps in 50:60 (steps 0..5)"),
+    (["--run", "pp", "--steps", "5:2"], "is empty"),
+    (["--run", "pp", "--steps", "a:b"], "is not A:B"),
+])
+def test_user_errors_are_one_line(store, tmp_path, capsys, args, needle):
+    assert main(["--store", str(store), "--out", str(tmp_path / "x.json"), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0]
+
+
+def test_parse_steps():
+    assert parse_steps("3:7") == (3, 7) and parse_steps("3:") == (3, None) and parse_steps(":7") == (None, 7)
+    assert parse_steps("4") == (4, 5) and parse_steps(None) == (None, None)

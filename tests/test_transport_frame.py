@@ -1,0 +1,121 @@
+"""Spool framing: round trips, the header frame, and the path convention."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import pyarrow as pa
+import pytest
+
+from agent.schema import SCHEMA_VERSION, SCHEMAS
+from agent.transport.frame import (
+    FRAME_HEADER_SIZE, KIND_CODES, MAGIC, FrameError, decode_payload, encode_data_frame, encode_file_header,
+    encode_frame, parse_frame_header, rows_to_batch, spool_path,
+)
+from agent.transport.reader import SpoolReader
+
+STEP_ROW = (7, 10.0, 11.0, 1.0, 0.6, 0.2, 0.1, 0.1, 0.01, 0.2, 0.4, 0.02, 4096, 1e12, 0.4, 2.5, False, 0.9,
+            3e-4, False, 12, 0)
+
+
+def test_data_frame_round_trip():
+    batch = rows_to_batch("step", [STEP_ROW, STEP_ROW[:1] + (8,) + STEP_ROW[2:]])
+    frame = encode_data_frame("step", batch)
+    assert frame[:4] == MAGIC
+    kind, version, length, crc = parse_frame_header(memoryview(frame), 0)
+    assert (kind, version, length) == ("step", SCHEMA_VERSION, len(frame) - FRAME_HEADER_SIZE)
+    table = decode_payload(kind, version, memoryview(frame)[FRAME_HEADER_SIZE:], crc)
+    assert table.schema.equals(SCHEMAS["step"])
+    assert table.to_pylist()[0]["tokens"] == 4096 and table.column("t_start").to_pylist() == [10.0, 8.0]
+
+
+def test_header_frame_round_trip_and_alignment():
+    frame = encode_file_header(run="r-1", rank=3, attempt=2, host="n0", stream_id="ab" * 8, created=5.0)
+    kind, version, length, crc = parse_frame_header(frame, 0)
+    meta = decode_payload(kind, version, memoryview(frame)[FRAME_HEADER_SIZE:], crc)
+    assert kind == "header" and length % 8 == 0  # payloads stay 8-byte aligned for zero-copy Arrow reads
+    assert meta["run"] == "r-1" and meta["rank"] == 3 and meta["attempt"] == 2 and meta["host"] == "n0"
+    assert meta["schema_version"] == SCHEMA_VERSION and meta["stream_id"] == "ab" * 8
+
+
+def test_every_schema_kind_has_a_code_and_round_trips():
+    for kind, schema in SCHEMAS.items():
+        frame = encode_data_frame(kind, schema.empty_table())
+        parsed_kind, version, _, crc = parse_frame_header(frame, 0)
+        assert parsed_kind == kind and KIND_CODES[kind] > 0
+        assert decode_payload(parsed_kind, version, memoryview(frame)[FRAME_HEADER_SIZE:], crc).num_rows == 0
+
+
+@pytest.mark.parametrize("mutate, reason", [
+    (lambda f: b"XXXX" + f[4:], "bad_magic"),
+    (lambda f: f[:9] + bytes([f[9] ^ 1]) + f[10:], "bad_header_crc"),  # length field flipped
+])
+def test_damaged_headers_are_rejected(mutate, reason):
+    frame = mutate(encode_data_frame("event", rows_to_batch("event", [(1.0, 2, "start", "hi")])))
+    with pytest.raises(FrameError) as err:
+        parse_frame_header(frame, 0)
+    assert err.value.reason == reason
+
+
+def _frame_with_header(fmt=1, code=6, version=SCHEMA_VERSION, payload=b"12345678"):
+    head = struct.pack("<4sBBHIII", MAGIC, fmt, code, version, len(payload), zlib.crc32(payload), 0)
+    return head + struct.pack("<I", zlib.crc32(head)) + payload
+
+
+@pytest.mark.parametrize("frame, reason", [
+    (_frame_with_header(fmt=9), "unknown_format_version"),
+    (_frame_with_header(code=99), "unknown_kind"),
+    (_frame_with_header(version=SCHEMA_VERSION + 7), "unknown_schema_version"),
+])
+def test_unknown_versions_and_kinds(frame, reason):
+    with pytest.raises(FrameError) as err:
+        parse_frame_header(frame, 0)
+    assert err.value.reason == reason
+
+
+def test_payload_errors_name_their_reason():
+    good = encode_data_frame("event", rows_to_batch("event", [(1.0, 2, "end", "")]))
+    kind, version, _, crc = parse_frame_header(good, 0)
+    payload = bytearray(good[FRAME_HEADER_SIZE:])
+    payload[-9] ^= 0xFF
+    with pytest.raises(FrameError) as err:
+        decode_payload(kind, version, memoryview(bytes(payload)), crc)
+    assert err.value.reason == "bad_payload_crc"
+    junk = b"not arrow at all"
+    with pytest.raises(FrameError) as err:
+        decode_payload("event", version, memoryview(junk), zlib.crc32(junk))
+    assert err.value.reason == "decode_error"
+    wrong = encode_frame("event", encode_data_frame("memory", SCHEMAS["memory"].empty_table())[FRAME_HEADER_SIZE:])
+    kind, version, _, crc = parse_frame_header(wrong, 0)
+    with pytest.raises(FrameError) as err:
+        decode_payload(kind, version, memoryview(wrong)[FRAME_HEADER_SIZE:], crc)
+    assert err.value.reason == "schema_mismatch"
+
+
+def test_rows_must_match_the_schema():
+    with pytest.raises(ValueError, match="fields"):
+        rows_to_batch("event", [(1.0, 2, "start")])
+    with pytest.raises((pa.ArrowInvalid, pa.ArrowTypeError, TypeError)):
+        rows_to_batch("event", [("not a float", 2, "start", "")])
+
+
+def test_spool_path_convention_and_validation(tmp_path):
+    assert spool_path(tmp_path, run="llama_8b.v2", rank=12, attempt=1) == (
+        tmp_path / "spool" / "llama_8b.v2" / "rank-12.a1.spool")
+    for bad in ("", "../etc", "a/b", "x" * 200, "-lead"):
+        with pytest.raises(ValueError, match="run name"):
+            spool_path(tmp_path, run=bad, rank=0, attempt=0)
+    with pytest.raises(ValueError, match="rank"):
+        spool_path(tmp_path, run="ok", rank=-1, attempt=0)
+
+
+def test_reader_reads_a_written_file(tmp_path):
+    path = tmp_path / "f.spool"
+    header = encode_file_header(run="r", rank=0, attempt=0, host="h", stream_id="0123456789abcdef", created=1.0)
+    data = encode_data_frame("event", rows_to_batch("event", [(1.0, 0, "start", "go")]))
+    path.write_bytes(header + data)
+    res = SpoolReader(path).read(0)
+    assert [f.kind for f in res.frames] == ["header", "event"] and res.offset == len(header) + len(data)
+    assert res.frames[1].offset == len(header) and res.frames[1].table.column("message").to_pylist() == ["go"]
+    assert not res.rejected and not res.more

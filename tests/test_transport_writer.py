@@ -1,0 +1,162 @@
+"""The rank-side spool writer: never blocks, never raises, counts what it loses, recovers."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+
+from agent.transport.frame import spool_path
+from agent.transport.reader import SpoolReader
+from agent.transport.writer import SpoolWriter
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def now(self) -> float:
+        return self.t
+
+
+def ev(i: int) -> tuple:
+    return (float(i), i, "start", f"m{i}")
+
+
+def read_events(path) -> list[int]:
+    reader, offset, steps = SpoolReader(path), 0, []
+    while True:
+        res = reader.read(offset)
+        steps += [s for f in res.frames if f.kind == "event" for s in f.table.column("step").to_pylist()]
+        if res.offset == offset:
+            assert not res.rejected
+            return steps
+        offset = res.offset
+
+
+def wait_for(predicate, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def make(tmp_path, **kw) -> SpoolWriter:
+    return SpoolWriter(path=spool_path(tmp_path, run="r", rank=0, attempt=0), run="r", rank=0, attempt=0,
+                       host="h", **kw)
+
+
+def test_background_thread_writes_frames(tmp_path):
+    w = make(tmp_path, flush_interval_s=0.01)
+    assert w.submit("event", [ev(1), ev(2)]) and w.submit("event", [ev(3)])
+    wait_for(lambda: w.written_records == 3)
+    assert w.close(timeout_s=5) and read_events(w.path) == [1, 2, 3]
+    assert w.spool_bytes == w.path.stat().st_size and w.dropped_records == 0 and w.write_errors == 0
+    res = SpoolReader(w.path).read(0)
+    assert res.frames[0].header["stream_id"] == w.stream_id and res.frames[0].header["rank"] == 0
+
+
+def test_large_submits_are_split_into_frames(tmp_path):
+    w = make(tmp_path, start=False, max_rows_per_frame=100)
+    w.submit("event", [ev(i) for i in range(250)])
+    w.flush()
+    res = SpoolReader(w.path).read(0)
+    assert [f.table.num_rows for f in res.frames if f.kind == "event"] == [100, 100, 50]
+    assert w.close()
+
+
+def test_full_queue_drops_and_counts_without_blocking(tmp_path):
+    w = make(tmp_path, start=False, max_pending_batches=4)  # no thread: nothing drains the queue
+    t0 = time.perf_counter()
+    accepted = [w.submit("event", [ev(i), ev(i)]) for i in range(10_000)]
+    per_call = (time.perf_counter() - t0) / 10_000
+    assert accepted[:4] == [True] * 4 and not any(accepted[4:])
+    assert w.dropped_records == 2 * (10_000 - 4)
+    assert per_call < 50e-6, f"submit took {per_call * 1e6:.1f} us"
+    w.flush()
+    assert w.written_records == 8 and w.close()
+
+
+def test_submit_never_raises_on_nonsense(tmp_path):
+    w = make(tmp_path, start=False)
+    assert w.submit("event", None) is False  # type: ignore[arg-type]
+    assert w.submit("nope", [ev(1)]) is True  # unknown kind: counted when encoded
+    assert w.submit("event", [("bad", "row")]) is True
+    assert w.submit("event", [ev(5)]) is True
+    w.flush()
+    assert w.encode_errors == 2 and w.dropped_records == 3 and "event" in w.last_error
+    assert read_events(w.path) == [5] and w.close()
+    assert w.submit("event", [ev(6)]) is False and w.dropped_records == 4  # closed
+
+
+def test_unwritable_directory_is_counted_and_recovered(tmp_path):
+    clock = FakeClock()
+    blocker = tmp_path / "spool"
+    blocker.write_text("a file where the spool directory should be")
+    w = make(tmp_path, start=False, clock=clock, retry_interval_s=2.0)
+    w.submit("event", [ev(1)])
+    w.flush()
+    assert w.write_errors == 1 and w.dropped_records == 1 and "open" in w.last_error
+    w.submit("event", [ev(2)])
+    w.flush()  # within the back-off: dropped without another attempt
+    assert w.write_errors == 1 and w.dropped_records == 2
+    blocker.unlink()
+    clock.t += 3
+    w.submit("event", [ev(3)])
+    w.flush()
+    assert w.write_errors == 1 and read_events(w.path) == [3] and w.close()
+
+
+def test_disk_full_is_counted_and_never_raises(tmp_path):
+    w = SpoolWriter(path="/dev/full", run="r", rank=0, attempt=0, host="h", start=False)
+    for i in range(3):
+        w.submit("event", [ev(i)])
+        w.flush()
+    assert w.write_errors >= 1 and w.dropped_records == 3 and w.written_records == 0
+    assert "No space" in w.last_error or "ENOSPC" in w.last_error or "28" in w.last_error
+    assert w.close()
+
+
+def test_deleted_spool_directory_is_recreated_with_a_new_stream(tmp_path):
+    w = make(tmp_path, start=False)
+    w.submit("event", [ev(1)])
+    w.flush()
+    first_stream = w.stream_id
+    shutil.rmtree(tmp_path / "spool")
+    w.submit("event", [ev(2)])
+    w.flush()
+    assert read_events(w.path) == [2] and w.stream_id != first_stream and w.write_errors == 0
+    assert w.close()
+
+
+def test_close_drains_the_queue_and_is_bounded(tmp_path):
+    w = make(tmp_path, flush_interval_s=60)  # the thread would sleep for a minute
+    for i in range(100):
+        w.submit("event", [ev(i)])
+    t0 = time.monotonic()
+    assert w.close(timeout_s=5)
+    assert time.monotonic() - t0 < 5 and read_events(w.path) == list(range(100))
+
+
+@pytest.mark.parametrize("kw", [{"max_pending_batches": 0}, {"flush_interval_s": 0}])
+def test_bad_configuration_is_a_value_error(tmp_path, kw):
+    with pytest.raises(ValueError):
+        make(tmp_path, **kw)
+
+
+def test_a_reader_following_a_live_writer_sees_no_damage(tmp_path):
+    w = make(tmp_path, flush_interval_s=0.001)
+    reader, offset, seen = None, 0, []
+    for i in range(300):
+        w.submit("event", [ev(i)])
+        if i % 7 == 0 and w.path.exists():
+            reader = reader or SpoolReader(w.path)
+            res = reader.read(offset)
+            seen += [s for f in res.frames if f.kind == "event" for s in f.table.column("step").to_pylist()]
+            offset = res.offset
+    assert w.close()
+    reader = reader or SpoolReader(w.path)
+    res = reader.read(offset)
+    seen += [s for f in res.frames if f.kind == "event" for s in f.table.column("step").to_pylist()]
+    assert seen == list(range(300)) and sum(reader.rejections.values()) == 0
