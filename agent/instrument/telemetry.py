@@ -180,13 +180,17 @@ class Telemetry:
         except Exception as exc:  # instrumentation must never take training down
             self.record_error("attach", exc)
 
-    def close(self, timeout_s: float = 5.0) -> None:
+    def detach(self) -> None:
+        """Remove every hook ``attach`` installed (the recorder stays open; ``attach`` may be called again)."""
         for tracer in reversed(self._tracers):
             try:
                 tracer.detach()
             except Exception as exc:
                 self.record_error("detach", exc)
         self._tracers.clear()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self.detach()
         self._stop.set()
         self._wake.set()
         self._flusher.join(timeout_s)
@@ -372,6 +376,9 @@ class NullTelemetry:
         pass
 
     def attach(self, **_: Any) -> None:
+        pass
+
+    def detach(self) -> None:
         pass
 
     @contextmanager
