@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "ingest": ("agent.collector.cli", "ingest_main", "ingest every spool under a store once and exit"),
     "export-trace": ("agent.trace", "main", "write a Perfetto / Chrome-trace JSON of a step range"),
     "dashboard": ("dashboard.cli", "main", "serve the Streamlit dashboard over a store (and Prometheus)"),
+    "stack": ("agent.stack", "main", "run Prometheus + Alertmanager (+ an agent) on 127.0.0.1 with meshscope's rules"),
 }
 
 
