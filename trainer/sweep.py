@@ -1,0 +1,203 @@
+"""``meshscope sweep``: one model over a grid of world sizes, strategies and microbatch counts, every run
+recorded in the store so that the dashboard's Scaling page can show strong- and weak-scaling efficiency.
+
+Strong scaling keeps the global batch fixed (``--batch-size``); weak scaling keeps the work per device
+fixed (global batch = ``--batch-size`` × world size). Each grid point is a real ``torchrun`` job of the
+reference trainer; the defaults finish in a few minutes on a 2-core CPU machine.
+
+    meshscope sweep --store runs [--model tiny] [--world-sizes 1,2,4] [--strategies ddp,fsdp,tp,pp]
+                    [--microbatches 4] [--scaling strong,weak] [--steps 8] [--batch-size 8] [--name NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.config import ConfigError, _Parser
+from trainer.model import FLAVORS
+
+STRATEGY_ARGS = {
+    "ddp": lambda n: [],
+    "fsdp": lambda n: ["--fsdp"],
+    "tp": lambda n: ["--tp", str(n)],
+    "pp": lambda n: ["--pp", str(n)],
+    "fsdp-tp": lambda n: ["--fsdp", "--tp", "2"],
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Point:
+    scaling: str
+    strategy: str
+    world: int
+    microbatches: int
+    batch: int
+
+    def run_name(self, prefix: str) -> str:
+        mb = f"-m{self.microbatches}" if self.strategy == "pp" else ""
+        return f"{prefix}-{self.scaling}-{self.strategy}-w{self.world}{mb}"
+
+    def args(self) -> list[str]:
+        extra = STRATEGY_ARGS[self.strategy](self.world) if self.world > 1 else []
+        if self.strategy == "pp" and self.world > 1:
+            extra += ["--microbatches", str(self.microbatches)]
+        return ["--batch-size", str(self.batch), *extra]
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{what} {text!r} must be comma-separated integers") from None
+    if not values or min(values) < 1:
+        raise ConfigError(f"{what} {text!r} must be positive integers")
+    return values
+
+
+def grid(*, world_sizes: list[int], strategies: list[str], microbatches: list[int], scalings: list[str],
+         batch: int, model: str) -> list[Point]:
+    """The valid grid points (a strategy that cannot run at a world size is skipped, e.g. tp=4 when the
+    model has 2 heads); world size 1 is the shared baseline of every strategy."""
+    flavor = FLAVORS[model]
+    # One world-size-1 run is the baseline of both studies (at n = 1 strong and weak coincide).
+    points: list[Point] = [Point(scaling="base", strategy="single", world=1, microbatches=1, batch=batch)]
+    for scaling in scalings:
+        for strategy in strategies:
+            for world in world_sizes:
+                if world == 1:
+                    continue
+                if strategy == "tp" and flavor.n_heads % world:
+                    continue
+                if strategy == "pp" and flavor.n_layers % world:
+                    continue
+                if strategy == "fsdp-tp" and (world % 2 or world < 4):
+                    continue
+                dp = {"tp": 1, "pp": 1, "fsdp-tp": world // 2}.get(strategy, world)
+                b = batch * world if scaling == "weak" else batch  # weak: fixed work per device
+                for m in (microbatches if strategy == "pp" else [1]):
+                    if strategy == "pp" and (b % m or m < world):
+                        continue
+                    if b % dp:
+                        continue
+                    points.append(Point(scaling=scaling, strategy=strategy, world=world, microbatches=m, batch=b))
+    return points
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="meshscope sweep", description=__doc__.splitlines()[0])
+    p.add_argument("--store", required=True, help="run store directory (created if missing)")
+    p.add_argument("--model", default="tiny", help=f"model flavor: {', '.join(FLAVORS)}")
+    p.add_argument("--world-sizes", default="1,2,4")
+    p.add_argument("--strategies", default="ddp,fsdp,tp,pp")
+    p.add_argument("--microbatches", default="4")
+    p.add_argument("--scaling", default="strong,weak")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="global batch (strong) / batch per device (weak)")
+    p.add_argument("--name", default="", help="run-name prefix (default sweep-<time>)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per job")
+    return p
+
+
+def _validate(ns) -> tuple[list[int], list[str], list[int], list[str]]:
+    if ns.model not in FLAVORS:
+        raise ConfigError(f"unknown model flavor {ns.model!r} (choose from {', '.join(FLAVORS)})")
+    worlds = _ints(ns.world_sizes, "--world-sizes")
+    mbs = _ints(ns.microbatches, "--microbatches")
+    strategies = [s for s in ns.strategies.split(",") if s]
+    bad = [s for s in strategies if s not in STRATEGY_ARGS]
+    if bad or not strategies:
+        raise ConfigError(f"unknown strategy {','.join(bad) or ns.strategies!r} (choose from {', '.join(STRATEGY_ARGS)})")
+    scalings = [s for s in ns.scaling.split(",") if s]
+    if not scalings or any(s not in ("strong", "weak") for s in scalings):
+        raise ConfigError(f"--scaling {ns.scaling!r} must be strong, weak or strong,weak")
+    if ns.steps < 3:
+        raise ConfigError(f"--steps={ns.steps} must be >= 3 (the first step is warm-up)")
+    if ns.batch_size < 1:
+        raise ConfigError(f"--batch-size={ns.batch_size} must be >= 1")
+    if ns.name and not all(c.isalnum() or c in "-_." for c in ns.name):
+        raise ConfigError(f"--name {ns.name!r} may only contain letters, digits, '-', '_' and '.'")
+    store = Path(ns.store)
+    if store.exists() and not store.is_dir():
+        raise ConfigError(f"store {ns.store!r} is not a directory")
+    return worlds, strategies, mbs, scalings
+
+
+def _ingest(store: Path, env: dict) -> None:
+    """Bring the spools into the store; when an agent already follows the store (it holds the lock), it
+    ingests them itself and this is a no-op."""
+    proc = subprocess.run([sys.executable, "-m", "meshscope_cli", "ingest", "--store", str(store)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0 and "lock" not in (proc.stderr + proc.stdout).lower():
+        print(f"meshscope sweep: warning: ingest failed: {proc.stderr.strip()}", file=sys.stderr)
+
+
+def summarize(store: Path, names: dict[str, Point], *, seq_len: int) -> list[dict]:
+    """Tokens/s per run from its step records (median over steps ≥ 1, the first is warm-up)."""
+    from agent.collector.store import read_table
+
+    rows = []
+    steps = read_table(store, "step", columns=["run", "rank", "step", "wall_s", "tokens", "exposed_comm_s"])
+    for name, point in names.items():
+        s = steps[(steps["run"] == name) & (steps["step"] >= 1)]
+        if s.empty:
+            rows.append({"run": name, "point": point, "tokens_per_s": float("nan"), "comm": float("nan")})
+            continue
+        per_step = s.groupby("step").agg(wall=("wall_s", "max"), comm=("exposed_comm_s", "mean"))
+        wall = statistics.median(per_step["wall"])
+        rows.append({"run": name, "point": point, "tokens_per_s": point.batch * seq_len / wall,
+                     "comm": float((per_step["comm"] / per_step["wall"]).median())})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        ns = _parser().parse_args(argv)
+        worlds, strategies, mbs, scalings = _validate(ns)
+    except ConfigError as e:
+        print(f"meshscope sweep: error: {e}", file=sys.stderr)
+        return 2
+    store = Path(ns.store)
+    store.mkdir(parents=True, exist_ok=True)
+    prefix = ns.name or f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    points = grid(world_sizes=worlds, strategies=strategies, microbatches=mbs, scalings=scalings,
+                  batch=ns.batch_size, model=ns.model)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    names: dict[str, Point] = {}
+    t_start = time.monotonic()
+    for i, point in enumerate(points, 1):
+        name = point.run_name(prefix)
+        print(f"[{i}/{len(points)}] {name}: {point.world} rank(s), batch {point.batch}", flush=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={point.world}",
+               "-m", "trainer.train", "--model", ns.model, "--steps", str(ns.steps), "--log-every", str(ns.steps),
+               "--store", str(store), "--run-name", name, *point.args()]
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=ns.timeout)
+        if proc.returncode != 0:
+            print(f"meshscope sweep: error: {name} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}",
+                  file=sys.stderr)
+            return 1
+        names[name] = point
+    _ingest(store, env)
+    print(f"\n{len(points)} runs in {time.monotonic() - t_start:.0f}s; store: {store}")
+    print(f"{'run':<44} {'ranks':>5} {'batch':>5} {'tokens/s':>10} {'speedup':>8} {'eff.':>6} {'exp.comm':>8}")
+    rows = summarize(store, names, seq_len=FLAVORS[ns.model].max_seq_len)
+    base = next((r for r in rows if r["point"].world == 1), None)
+    for r in rows:
+        p, b = r["point"], base
+        speedup = r["tokens_per_s"] / b["tokens_per_s"] if b else float("nan")
+        print(f"{r['run']:<44} {p.world:>5} {p.batch:>5} {r['tokens_per_s']:>10.0f} {speedup:>8.2f} "
+              f"{speedup / p.world:>6.0%} {r['comm']:>8.0%}")
+    print("\nOpen the dashboard's Scaling page on this store to see the efficiency curves and the Amdahl fit.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
