@@ -30,6 +30,7 @@ test-fast: install
 bench: install
 	$(PY) bench/telemetry_overhead.py
 	$(PY) bench/agent_ingest.py
+	$(PY) bench/hooks_overhead.py
 
 clean:
 	rm -rf .runs artifacts .pytest_cache

@@ -247,6 +247,8 @@ class Telemetry:
         if state is None:
             return
         state.n_collectives += 1
+        if wait_s != wait_s:  # NaN: exposure unknown for this op (e.g. FSDP on NCCL): not summed
+            return
         if op in _P2P:  # a pipeline stage waiting for its neighbour: bubble, not exposed communication
             state.pp_wait += wait_s
             return

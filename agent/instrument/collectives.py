@@ -1,0 +1,381 @@
+"""In-process tracing of every collective and P2P op of a training step, without a profiler.
+
+    tracer = CollectiveTracer(recorder, mesh_info=MeshInfo(mesh))
+    tracer.attach(model_parts)   # after DDP / fully_shard / parallelize_module wrapping, before step 1
+    ...                          # each op → recorder.record_collective(...) on the thread that waited
+    tracer.flush()               # at step end: ops that completed without a Python-visible wait
+    tracer.detach()
+
+One record per op: op (nccl-tests name), mesh dim / group / group size (``MeshInfo``), bytes (the full
+buffer, see ``agent.instrument.bandwidth``), ``t_start`` (issue), ``t_end`` (observed completion),
+``wait_s`` (time the calling thread was blocked on it: its exposed part), peer (P2P) and ``source``, the
+path that saw it. Paths, and what each sees (measured on torch 2.13 / gloo, see the docstrings of the
+``comm_*`` modules for details):
+
+- ``ddp_comm_hook`` (``comm_ddp``): DDP's C++ reducer talks to the ProcessGroup directly, so no Python
+  patch sees it; a comm hook sees every gradient bucket. Exposed time is the reducer's blocking wait at
+  the end of backward, measured between two autograd final callbacks.
+- ``fsdp_comm`` (``comm_fsdp``): FSDP2's official ``set_custom_all_gather`` / ``set_custom_reduce_scatter``.
+- ``funcol`` (``comm_funcol``): TP / DTensor functional collectives; issue in the funcol function, wait in
+  ``wait_tensor``.
+- ``c10d`` (``comm_c10d``): ``torch.distributed.*`` collectives and P2P (isend / irecv /
+  batch_isend_irecv / send / recv: pipeline parallelism), DDP's buffer broadcast, any user call such as a
+  loss all-reduce; async ones complete at ``Work.wait`` (patched on the class while attached).
+
+Not seen: collectives issued from C++ with no Python frame other than DDP buckets (DDP's one-off bucket
+rebuild broadcast on step 2, ``torch.ops._c10d_functional`` calls made directly by autograd formulas
+(their waits are counted in ``stats["unmatched_waits"]``), ``torch.ops._dtensor.shard_dim_alltoall`` on
+GPU), and ``gather`` / ``scatter`` (no op name in the schema). Ops issued inside a c10d coalescing manager
+are seen only through ``batch_isend_irecv``.
+
+Nesting is handled with a per-thread depth counter: a DDP hook or FSDP comm that calls ``dist.*`` records
+the op once, under its own source. Every hook wraps its own work in ``try/except`` →
+``recorder.record_error`` and always performs the real collective; an exception raised by the real
+collective itself propagates unchanged.
+
+CUDA tensors (NCCL) take the ``comm_nccl`` path: futures complete at enqueue there, so CPU timestamps say
+nothing about completion; CUDA events give duration and exposure, resolved at ``flush()``. That path is
+written from torch's source and is UNTESTED (no GPU where it was written).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import threading
+from typing import Any, Callable, Iterable
+
+from agent.instrument.meshinfo import GroupInfo, MeshInfo
+
+_MAX_PENDING = 4096  # async ops waiting for their wait(); beyond this the oldest are dropped (and counted)
+
+
+class _Op:
+    """One issued op until it is recorded."""
+
+    __slots__ = ("op", "info", "nbytes", "peer", "source", "seq", "t_start", "t_done", "wait_s", "waited",
+                 "cuda")
+
+    def __init__(self, op: str, info: GroupInfo, nbytes: int, peer: int, source: str, seq: int) -> None:
+        self.op, self.info, self.nbytes, self.peer, self.source, self.seq = op, info, nbytes, peer, source, seq
+        self.t_start = 0.0
+        self.t_done: float | None = None  # completion seen by a future callback (gloo collectives)
+        self.wait_s = 0.0  # blocked time already attributed (waits nested inside the issuing call)
+        self.waited = False
+        self.cuda: Any = None  # CUDA events (comm_nccl), None on CPU
+
+    def mark_done(self, _fut: Any = None, *, now: Callable[[], float]) -> None:
+        # Runs on the backend's worker thread: one attribute store, atomic under the GIL.
+        self.t_done = now()
+
+
+class _TLS(threading.local):
+    depth = 0  # > 0 while inside a traced issue call: nested dist.* calls are not recorded again
+    current: _Op | None = None  # the op being issued (a wait inside its own issue call belongs to it)
+
+
+class _Patch:
+    __slots__ = ("owner", "name", "original", "wrapper")
+
+    def __init__(self, owner: Any, name: str, original: Any, wrapper: Any) -> None:
+        self.owner, self.name, self.original, self.wrapper = owner, name, original, wrapper
+
+
+class CollectiveTracer:
+    """Records every collective / P2P op through ``recorder.record_collective``.
+
+    ``attach(model)`` installs the Python patches (c10d, P2P, ``Work.wait``, functional collectives) and,
+    for each module in ``model`` (a module, a list of modules — e.g. pipeline stage parts — or ``None``),
+    the DDP comm hook and FSDP2 custom comms. Call it after wrapping and before the first backward (DDP
+    accepts a comm hook only then). ``attach`` is idempotent; ``detach`` restores every patched attribute
+    and FSDP comm. A DDP comm hook cannot be unregistered: after ``detach`` it stays as a plain
+    pass-through (exactly DDP's default all-reduce), and a later ``attach`` re-enables it.
+    Only one tracer may patch the process at a time (``RuntimeError`` on a second one).
+
+    ``ddp_comm_hook=False`` leaves DDP models alone: any Python comm hook (DDP's own ``allreduce_hook``
+    included) costs more than the C++ built-in all-reduce — measured +11 % on a 25 ms, 3-bucket toy step on
+    a loaded 2-core machine, the timing itself adding +1.5 % on top (bench/hooks_overhead.py) — and without
+    it DDP's buckets are not seen at all (only ``_get_ddp_logging_data()``'s sampled averages remain).
+    """
+
+    def __init__(self, recorder: Any, *, mesh_info: MeshInfo | None = None, ddp_comm_hook: bool = True) -> None:
+        self.recorder = recorder
+        self.ddp_comm_hook = ddp_comm_hook
+        self.mesh_info = mesh_info if mesh_info is not None else MeshInfo()
+        self.now: Callable[[], float] = recorder.clock.now
+        self.enabled = False
+        self.stats: collections.Counter[str] = collections.Counter()
+        self._tls = _TLS()
+        self._seq: dict[str, int] = {}
+        # id(Work) → (the Work, kept alive so that its id stays unique; its ops; its future or None)
+        self._pending_works: dict[int, tuple[Any, list[_Op], Any]] = {}
+        self._pending_tensors: dict[int, _Op] = {}  # funcol: output storage pointer → op
+        self._patches: list[_Patch] = []
+        self._model_hooks: dict[int, Any] = {}  # id(module) → handle with .detach()
+        self._cuda: Any = None  # comm_nccl.CudaCommTimer, created on the first CUDA op
+        # (op, group) whose works have no future (gloo's emulated reduce_scatter, P2P): asking again costs a
+        # C++ exception (~30-50 µs) per call.
+        self._no_future: set[tuple[str, str]] = set()
+        self._done = functools.partial(_Op.mark_done, now=self.now)
+        # The Recorder protocol has no ``seq`` yet; pass the issue-order sequence number where accepted.
+        self._pass_seq = _accepts_kw(recorder.record_collective, "seq")
+
+    # ------------------------------------------------------------------------------------ lifecycle
+    def attach(self, model: Any = None) -> None:
+        from agent.instrument import comm_c10d, comm_ddp, comm_fsdp, comm_funcol
+
+        if not self._patches:
+            try:
+                comm_c10d.install(self)
+                comm_funcol.install(self)
+            except Exception:
+                self._unpatch()
+                raise
+        self.enabled = True
+        for module in _modules(model):
+            key = id(module)
+            if key in self._model_hooks:
+                continue
+            try:
+                handle = (comm_ddp.attach(self, module) if self.ddp_comm_hook else None) or comm_fsdp.attach(
+                    self, module)
+            except Exception as exc:  # an unsupported wrapper must not stop the rest from attaching
+                self.error(f"attach:{type(module).__name__}", exc)
+                continue
+            if handle is not None:
+                self._model_hooks[key] = handle
+
+    def detach(self) -> None:
+        """Restore every original; emit what already completed. Safe to call twice."""
+        self.flush()
+        self.enabled = False
+        for handle in self._model_hooks.values():
+            try:
+                handle.detach()
+            except Exception as exc:
+                self.error("detach", exc)
+        self._model_hooks.clear()
+        self._unpatch()
+        self.stats["dropped_pending"] += len(self._pending_works) + len(self._pending_tensors)
+        self._pending_works.clear()
+        self._pending_tensors.clear()
+
+    def flush(self) -> int:
+        """Record async ops that completed without a Python-visible wait (``wait_s`` 0) and resolve CUDA
+        timings whose events have completed. Call at step end on the training thread. Returns how many
+        records it emitted."""
+        emitted = 0
+        try:
+            now = self.now()
+            for key, (work, ops, fut) in list(self._pending_works.items()):
+                if ops[0].cuda is not None:
+                    if _completed(work):  # never waited in Python: CUDA timing without a stall
+                        del self._pending_works[key]
+                        for p in ops:
+                            p.cuda.work = work
+                            self.cuda_timer().queue(p)
+                    continue
+                # gloo completes a work's future before the work itself, and runs the future's callbacks
+                # after waking its waiters: any of the three says the op is over.
+                if all(p.t_done is not None for p in ops) or _completed(work) or (fut is not None and fut.done()):
+                    del self._pending_works[key]
+                    for p in ops:
+                        # P2P works have no future: completion is first observed here.
+                        self.emit(p, t_end=p.t_done if p.t_done is not None else now, wait_s=0.0)
+                        emitted += 1
+            if self._cuda is not None:
+                emitted += self._cuda.resolve(self)
+        except Exception as exc:
+            self.error("flush", exc)
+        return emitted
+
+    # ----------------------------------------------------------------- used by the comm_* modules
+    def busy(self) -> bool:
+        return self._tls.depth > 0
+
+    def begin(self, op: str, group: Any, nbytes: int, source: str, *, peer: int = -1,
+              group_peer: int | None = None, cuda: bool = False) -> _Op:
+        """Resolve the group, number the op, stamp its issue time (last, so lookup cost is not comm)."""
+        info = self.mesh_info.lookup(group)
+        seq = self._seq.get(info.name, 0) + 1
+        self._seq[info.name] = seq
+        if group_peer is not None:
+            peer = info.global_rank(group_peer)
+        p = _Op(op, info, nbytes, peer, source, seq)
+        if cuda:
+            self.cuda_timer().on_issue(p)
+        p.t_start = self.now()
+        return p
+
+    def done_callback(self, p: _Op) -> Callable[[Any], None]:
+        """A future done-callback that stamps ``p``'s completion (runs on the backend's thread)."""
+        return functools.partial(self._done, p)
+
+    def enter(self, p: _Op | None) -> _Op | None:
+        tls = self._tls
+        tls.depth += 1
+        prev, tls.current = tls.current, p
+        return prev
+
+    def leave(self, prev: _Op | None) -> None:
+        tls = self._tls
+        tls.depth -= 1
+        tls.current = prev
+
+    def current(self) -> _Op | None:
+        return self._tls.current
+
+    def finish_sync(self, p: _Op) -> None:
+        """A call that returned only once its op completed: the whole call was blocked time."""
+        if p.cuda is not None:
+            self._cuda.on_sync_return(p)
+            return
+        t_end = self.now()
+        self.emit(p, t_end=t_end, wait_s=t_end - p.t_start)
+
+    def complete_blocking(self, p: _Op, work: Any) -> None:
+        """Wait for ``work`` (issued async on behalf of a blocking call) and record ``p``: completion from
+        the future's callback when there is one, ``wait_s`` = the whole call. Errors of the wait itself
+        propagate, as they would from the blocking call."""
+        if work is None:
+            self.finish_sync(p)
+            return
+        self._stamp_on_future(work, [p])
+        work.wait()
+        t1 = self.now()
+        # Both are upper bounds of the completion (the callback waits for the GIL, the caller for a wake-up).
+        self.emit(p, t_end=min(p.t_done, t1) if p.t_done is not None else t1, wait_s=t1 - p.t_start)
+
+    def track_work(self, work: Any, ops: list[_Op], *, use_future: bool) -> None:
+        """Remember an async op until ``Work.wait`` (or ``flush``). ``use_future``: stamp completion from
+        the work's future (gloo collectives; gloo P2P works have none)."""
+        fut = self._stamp_on_future(work, ops) if use_future and ops[0].cuda is None else None
+        pending = self._pending_works
+        if len(pending) >= _MAX_PENDING:
+            del pending[next(iter(pending))]
+            self.stats["dropped_pending"] += 1
+        pending[id(work)] = (work, ops, fut)
+
+    def _stamp_on_future(self, work: Any, ops: list[_Op]) -> Any:
+        """Have the work's future stamp each op's completion; the future, or None when the work has none
+        (completion is then seen at wait())."""
+        key = (ops[0].op, ops[0].info.name)
+        if key in self._no_future:
+            return None
+        try:
+            fut = work.get_future()
+        except RuntimeError:
+            self._no_future.add(key)
+            self.stats["no_future"] += 1
+            return None
+        for p in ops:
+            fut.add_done_callback(self.done_callback(p))
+        return fut
+
+    def take_work(self, work: Any) -> list[_Op] | None:
+        if not self._pending_works:  # the common case for a wait() nobody asked us to time
+            return None
+        entry = self._pending_works.pop(id(work), None)
+        if entry is None or entry[0] is not work:
+            return None
+        return entry[1]
+
+    def track_tensor(self, key: int, p: _Op) -> None:
+        pending = self._pending_tensors
+        if len(pending) >= _MAX_PENDING:
+            del pending[next(iter(pending))]
+            self.stats["dropped_pending"] += 1
+        pending[key] = p
+
+    def take_tensor(self, key: int) -> _Op | None:
+        return self._pending_tensors.pop(key, None)
+
+    def waited(self, ops: list[_Op], t0: float, t1: float) -> None:
+        """The calling thread was blocked from ``t0`` to ``t1`` waiting for ``ops`` (one work, or one
+        coalesced work for several ops: the blocked time is split evenly)."""
+        share = (t1 - t0) / len(ops)
+        for p in ops:
+            self.emit(p, t_end=min(p.t_done, t1) if p.t_done is not None else t1, wait_s=share)
+
+    def emit(self, p: _Op, *, t_end: float, wait_s: float) -> None:
+        try:
+            info = p.info
+            if self._pass_seq:
+                self.recorder.record_collective(
+                    op=p.op, dim=info.dim, group=info.name, group_size=info.size, nbytes=p.nbytes,
+                    t_start=p.t_start, t_end=t_end, wait_s=wait_s, peer=p.peer, source=p.source, seq=p.seq)
+            else:
+                self.recorder.record_collective(
+                    op=p.op, dim=info.dim, group=info.name, group_size=info.size, nbytes=p.nbytes,
+                    t_start=p.t_start, t_end=t_end, wait_s=wait_s, peer=p.peer, source=p.source)
+        except Exception as exc:
+            self.error("record_collective", exc)
+
+    def error(self, where: str, exc: BaseException) -> None:
+        self.stats["errors"] += 1
+        try:
+            self.recorder.record_error(f"collectives.{where}", exc)
+        except Exception:  # a broken recorder must not take training down either
+            pass
+
+    def cuda_timer(self) -> Any:
+        if self._cuda is None:
+            from agent.instrument.comm_nccl import CudaCommTimer
+
+            self._cuda = CudaCommTimer()
+        return self._cuda
+
+    def patch(self, owners: tuple[Any, ...], name: str, make: Callable[[Any], Callable]) -> Any:
+        """Replace ``name`` by ``make(original)`` in every owner that holds the same original object
+        (``torch.distributed`` re-exports ``distributed_c10d``'s functions and code compares their
+        identity, e.g. ``P2POp.op is isend``, so both names must point at one wrapper)."""
+        original = getattr(owners[0], name)
+        if getattr(original, "__meshscope_tracer__", None) is not None:
+            raise RuntimeError(f"{name} is already patched by another CollectiveTracer")
+        wrapper = functools.wraps(original)(make(original))
+        wrapper.__meshscope_tracer__ = self
+        for owner in owners:
+            if getattr(owner, name, None) is original:
+                setattr(owner, name, wrapper)
+                self._patches.append(_Patch(owner, name, original, wrapper))
+        return wrapper
+
+    def _unpatch(self) -> None:
+        for patch in reversed(self._patches):
+            if getattr(patch.owner, patch.name, None) is patch.wrapper:
+                setattr(patch.owner, patch.name, patch.original)
+            else:  # someone patched on top of us: leave theirs; ours is a pass-through now (enabled=False)
+                self.stats["detach_conflicts"] += 1
+        self._patches.clear()
+
+
+def nbytes_of(tensors: Iterable[Any]) -> int:
+    return sum(t.nbytes for t in tensors)
+
+
+def _completed(work: Any) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:
+        return False
+
+
+def _accepts_kw(fn: Callable, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _modules(model: Any) -> list[Any]:
+    if model is None:
+        return []
+    if hasattr(model, "modules"):  # one nn.Module
+        return list(model.modules())
+    out: list[Any] = []
+    for part in model:
+        out.extend(part.modules())
+    return out
+

@@ -1,0 +1,242 @@
+"""``torch.distributed`` collectives and P2P, patched while a ``CollectiveTracer`` is attached.
+
+What it sees: every call made through the Python API, in ``torch.distributed`` and
+``torch.distributed.distributed_c10d`` alike (both names point at one wrapper): FSDP2's
+``all_gather_single`` / ``reduce_scatter_single`` when no custom comm is installed, HSDP's ``all_reduce``,
+DDP's buffer broadcast (``dist._broadcast_coalesced``, every forward when the model has buffers), pipeline
+P2P (``isend`` / ``irecv`` / ``batch_isend_irecv``), user calls such as a loss all-reduce or a barrier.
+What it cannot see: calls made from C++ (DDP's reducer: see ``comm_ddp``), ops inside a coalescing manager
+other than ``batch_isend_irecv``'s, ``gather`` / ``scatter`` / object collectives' own names (the latter
+are seen as the broadcast / all-gather they are built from).
+
+Timing on CPU (gloo):
+- blocking call (``async_op=False``): issued async and waited by the wrapper (exactly c10d's blocking
+  path: issue, then ``work.wait()``), so completion is stamped by the work's future on the gloo thread
+  rather than after the caller wakes up (milliseconds apart on a loaded machine); the whole call is
+  ``wait_s``. ``send`` / ``recv`` / ``_broadcast_coalesced``: completion = return.
+- asynchronous collective: completion is stamped by a callback on the work's future (runs on the gloo
+  worker thread when the op finishes); ``wait_s`` is the time spent inside ``Work.wait``. The record is
+  made at ``Work.wait``, or by ``CollectiveTracer.flush`` when nothing waits in Python.
+- asynchronous P2P: gloo's P2P works have no future, so completion is the return of ``Work.wait`` — the
+  same interval as the profiler's ``gloo:send`` / ``gloo:recv`` ranges, which also end in ``wait()``.
+  A send waited late (GPipe waits its sends after the last forward) therefore reads long; its ``wait_s``
+  is still exact.
+CUDA tensors: see ``comm_nccl`` (events around the call / the wait; UNTESTED).
+
+``P2POp`` identity: ``batch_isend_irecv`` picks the peer keyword with ``op.op is isend``. P2POps built
+before ``attach`` hold the original functions; the wrapper of ``batch_isend_irecv`` swaps them for the
+wrappers, and the ``isend`` wrapper accepts ``group_src`` so that ops built while attached still work with
+the original ``batch_isend_irecv`` after ``detach``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from agent.instrument.collectives import CollectiveTracer, nbytes_of
+
+
+def _a(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> Any:
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+# name → (op, extract(args, kwargs) -> (nbytes, group, async_op, a tensor of the op for its device)).
+# Bytes follow nccl-tests: all-gather = output, reduce-scatter / all-to-all = input.
+def _one(ti: int, gi: int, ai: int, tname: str = "tensor") -> Callable:
+    def extract(args: tuple, kwargs: dict) -> tuple[int, Any, bool, Any]:
+        t = _a(args, kwargs, ti, tname)
+        return t.nbytes, _a(args, kwargs, gi, "group"), bool(_a(args, kwargs, ai, "async_op", False)), t
+    return extract
+
+
+def _many(ti: int, gi: int, ai: int, tname: str) -> Callable:
+    def extract(args: tuple, kwargs: dict) -> tuple[int, Any, bool, Any]:
+        ts = _a(args, kwargs, ti, tname)
+        return nbytes_of(ts), _a(args, kwargs, gi, "group"), bool(_a(args, kwargs, ai, "async_op", False)), ts[0]
+    return extract
+
+
+def _barrier(args: tuple, kwargs: dict) -> tuple[int, Any, bool, Any]:
+    return 0, _a(args, kwargs, 0, "group"), bool(_a(args, kwargs, 1, "async_op", False)), None
+
+
+def _broadcast_coalesced(args: tuple, kwargs: dict) -> tuple[int, Any, bool, Any]:
+    ts = _a(args, kwargs, 1, "tensors")
+    return nbytes_of(ts), _a(args, kwargs, 0, "process_group"), False, ts[0] if ts else None
+
+
+# name → (op, extractor, position of ``async_op`` or None when the API has none)
+_COLLECTIVES: dict[str, tuple[str, Callable, int | None]] = {
+    "broadcast": ("broadcast", _one(0, 2, 3), 3),
+    "all_reduce": ("all_reduce", _one(0, 2, 3), 3),
+    "reduce": ("reduce", _one(0, 3, 4), 4),
+    "all_gather": ("all_gather", _many(0, 2, 3, "tensor_list"), 3),
+    "all_gather_single": ("all_gather", _one(0, 2, 3, "output_tensor"), 3),
+    "all_gather_into_tensor": ("all_gather", _one(0, 2, 3, "output_tensor"), 3),
+    "_all_gather_base": ("all_gather", _one(0, 2, 3, "output_tensor"), 3),
+    "reduce_scatter": ("reduce_scatter", _many(1, 3, 4, "input_list"), 4),
+    "reduce_scatter_single": ("reduce_scatter", _one(1, 3, 4, "input"), 4),
+    "reduce_scatter_tensor": ("reduce_scatter", _one(1, 3, 4, "input"), 4),
+    "_reduce_scatter_base": ("reduce_scatter", _one(1, 3, 4, "input"), 4),
+    "all_to_all_single": ("all_to_all", _one(1, 4, 5, "input"), 5),
+    "all_to_all": ("all_to_all", _many(1, 2, 3, "input_tensor_list"), 3),
+    "barrier": ("barrier", _barrier, 1),
+}
+
+
+def _as_async(args: tuple, kwargs: dict, i: int) -> tuple[tuple, dict]:
+    if len(args) > i:
+        return args[:i] + (True,) + args[i + 1:], kwargs
+    return args, {**kwargs, "async_op": True}
+
+
+def install(tracer: CollectiveTracer) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    owners = (c10d, dist)
+    world = c10d._world
+    work_type, illegal_work = c10d.Work, c10d._IllegalWork
+
+    def collective(op: str, extract: Callable, async_index: int | None, original: Callable) -> Callable:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            # world.pg_coalesce_state non-empty: inside a coalescing manager, where the call only queues.
+            if not tracer.enabled or tracer.busy() or world.pg_coalesce_state:
+                return original(*args, **kwargs)
+            try:
+                nbytes, group, async_op, tensor = extract(args, kwargs)
+                cuda = tensor is not None and tensor.is_cuda
+                p = tracer.begin(op, group, nbytes, "c10d", cuda=cuda)
+                # A blocking call on CPU is issued async and waited here: the future's callback then stamps
+                # the completion on the gloo thread, not after the caller's wake-up (what c10d's sync path
+                # does: issue, then work.wait()).
+                blocking = not async_op and async_index is not None and not cuda
+                call_args, call_kwargs = _as_async(args, kwargs, async_index) if blocking else (args, kwargs)
+            except Exception as exc:
+                tracer.error(op, exc)
+                return original(*args, **kwargs)
+            prev = tracer.enter(p)
+            try:
+                result = original(*call_args, **call_kwargs)
+            finally:
+                tracer.leave(prev)
+            if blocking:
+                tracer.complete_blocking(p, result)
+                return None
+            try:
+                if not async_op:
+                    tracer.finish_sync(p)
+                elif isinstance(result, work_type) and not isinstance(result, illegal_work):
+                    tracer.track_work(result, [p], use_future=True)
+            except Exception as exc:
+                tracer.error(op, exc)
+            return result
+        return wrapper
+
+    for name, (op, extract, async_index) in _COLLECTIVES.items():
+        if hasattr(c10d, name):
+            tracer.patch(owners, name,
+                         lambda orig, op=op, ex=extract, ai=async_index: collective(op, ex, ai, orig))
+    # DDP's buffer sync; a C++ binding exported only in torch.distributed (no async variant).
+    tracer.patch((dist,), "_broadcast_coalesced",
+                 lambda orig: collective("broadcast", _broadcast_coalesced, None, orig))
+
+    def p2p(op: str, is_async: bool, original: Callable) -> Callable:
+        def issue(tensor: Any, peer: Any, group: Any, tag: int, group_peer: Any) -> Any:
+            if not tracer.enabled or tracer.busy() or world.pg_coalesce_state:
+                return original(tensor, peer, group, tag, group_peer)
+            try:
+                p = tracer.begin(op, group, tensor.nbytes, "c10d", peer=-1 if peer is None else peer,
+                                 group_peer=group_peer if peer is None else None, cuda=tensor.is_cuda)
+            except Exception as exc:
+                tracer.error(op, exc)
+                return original(tensor, peer, group, tag, group_peer)
+            prev = tracer.enter(p)
+            try:
+                result = original(tensor, peer, group, tag, group_peer)
+            finally:
+                tracer.leave(prev)
+            try:
+                if not is_async:
+                    tracer.finish_sync(p)
+                elif isinstance(result, work_type):
+                    tracer.track_work(result, [p], use_future=False)
+            except Exception as exc:
+                tracer.error(op, exc)
+            return result
+
+        if op == "send":
+            def send(tensor: Any, dst: Any = None, group: Any = None, tag: int = 0, group_dst: Any = None,
+                     group_src: Any = None) -> Any:
+                # group_src: the original batch_isend_irecv's keyword for an op it does not recognise.
+                return issue(tensor, dst, group, tag, group_dst if group_dst is not None else group_src)
+            return send
+
+        def recv(tensor: Any, src: Any = None, group: Any = None, tag: int = 0, group_src: Any = None) -> Any:
+            return issue(tensor, src, group, tag, group_src)
+        return recv
+
+    isend = tracer.patch(owners, "isend", lambda orig: p2p("send", True, orig))
+    irecv = tracer.patch(owners, "irecv", lambda orig: p2p("recv", True, orig))
+    tracer.patch(owners, "send", lambda orig: p2p("send", False, orig))
+    tracer.patch(owners, "recv", lambda orig: p2p("recv", False, orig))
+    swap = {isend.__wrapped__: isend, irecv.__wrapped__: irecv}
+
+    def batch(original: Callable) -> Callable:
+        def batch_isend_irecv(p2p_op_list: list) -> list:
+            if not tracer.enabled or tracer.busy():
+                return original(p2p_op_list)
+            try:
+                for p2p_op in p2p_op_list:
+                    p2p_op.op = swap.get(p2p_op.op, p2p_op.op)
+                group = p2p_op_list[0].group or c10d._get_default_group()
+                device = p2p_op_list[0].tensor.device
+                coalesced = type(group) is dist.ProcessGroup and group._get_backend(device).supports_coalescing
+            except Exception as exc:
+                tracer.error("batch_isend_irecv", exc)
+                return original(p2p_op_list)
+            if not coalesced:  # gloo: one call per op, each seen by the isend / irecv wrappers
+                return original(p2p_op_list)
+            # NCCL: the per-op calls only queue inside a coalescing manager; one work for the batch.
+            try:
+                ops = [tracer.begin("send" if o.op is isend else "recv", o.group, o.tensor.nbytes, "c10d",
+                                    peer=o.peer, cuda=o.tensor.is_cuda) for o in p2p_op_list]
+            except Exception as exc:
+                tracer.error("batch_isend_irecv", exc)
+                return original(p2p_op_list)
+            prev = tracer.enter(None)
+            try:
+                works = original(p2p_op_list)
+            finally:
+                tracer.leave(prev)
+            try:
+                if works and len(works) == len(ops):
+                    for work, p in zip(works, ops):
+                        tracer.track_work(work, [p], use_future=False)
+                elif works:
+                    tracer.track_work(works[-1], ops, use_future=False)
+            except Exception as exc:
+                tracer.error("batch_isend_irecv", exc)
+            return works
+        return batch_isend_irecv
+
+    tracer.patch(owners, "batch_isend_irecv", batch)
+
+    def wait(original: Callable) -> Callable:
+        def traced_wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+            ops = tracer.take_work(self)
+            if ops is None:
+                return original(self, *args, **kwargs)
+            if ops[0].cuda is not None:
+                return tracer.cuda_timer().wait(tracer, ops, original, self, args, kwargs)
+            t0 = tracer.now()
+            result = original(self, *args, **kwargs)
+            try:
+                tracer.waited(ops, t0, tracer.now())
+            except Exception as exc:
+                tracer.error("wait", exc)
+            return result
+        return traced_wait
+
+    tracer.patch((torch._C._distributed_c10d.Work,), "wait", wait)

@@ -1,0 +1,180 @@
+"""DDP: gradient buckets through a comm hook, exposure from autograd final callbacks.
+
+DDP's C++ reducer calls the ProcessGroup directly, so no patch of ``torch.distributed`` sees its
+all-reduces. ``DistributedDataParallel.register_comm_hook`` does: the hook registered here is exactly
+``default_hooks.allreduce_hook`` (divide the bucket by the group size, async all-reduce, return the
+future), which DDP documents as equivalent to no hook, plus timestamps. Per bucket it sees the bucket
+index and bytes, the issue time (when the bucket became ready) and the completion (a done-callback on the
+all-reduce's future, run by the gloo worker thread when the op finishes).
+
+Exposed time (``wait_s``): the reducer blocks the training thread at the end of backward in C++
+(``finalize_backward`` waits for every bucket's future), which Python cannot time directly. When the last
+bucket's hook runs, the reducer has not yet queued its finalize callback; the hook queues one autograd
+final callback (A) there, and A queues a second one (B) when it runs. Final callbacks run in queue order,
+so the order is A → reducer finalize → B: ``B − A`` is exactly the time the thread spent in the reducer's
+finalize, i.e. waiting for the outstanding buckets (plus copying the bucket views back into ``.grad``,
+microseconds). That window is split across buckets in completion order (each bucket gets the part of the
+window between the previous completion and its own; the remainder goes to the last one), so the
+per-bucket ``wait_s`` sum to the step's exposed DDP time, and a bucket that finished during backward
+compute gets 0. Chosen over ``_get_ddp_logging_data()`` (``avg_backward_comm_time``,
+``avg_backward_compute_comm_overlap_time``): those are averages, sampled on iterations 1–10 and then every
+100th, not per step, and do not give the blocked time itself. The records are made in B, on the thread
+that ran backward (the training thread on CPU).
+
+Cannot see: DDP's own C++ broadcasts (the one-off bucket-rebuild sync at the start of step 2 and
+``_sync_module_states`` at construction; the per-forward buffer broadcast is seen by ``comm_c10d``).
+Only one comm hook can ever be registered on a DDP model, and never removed: a model that already has
+one (user hook, DDP mixed precision) is not traced (``record_error``); ``detach`` turns this hook into the
+plain default all-reduce. CUDA (NCCL): the future completes at enqueue, so the window A/B and the buckets
+are timed with CUDA events instead (``comm_nccl``, UNTESTED).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+_NAN = float("nan")
+
+
+class _HookState:
+    __slots__ = ("process_group", "tracer", "ops")
+
+    def __init__(self, process_group: Any, tracer: Any) -> None:
+        self.process_group = process_group
+        self.tracer = tracer
+        self.ops: list[tuple[Any, Any]] = []  # (op record, Work) of the current backward
+
+    def detach(self) -> None:
+        self.tracer = None
+        self.ops = []
+
+
+def traced_allreduce_hook(state, bucket):  # no annotations: DDP compares them to dist.GradBucket
+    """DDP comm hook: ``default_hooks.allreduce_hook`` with timing (see the module docstring)."""
+    import torch.distributed as dist
+
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    tracer = state.tracer
+    if isinstance(bucket, tuple):
+        # DDP's Python reducer (compiled autograd) passes (grad, param) and ignores the return value; do
+        # what it does without a hook. The functional all-reduce is traced by comm_funcol.
+        from torch.distributed import _functional_collectives as funcol
+
+        grad = bucket[0]
+        grad.copy_(funcol.all_reduce(grad / group.size(), "sum", group))
+        return None
+    buffer = bucket.buffer()
+    buffer.div_(group.size())  # divide first, as the default hook does (fp16 overflow); compute, not comm
+    if tracer is None or not tracer.enabled:
+        return _allreduce(buffer, group)[0]
+    p = None
+    try:
+        p = tracer.begin("all_reduce", group, buffer.nbytes, "ddp_comm_hook", cuda=buffer.is_cuda)
+    except Exception as exc:
+        tracer.error("ddp_comm_hook", exc)
+    prev = tracer.enter(p)  # the dist.all_reduce below is this op, not a second one
+    try:
+        fut, work = _allreduce(buffer, group, None if p is None or p.cuda is not None else tracer.done_callback(p))
+    finally:
+        tracer.leave(prev)
+    if p is not None:
+        try:
+            state.ops.append((p, work))
+            if bucket.is_last():
+                _arm(state, tracer)
+        except Exception as exc:
+            tracer.error("ddp_comm_hook", exc)
+    return fut
+
+
+def _allreduce(buffer: Any, group: Any, stamp: Any = None) -> tuple[Any, Any]:
+    """``default_hooks._allreduce_fut`` after its division, keeping the work. ``stamp`` is added to the
+    all-reduce's own future before the hook's ``then``: it is the first Python callback the gloo thread
+    runs on completion (each one has to take the GIL)."""
+    import torch.distributed as dist
+
+    work = dist.all_reduce(buffer, group=group, async_op=True)
+    done = work.get_future()
+    if stamp is not None:
+        done.add_done_callback(stamp)
+    return done.then(lambda f: f.value()[0]), work
+
+
+def _arm(state: _HookState, tracer: Any) -> None:
+    import torch
+    from torch.autograd import Variable
+
+    engine = Variable._execution_engine
+    cuda = state.ops[-1][0].cuda is not None
+
+    def after_finalize(t_a: float, ev_a: Any) -> None:
+        try:
+            ops, state.ops = state.ops, []
+            if cuda:
+                ev_b = torch.cuda.Event(enable_timing=True)
+                ev_b.record()
+                tracer.cuda_timer().on_ddp_backward_end(ops, ev_a, ev_b)
+            else:
+                _emit_window(tracer, [p for p, _ in ops], t_a, tracer.now())
+        except Exception as exc:
+            tracer.error("ddp_final_callback", exc)
+
+    def before_finalize() -> None:
+        try:
+            ev_a = None
+            if cuda:
+                ev_a = torch.cuda.Event(enable_timing=True)
+                ev_a.record()
+            t_a = tracer.now()
+            engine.queue_callback(functools.partial(after_finalize, t_a, ev_a))
+        except Exception as exc:
+            tracer.error("ddp_final_callback", exc)
+
+    try:
+        engine.queue_callback(before_finalize)
+    except Exception as exc:  # not inside a backward graph task: no window, exposure unknown
+        tracer.error("ddp_final_callback", exc)
+        ops, state.ops = state.ops, []
+        now = tracer.now()
+        for p, _ in ops:
+            tracer.emit(p, t_end=p.t_done if p.t_done is not None else now, wait_s=_NAN)
+
+
+def split_window(done: list[float | None], t_a: float, t_b: float) -> list[float]:
+    """The blocked window [t_a, t_b] split across ops completing at ``done`` (None: not seen before
+    t_b): each gets the part of the window between the previous completion and its own, the last one also
+    the tail after it. The shares sum to ``t_b - t_a``; an op done before ``t_a`` gets 0."""
+    ends = [min(t if t is not None else t_b, t_b) for t in done]
+    shares = [0.0] * len(ends)
+    cursor = t_a
+    order = sorted(range(len(ends)), key=ends.__getitem__)
+    for i in order:
+        shares[i] = max(0.0, ends[i] - cursor)
+        cursor = max(cursor, ends[i])
+    if order:
+        shares[order[-1]] += t_b - cursor  # finalize's tail (copy-out) after the last completion
+    return shares
+
+
+def _emit_window(tracer: Any, ops: list[Any], t_a: float, t_b: float) -> None:
+    """Record the buckets in issue order with their share of the reducer's blocked window."""
+    for p, wait_s in zip(ops, split_window([p.t_done for p in ops], t_a, t_b)):
+        tracer.emit(p, t_end=p.t_done if p.t_done is not None else t_b, wait_s=wait_s)
+
+
+def attach(tracer: Any, module: Any) -> _HookState | None:
+    """Register (or re-enable) the traced hook on a DDP model; ``None`` for any other module."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(module, DistributedDataParallel):
+        return None
+    for hook, state in module._comm_hooks:
+        if hook is traced_allreduce_hook:  # attached before: re-enable, DDP allows one registration only
+            state.tracer = tracer
+            return state
+    if module._comm_hooks:
+        raise RuntimeError("DDP model already has a comm hook; its buckets are not traced")
+    state = _HookState(module.process_group, tracer)
+    module.register_comm_hook(state, traced_allreduce_hook)
+    return state

@@ -1,0 +1,122 @@
+"""FSDP2: parameter all-gathers and gradient reduce-scatters through FSDP's official custom-comm hooks.
+
+``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter`` take an ``AllGather`` /
+``ReduceScatter`` object that FSDP calls for every unshard / gradient reduction of that module's
+parameter group. The objects installed here subclass the default implementations (so FSDP's own
+``isinstance`` checks — ``set_symm_mem_for_comm``, ``set_allocate_memory_from_process_group_for_comm`` —
+keep accepting them) and delegate to whatever comm was installed before, timing the call.
+
+What they see, per call: the group, the bytes (all-gather output, reduce-scatter input: FSDP's flat
+padded buffers), issue time. On CPU/gloo FSDP calls both blocking (``async_op=False``): the wrapper
+issues the op async and waits for it itself (what c10d's blocking path does), so completion is stamped by
+the work's future when gloo finishes it, and the whole call is ``wait_s``. With ``async_op=True``
+(explicit ``unshard(async_op=True)``) the work is tracked and the wait FSDP makes in
+``foreach_all_gather_copy_out`` is timed by the ``Work.wait`` patch (``comm_c10d``).
+
+Not seen here: HSDP's replicate-dim ``dist.all_reduce`` (seen by ``comm_c10d``, source ``c10d``), and
+modules with several parameter groups (per-parameter meshes), for which FSDP refuses a custom comm: their
+collectives are still seen by ``comm_c10d``. On CUDA FSDP issues on its own streams and the compute stream
+waits on an event, not a ``Work``: durations come from CUDA events around the call on the all-gather /
+reduce-scatter stream, the exposed part is not observable here (``wait_s`` = NaN) (``comm_nccl``, UNTESTED).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+
+def _run(tracer: Any, op: str, group: Any, nbytes: int, tensor: Any, async_op: bool,
+         call: Callable[[bool], Any]) -> Any:
+    """Time ``call(async_op)``. A blocking call on CPU is issued async and waited here (as c10d's own
+    blocking path does), so completion is stamped by the work's future on the gloo thread."""
+    if not tracer.enabled or tracer.busy():
+        return call(async_op)
+    try:
+        p = tracer.begin(op, group, nbytes, "fsdp_comm", cuda=tensor.is_cuda)
+    except Exception as exc:
+        tracer.error(f"fsdp_{op}", exc)
+        return call(async_op)
+    blocking = not async_op and p.cuda is None
+    prev = tracer.enter(p)  # the dist.* call inside is this op
+    try:
+        work = call(True if blocking else async_op)
+    finally:
+        tracer.leave(prev)
+    if blocking:
+        tracer.complete_blocking(p, work)
+        return None
+    try:
+        if async_op and work is not None:
+            tracer.track_work(work, [p], use_future=True)
+        elif p.cuda is not None:
+            tracer.cuda_timer().on_side_stream_return(p)
+        else:
+            tracer.finish_sync(p)
+    except Exception as exc:
+        tracer.error(f"fsdp_{op}", exc)
+    return work
+
+
+class TracedAllGather(DefaultAllGather):
+    """FSDP2 all-gather that records each call; delegates to ``inner`` (the comm it replaces)."""
+
+    def __init__(self, tracer: Any, inner: Any) -> None:
+        self.tracer = tracer
+        self.inner = inner
+
+    def allocate(self, size: Any, *, dtype: Any, device: Any) -> Any:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, async_op: bool = False) -> Any:
+        return _run(self.tracer, "all_gather", group, output_tensor.nbytes, output_tensor, async_op,
+                    lambda a: self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group,
+                                         async_op=a))
+
+
+class TracedReduceScatter(DefaultReduceScatter):
+    """FSDP2 reduce-scatter that records each call; delegates to ``inner`` (the comm it replaces)."""
+
+    def __init__(self, tracer: Any, inner: Any) -> None:
+        self.tracer = tracer
+        self.inner = inner
+
+    def allocate(self, size: Any, *, dtype: Any, device: Any) -> Any:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, op: Any,
+                 async_op: bool = False) -> Any:
+        return _run(self.tracer, "reduce_scatter", group, input_tensor.nbytes, input_tensor, async_op,
+                    lambda a: self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group,
+                                         op=op, async_op=a))
+
+
+class _FsdpHandle:
+    def __init__(self, module: Any, all_gather: Any, reduce_scatter: Any) -> None:
+        self.module, self.all_gather, self.reduce_scatter = module, all_gather, reduce_scatter
+
+    def detach(self) -> None:
+        self.module.set_custom_all_gather(self.all_gather)
+        self.module.set_custom_reduce_scatter(self.reduce_scatter)
+
+
+def attach(tracer: Any, module: Any) -> _FsdpHandle | None:
+    """Install the traced comms on one ``fully_shard``-ed module; ``None`` when it is not one or has no
+    single parameter group (a root without own parameters; per-parameter meshes)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        return None
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    if len(groups) != 1:
+        return None
+    all_gather, reduce_scatter = groups[0]._all_gather_comm, groups[0]._reduce_scatter_comm
+    # Installed by an earlier tracer that did not detach: wrap what it wrapped.
+    if isinstance(all_gather, TracedAllGather):
+        all_gather = all_gather.inner
+    if isinstance(reduce_scatter, TracedReduceScatter):
+        reduce_scatter = reduce_scatter.inner
+    module.set_custom_all_gather(TracedAllGather(tracer, all_gather))
+    module.set_custom_reduce_scatter(TracedReduceScatter(tracer, reduce_scatter))
+    return _FsdpHandle(module, all_gather, reduce_scatter)

@@ -1,0 +1,152 @@
+"""Timing of collectives on CUDA tensors (NCCL), kept apart so it can be checked on a GPU machine.
+
+UNTESTED: written from torch 2.13's source on a machine without a GPU. Check it with a profiler trace
+before trusting its numbers.
+
+Why CUDA events: on NCCL a ``Work``'s future completes when the op is *enqueued*, and ``Work.wait`` /
+``wait_tensor`` only make the current stream wait for the NCCL stream; CPU timestamps say nothing about
+when the transfer ran. ProcessGroupNCCL makes its stream wait for the current stream before launching, so:
+
+- ``start``: an event recorded on the current stream at issue; the NCCL kernel starts no earlier.
+- synchronous call (c10d ``async_op=False``): the call ends with a stream wait, so an event recorded on
+  the current stream after it fires when the op is done: ``start → end`` is the op's duration and also
+  the time the issuing stream stalled on it (its exposed part).
+- wait points (``Work.wait``, ``wait_tensor``): events right before and after; their gap is the time the
+  compute stream stalled on the op (``wait_s``). Duration: ``Work._get_duration()`` when the process group
+  was created with ``TORCH_NCCL_ENABLE_TIMING=1`` (NCCL's own start/end events), otherwise
+  ``start → after-wait`` — an upper bound when the op finished before the wait.
+- FSDP2 (ops on its own streams, the compute stream waits on an event FSDP records): duration from events
+  on the side stream; exposure not observable here, ``wait_s`` = NaN.
+- DDP: the reducer's finalize window (``comm_ddp``) is timed by events at the two final callbacks; the
+  stall is assigned to the last bucket (completion order is not known without NCCL timing); per-bucket
+  duration only with ``TORCH_NCCL_ENABLE_TIMING=1``, else NaN.
+
+Records are made by ``resolve`` (called from ``CollectiveTracer.flush`` at step end) once all their
+events have completed: ``query()`` never blocks. ``t_start`` is the CPU issue time; ``t_end`` is
+``t_start + duration`` (GPU and CPU clocks are not aligned; the interval is what is measured).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable
+
+_NAN = float("nan")
+_MAX_QUEUED = 8192
+
+
+class _CudaOp:
+    __slots__ = ("start", "end", "waits", "work", "exposure_known")
+
+    def __init__(self, start: Any) -> None:
+        self.start = start
+        self.end: Any = None
+        self.waits: list[tuple[Any, Any]] = []
+        self.work: Any = None
+        self.exposure_known = True
+
+
+def _event() -> Any:
+    import torch
+
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()  # on the current stream
+    return ev
+
+
+class CudaCommTimer:
+    """Per-tracer CUDA timing state: ops whose events are recorded but not yet resolved."""
+
+    def __init__(self) -> None:
+        self._queue: collections.deque[Any] = collections.deque()
+        self._nccl_timing = True  # until a Work says otherwise
+
+    def on_issue(self, p: Any) -> None:
+        p.cuda = _CudaOp(_event())
+
+    def on_sync_return(self, p: Any) -> None:
+        p.cuda.end = _event()
+        self._push(p)
+
+    def on_side_stream_return(self, p: Any) -> None:
+        p.cuda.end = _event()
+        p.cuda.exposure_known = False
+        self._push(p)
+
+    def wait(self, tracer: Any, ops: list[Any], original: Callable, work: Any, args: tuple, kwargs: dict) -> Any:
+        e0 = _event()
+        result = original(work, *args, **kwargs)
+        try:
+            e1 = _event()
+            for p in ops:
+                p.cuda.work = work
+                p.cuda.waits.append((e0, e1))
+                self._push(p)
+        except Exception as exc:
+            tracer.error("cuda_wait", exc)
+        return result
+
+    def wait_tensor(self, tracer: Any, p: Any, original: Callable, tensor: Any) -> Any:
+        e0 = _event()
+        out = original(tensor)
+        try:
+            if p is not None and p.cuda is not None:
+                p.cuda.waits.append((e0, _event()))
+                if tracer.current() is p:  # a wait inside the issuing call: queued when that call returns
+                    p.waited = True
+                else:
+                    self._push(p)
+            elif p is None:
+                tracer.stats["unmatched_waits"] += 1
+        except Exception as exc:
+            tracer.error("cuda_wait_tensor", exc)
+        return out
+
+    def queue(self, p: Any) -> None:
+        self._push(p)
+
+    def on_ddp_backward_end(self, ops: list[tuple[Any, Any]], ev_a: Any, ev_b: Any) -> None:
+        for i, (p, work) in enumerate(ops):
+            p.cuda.work = work
+            if i == len(ops) - 1:
+                p.cuda.waits.append((ev_a, ev_b))
+            self._push(p)
+
+    def resolve(self, tracer: Any) -> int:
+        """Record every queued op whose events have completed (non-blocking); keep the rest."""
+        emitted, keep = 0, collections.deque()
+        while self._queue:
+            p = self._queue.popleft()
+            c = p.cuda
+            events = [c.start] + ([c.end] if c.end is not None else []) + [e for pair in c.waits for e in pair]
+            if not all(ev.query() for ev in events):
+                keep.append(p)
+                continue
+            duration = self._duration(c)
+            if c.end is not None and c.exposure_known:
+                wait_s = c.start.elapsed_time(c.end) / 1e3
+            elif c.exposure_known:
+                wait_s = sum(e0.elapsed_time(e1) for e0, e1 in c.waits) / 1e3
+            else:
+                wait_s = _NAN
+            tracer.emit(p, t_end=p.t_start + duration, wait_s=wait_s)
+            emitted += 1
+        self._queue = keep
+        return emitted
+
+    def _duration(self, c: _CudaOp) -> float:
+        if c.work is not None and self._nccl_timing:
+            try:
+                return c.work._get_duration() / 1e3  # ms; needs TORCH_NCCL_ENABLE_TIMING=1
+            except Exception:
+                self._nccl_timing = False  # not enabled for this job: do not pay the exception again
+        if c.end is not None:
+            return c.start.elapsed_time(c.end) / 1e3
+        if c.waits:
+            return c.start.elapsed_time(c.waits[-1][1]) / 1e3
+        return _NAN
+
+    def _push(self, p: Any) -> None:
+        if len(self._queue) >= _MAX_QUEUED:
+            self._queue.popleft()
+        self._queue.append(p)

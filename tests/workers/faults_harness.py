@@ -1,0 +1,305 @@
+"""Harness of the fault tests (``tests/test_faults_*.py``): real agent and torchrun processes, bounded waits.
+
+- :class:`AgentProcess`: ``meshscope agent`` as a child process (port 0, its URL read from its first
+  stdout line), /metrics parsed into samples, signals, RSS.
+- :class:`Job`: a torchrun job of the reference trainer in its own session, so that killing it takes its
+  ranks too (killing torchrun alone orphans them).
+- :func:`spool_truth`: every record the ranks wrote, read straight from their spool files with the
+  transport's own reader: the ground truth a store is compared with (rank and attempt from each file's
+  header, so re-executed steps of a restarted run stay apart).
+- :func:`poll_until`: a condition with a deadline; never a fixed sleep where a condition exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, TypeVar
+
+import pandas as pd
+import psutil
+import pyarrow as pa
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent.collector.store import read_table
+from agent.schema import KINDS, SCHEMAS
+from agent.transport.frame import SPOOL_NAME
+from agent.transport.reader import SpoolReader
+
+ROOT = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
+
+
+def env() -> dict[str, str]:
+    out = dict(os.environ)
+    out["PYTHONPATH"] = str(ROOT) + os.pathsep + out.get("PYTHONPATH", "")
+    out.setdefault("OMP_NUM_THREADS", "1")
+    out["PYTHONUNBUFFERED"] = "1"
+    return out
+
+
+def poll_until(predicate: Callable[[], T], *, timeout_s: float, interval_s: float = 0.1, what: str = "") -> T:
+    """Call ``predicate`` until it returns something truthy (returned), failing after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not reached within {timeout_s:.0f} s: {what or predicate}")
+        time.sleep(interval_s)
+
+
+# ------------------------------------------------------------------------------------------------- agent
+
+@dataclass
+class Metrics:
+    """One scrape: ``value(name, **labels)`` for a sample, ``by(name, label)`` for a label -> value map."""
+
+    samples: list  # prometheus_client Sample(name, labels, value, ...)
+    text: str
+
+    def value(self, name: str, **labels: str) -> float | None:
+        for s in self.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+        return None
+
+    def by(self, name: str, label: str, **labels: str) -> dict[str, float]:
+        return {s.labels[label]: s.value for s in self.samples
+                if s.name == name and label in s.labels and all(s.labels.get(k) == v for k, v in labels.items())}
+
+
+def parse_metrics(text: str) -> Metrics:
+    return Metrics([s for fam in text_string_to_metric_families(text) for s in fam.samples], text)
+
+
+class AgentProcess:
+    """``meshscope agent --store STORE --port 0 --gpu-interval 0 *extra`` as a child process."""
+
+    def __init__(self, store: Path, *extra: str, poll_interval: float = 0.2, preexec_fn=None,
+                 ssl_context: ssl.SSLContext | None = None, auth: tuple[str, str] | None = None) -> None:
+        self.store = Path(store)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "meshscope_cli", "agent", "--store", str(store), "--port", "0",
+             "--poll-interval", str(poll_interval), "--gpu-interval", "0", *extra],
+            cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
+        line = self.proc.stdout.readline()  # "meshscope agent: serving http://127.0.0.1:PORT/metrics, ..."
+        if "serving " not in line:
+            self.proc.kill()
+            raise AssertionError(f"agent did not start: {line!r} {self.proc.stderr.read()}")
+        self.url = line.split("serving ")[1].split(",")[0]
+        self.port = int(self.url.rsplit(":", 1)[1].split("/")[0])
+        self.ssl_context = ssl_context
+        self.auth = auth
+        self.stderr = ""
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def scrape(self, *, timeout_s: float = 10.0) -> Metrics:
+        req = urllib.request.Request(self.url)
+        if self.auth is not None:
+            import base64
+
+            token = base64.b64encode(f"{self.auth[0]}:{self.auth[1]}".encode()).decode()
+            req.add_header("Authorization", f"Basic {token}")
+        with urllib.request.urlopen(req, timeout=timeout_s, context=self.ssl_context) as resp:
+            return parse_metrics(resp.read().decode())
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        """SIGKILL and reap."""
+        if self.alive():
+            self.proc.kill()
+        self.proc.wait(timeout=20)
+        self._drain()
+
+    def stop(self, *, timeout_s: float = 60.0) -> int:
+        """SIGTERM (the agent writes what it buffered to the store) and wait; returns the exit status."""
+        self.signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+        self.signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        finally:
+            if self.alive():
+                self.proc.kill()
+                self.proc.wait(timeout=20)
+            self._drain()
+
+    def rss_bytes(self) -> int:
+        return psutil.Process(self.proc.pid).memory_info().rss
+
+    def _drain(self) -> None:
+        try:
+            self.stderr = self.proc.stderr.read()
+        except (OSError, ValueError):
+            pass
+
+
+def committed_bytes(store: Path) -> int:
+    """Spool bytes the agent has durably committed to the store (sum of its saved offsets)."""
+    try:
+        files = json.loads((Path(store) / "agent" / "offsets.json").read_text())["files"]
+    except (OSError, ValueError, KeyError):
+        return 0
+    return sum(entry["offset"] for entry in files.values())
+
+
+# --------------------------------------------------------------------------------------------------- job
+
+class Job:
+    """``torchrun --standalone --nproc_per_node=N [torchrun_args] <target> *args`` in its own session.
+
+    ``target`` is ``-m trainer.train`` by default, or a script path (``tests/workers/faults_train.py``).
+    Rank 0 prints ``step=N ...`` lines (``--log-every``) to ``stdout_path``.
+    """
+
+    def __init__(self, nproc: int, *args: str, log: Path, torchrun_args: tuple[str, ...] = (),
+                 script: str | None = None, preexec_fn=None) -> None:
+        target = [script] if script else ["-m", "trainer.train"]
+        self.log = Path(log)
+        self._out = open(self.log, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+             *torchrun_args, *target, *map(str, args)],
+            cwd=ROOT, env=env(), stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=preexec_fn)
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait(self, *, timeout_s: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"job did not finish within {timeout_s:.0f} s:\n{self.tail()}") from None
+
+    def kill(self) -> None:
+        """SIGKILL torchrun and its ranks (its process group)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+        self._out.close()
+
+    def ranks(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def printed_steps(self) -> list[int]:
+        steps = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            if line.startswith("step="):
+                steps.append(int(line.split()[0].split("=")[1]))
+        return steps
+
+    def tail(self, n: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+
+# ---------------------------------------------------------------------------------------- ground truth
+
+def spool_files(store: Path, run: str) -> list[Path]:
+    d = Path(store) / "spool" / run
+    return sorted(p for p in d.iterdir() if SPOOL_NAME.match(p.name)) if d.is_dir() else []
+
+
+def spool_truth(store: Path, run: str) -> dict[str, pd.DataFrame]:
+    """Every record in the run's spool files, per kind, with ``rank`` and ``attempt`` columns (from each
+    file's header) and ``run``. Complete frames only: a frame still being written is not a record yet."""
+    tables: dict[str, list[pa.Table]] = {kind: [] for kind in KINDS}
+    for path in spool_files(store, run):
+        reader = SpoolReader(path, max_read_bytes=1 << 30)
+        res = reader.read(0)
+        header = next(f.header for f in res.frames if f.header is not None)
+        for frame in res.frames:
+            if frame.table is None:
+                continue
+            t = frame.table
+            if "attempt" not in t.column_names:  # (``run`` records carry it themselves)
+                t = t.append_column("attempt", pa.array([header["attempt"]] * t.num_rows, pa.int32()))
+            if "rank" not in t.column_names:
+                t = t.append_column("rank", pa.array([header["rank"]] * t.num_rows, pa.int32()))
+            tables[frame.kind].append(t)
+    out = {}
+    for kind, parts in tables.items():
+        if parts:
+            df = pa.concat_tables(parts).to_pandas()
+        else:
+            df = SCHEMAS[kind].empty_table().to_pandas()
+            if "attempt" not in df:
+                df["attempt"] = pd.Series(dtype="int32")
+            if "rank" not in df:
+                df["rank"] = pd.Series(dtype="int32")
+        df["run"] = run
+        out[kind] = df
+    return out
+
+
+def canonical(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
+    """Rows as a sorted, index-free frame of ``columns`` (for multiset comparison)."""
+    return df[columns].sort_values(columns, kind="stable").reset_index(drop=True)
+
+
+def compare_store_to_truth(store: Path, run: str, truth: dict[str, pd.DataFrame]) -> dict[str, dict[str, int]]:
+    """Per kind: records in the spools, in the store, lost (in spools, not in store) and duplicated (in the
+    store more often than in the spools), matching whole rows. Attempt is not a stored column, so rows are
+    compared without it."""
+    report = {}
+    for kind in KINDS:
+        if kind == "gpu":
+            continue
+        stored = read_table(store, kind, run=run)
+        want = truth[kind]
+        cols = [c for c in SCHEMAS[kind].names if c != "rank"] + ["rank"]
+        key = lambda df: df[cols].astype(str).agg("\x1f".join, axis=1).value_counts()  # noqa: E731
+        a, b = (key(want) if len(want) else pd.Series(dtype=int)), (key(stored) if len(stored) else pd.Series(dtype=int))
+        joined = pd.concat([a.rename("spool"), b.rename("store")], axis=1).fillna(0)
+        report[kind] = {
+            "spool": int(joined["spool"].sum()), "store": int(joined["store"].sum()),
+            "lost": int((joined["spool"] - joined["store"]).clip(lower=0).sum()),
+            "duplicated": int((joined["store"] - joined["spool"]).clip(lower=0).sum()),
+        }
+    return report
+
+
+def newest_attempt(step: pd.DataFrame, run: pd.DataFrame) -> pd.DataFrame:
+    """The proposed analysis rule for restarted runs: attribute each step record to the attempt whose
+    ``run`` record (same rank) started last before it (an as-of join on ``t_start``), then keep, per
+    (rank, step), the record of the newest attempt. Works on the store as it is (no attempt column)."""
+    starts = run[["rank", "attempt", "t_start"]].rename(columns={"t_start": "attempt_start"})
+    starts = starts.sort_values("attempt_start")
+    s = step.sort_values("t_start")
+    tagged = pd.merge_asof(s, starts, left_on="t_start", right_on="attempt_start", by="rank",
+                           direction="backward")
+    tagged = tagged.sort_values(["rank", "step", "attempt"])
+    return tagged.drop_duplicates(["rank", "step"], keep="last").reset_index(drop=True)
+
+
+@dataclass
+class Timer:
+    marks: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, name: str) -> float:
+        self.marks[name] = time.time()
+        return self.marks[name]

@@ -1,0 +1,201 @@
+"""Shared harness for the hook workers (``tests/workers/hooks_*.py``): spawn gloo ranks, read the flight
+recorder, reduce a ``torch.profiler`` trace to per-step totals per op, and check that ``detach`` restored
+every original.
+
+Profiler ↔ tracer mapping on gloo (measured on torch 2.13): every gloo collective / P2P op shows up as
+  - an issue event on the calling thread, named after the c10d op (``c10d::allreduce_``,
+    ``c10d::_allgather_base_``, ``c10d::_reduce_scatter_base_``, ``c10d::send``, ``c10d::recv_``,
+    ``c10d::broadcast_``, ``c10d::barrier``; functional collectives add an outer ``_c10d_functional::*``
+    that contains the ``c10d::`` one), and
+  - a ``gloo:<op>`` range: on a gloo worker thread from the start of execution to completion for
+    collectives; on the calling thread from issue to the return of ``Work.wait`` for ``gloo:send`` /
+    ``gloo:recv`` (gloo P2P completes in ``wait``).
+gloo runs ``reduce_scatter_single`` as an all-reduce of the whole input, so FSDP's reduce-scatters appear
+as ``gloo:all_reduce`` (in the flight recorder as well).
+
+The tracer records issue → observed completion. The profiler's equivalent is issue-event start →
+``gloo:*`` end (Σ over a step does not depend on how issues and ranges pair up; gloo's queue is FIFO);
+``gloo:*`` durations alone ("exec") leave out the time an op queued behind earlier ones. For functional
+collectives (TP) completion is observed when ``wait_tensor`` returns, which on a loaded machine is up to
+tens of ms after gloo's range ends (the waiter's wake-up): the equivalent there is
+``_c10d_functional::<op>`` start → ``_c10d_functional::wait_tensor`` end. All of them are reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# gloo range name → (issue event names, the tracer op(s) it corresponds to)
+GLOO_TO_ISSUE = {
+    "gloo:all_reduce": ("c10d::allreduce_", "c10d::_reduce_scatter_base_"),
+    "gloo:all_gather": ("c10d::_allgather_base_", "c10d::allgather_"),
+    "gloo:broadcast": ("c10d::broadcast_", "c10d::_broadcast_coalesced"),
+    "gloo:barrier": ("c10d::barrier",),
+    "gloo:send": ("c10d::send",),
+    "gloo:recv": ("c10d::recv_",),
+}
+# tracer op → gloo range name (reduce_scatter is emulated by an all-reduce on gloo)
+OP_TO_GLOO = {"all_reduce": "gloo:all_reduce", "reduce_scatter": "gloo:all_reduce",
+              "all_gather": "gloo:all_gather", "broadcast": "gloo:broadcast", "barrier": "gloo:barrier",
+              "send": "gloo:send", "recv": "gloo:recv"}
+_FUNCOL_NOT_ISSUE = frozenset({"_c10d_functional::wait_tensor", "_c10d_functional::_wrap_tensor_autograd"})
+_DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Byte": 1, "Char": 1}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn: Callable, *, world_size: int = 2, args: tuple = ()) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(fn, args=(world_size, free_port(), *args), nprocs=world_size, join=True)
+
+
+def init(rank: int, world_size: int, port: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # 2 ranks share a small machine: no intra-op oversubscription
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def write(out: str, rank: int, result: dict) -> None:
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result, indent=1, sort_keys=True, default=str))
+
+
+# ------------------------------------------------------------------------------------ flight recorder
+def fr_entries() -> list[dict]:
+    import torch
+
+    return json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, False)).get("entries", [])
+
+
+def fr_last_id() -> int:
+    entries = fr_entries()
+    return max((e["record_id"] for e in entries), default=-1)
+
+
+def fr_summary(after_id: int) -> dict[str, dict[str, int]]:
+    """Per profiling name: count and bytes (output buffer) of the entries recorded after ``after_id``."""
+    out: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
+    for e in fr_entries():
+        if e["record_id"] <= after_id:
+            continue
+        row = out[e["profiling_name"]]
+        row["count"] += 1
+        for size, dtype in zip(e.get("output_sizes", []), e.get("output_dtypes", [])):
+            n = 1
+            for d in size:
+                n *= d
+            row["bytes"] += n * _DTYPE_BYTES.get(dtype, 4)
+    return dict(out)
+
+
+def tracer_as_fr(records: list[dict]) -> dict[str, dict[str, int]]:
+    """The tracer's records in flight-recorder terms (P2P is not in gloo's flight recorder)."""
+    out: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
+    for r in records:
+        name = OP_TO_GLOO.get(r["op"])
+        if name is None or r["op"] in ("send", "recv"):
+            continue
+        out[name]["count"] += 1
+        out[name]["bytes"] += r["nbytes"]
+    return dict(out)
+
+
+# ---------------------------------------------------------------------------------------- profiler
+def profiler_step_totals(prof: Any, n_steps: int) -> list[dict[str, dict[str, float]]]:
+    """Per step (``record_function("hooks_step_<i>")`` windows): per gloo range name, count, ``exec_s``
+    (Σ range durations) and ``issue_to_done_s`` (Σ issue start → range end, paired in order)."""
+    events = list(prof.events())
+    windows = {}
+    for e in events:
+        if e.name.startswith("hooks_step_"):
+            windows[int(e.name.rsplit("_", 1)[1])] = (e.time_range.start, e.time_range.end)
+    result = []
+    for i in range(n_steps):
+        lo, hi = windows[i]
+        inside = [e for e in events if lo <= e.time_range.start <= hi]
+        step: dict[str, dict[str, float]] = {}
+        for gloo_name, issue_names in GLOO_TO_ISSUE.items():
+            ranges = sorted((e for e in inside if e.name == gloo_name), key=lambda e: e.time_range.start)
+            if not ranges:
+                continue
+            issues = sorted((e for e in inside if e.name in issue_names), key=lambda e: e.time_range.start)
+            paired = len(issues) == len(ranges)
+            step[gloo_name] = {
+                "count": len(ranges),
+                "issue_count": len(issues),
+                "exec_s": sum(e.time_range.elapsed_us() for e in ranges) / 1e6,
+                "issue_to_done_s": (
+                    sum(r.time_range.end - s.time_range.start for s, r in zip(issues, ranges)) / 1e6
+                    if paired else float("nan")),
+            }
+        # Functional collectives: issue = the outer ``_c10d_functional::<op>`` range, observed completion =
+        # the end of the ``_c10d_functional::wait_tensor`` range that waited for it (paired in order).
+        f_issues = sorted((e for e in inside if e.name.startswith("_c10d_functional::")
+                           and e.name not in _FUNCOL_NOT_ISSUE), key=lambda e: e.time_range.start)
+        f_waits = sorted((e for e in inside if e.name == "_c10d_functional::wait_tensor"),
+                         key=lambda e: e.time_range.start)
+        if f_issues and "gloo:all_reduce" in step:
+            step["gloo:all_reduce"]["funcol_issue_to_wait_s"] = (
+                sum(w.time_range.end - s.time_range.start for s, w in zip(f_issues, f_waits)) / 1e6
+                if len(f_issues) == len(f_waits) else float("nan"))
+        result.append(step)
+    return result
+
+
+def tracer_step_totals(records: list[dict]) -> dict[str, dict[str, float]]:
+    """Per gloo range name: count and Σ(t_end − t_start) of one step's records."""
+    out: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "duration_s": 0.0, "wait_s": 0.0})
+    for r in records:
+        name = OP_TO_GLOO[r["op"]]
+        out[name]["count"] += 1
+        out[name]["duration_s"] += r["t_end"] - r["t_start"]
+        out[name]["wait_s"] += r["wait_s"]
+    return dict(out)
+
+
+# ------------------------------------------------------------------------------------ detach check
+def patch_targets() -> dict[str, Any]:
+    """Every attribute the collective tracer patches, by name → current object."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed import distributed_c10d as c10d
+
+    names = ["broadcast", "all_reduce", "reduce", "all_gather", "all_gather_single", "all_gather_into_tensor",
+             "_all_gather_base", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor",
+             "_reduce_scatter_base", "all_to_all_single", "all_to_all", "barrier", "send", "recv", "isend",
+             "irecv", "batch_isend_irecv"]
+    out = {}
+    for n in names:
+        out[f"c10d.{n}"] = getattr(c10d, n)
+        out[f"dist.{n}"] = getattr(dist, n)
+    out["dist._broadcast_coalesced"] = dist._broadcast_coalesced
+    for n in ["all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single", "broadcast",
+              "all_reduce_coalesced", "all_gather_single_coalesced", "reduce_scatter_single_coalesced",
+              "wait_tensor"]:
+        out[f"funcol.{n}"] = getattr(funcol, n)
+    out["Work.wait"] = torch._C._distributed_c10d.Work.__dict__["wait"]
+    return out
+
+
+def changed_targets(before: dict[str, Any]) -> list[str]:
+    """Names whose object differs from ``before`` (by identity)."""
+    now = patch_targets()
+    return sorted(k for k, v in before.items() if now[k] is not v)
