@@ -13,6 +13,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("trainer.launch", "main", "launch the reference trainer on this node (wraps torch.distributed.run)"),
     "agent": ("agent.collector.cli", "agent_main", "run the node agent: follow rank spools, serve /metrics, write the store"),
     "ingest": ("agent.collector.cli", "ingest_main", "ingest every spool under a store once and exit"),
+    "demo": ("trainer.demo", "main", "train every strategy instrumented, then serve the dashboard (make demo)"),
     "sweep": ("trainer.sweep", "main", "run one model over a grid of world sizes / strategies (scaling study)"),
     "export-trace": ("agent.trace", "main", "write a Perfetto / Chrome-trace JSON of a step range"),
     "dashboard": ("dashboard.cli", "main", "serve the Streamlit dashboard over a store (and Prometheus)"),

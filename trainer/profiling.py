@@ -5,9 +5,10 @@ The profiler is the independent truth the telemetry is tested against; it is nev
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from trainer.config import ProfileConfig
 
@@ -28,6 +29,10 @@ class Profiler:
         if self._prof is not None and step + 1 == self.cfg.range[1]:
             self._finish()
         self._maybe_start(step + 1)
+
+    def region(self, step: int):
+        """Marks one optimizer step in the trace (``train_step_<n>``) so per-step totals can be cut."""
+        return record_function(f"train_step_{step}") if self._prof is not None else nullcontext()
 
     def _maybe_start(self, next_step: int) -> None:
         if self.cfg.dir and self._prof is None and next_step == self.cfg.range[0]:

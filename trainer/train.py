@@ -150,7 +150,8 @@ class Trainer:
             for step in range(start, cfg.steps):
                 self.faults.before_step(step, tel)
                 t0 = time.perf_counter()
-                r = self.train_step(step, tel)
+                with prof.region(step):
+                    r = self.train_step(step, tel)
                 prof.step(step)
                 dt = time.perf_counter() - t0
                 mfu = r["flops"] / dt / self.peak_flops if self.peak_flops > 0 else float("nan")

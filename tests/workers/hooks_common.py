@@ -118,16 +118,19 @@ def tracer_as_fr(records: list[dict]) -> dict[str, dict[str, int]]:
 
 
 # ---------------------------------------------------------------------------------------- profiler
-def profiler_step_totals(prof: Any, n_steps: int) -> list[dict[str, dict[str, float]]]:
-    """Per step (``record_function("hooks_step_<i>")`` windows): per gloo range name, count, ``exec_s``
-    (Σ range durations) and ``issue_to_done_s`` (Σ issue start → range end, paired in order)."""
-    events = list(prof.events())
+def profiler_step_totals(prof: Any, n_steps: int, *, window_prefix: str = "hooks_step_",
+                         events: list | None = None, first_step: int = 0) -> list[dict[str, dict[str, float]]]:
+    """Per step (``record_function(f"{window_prefix}<i>")`` windows): per gloo range name, count,
+    ``exec_s`` (Σ range durations) and ``issue_to_done_s`` (Σ issue start → range end, paired in order).
+    ``events`` (objects with ``name`` and ``time_range``) replaces ``prof.events()``, e.g. events loaded
+    from an exported Chrome trace (see ``chrome_trace_events``)."""
+    events = list(prof.events()) if events is None else events
     windows = {}
     for e in events:
-        if e.name.startswith("hooks_step_"):
+        if e.name.startswith(window_prefix):
             windows[int(e.name.rsplit("_", 1)[1])] = (e.time_range.start, e.time_range.end)
     result = []
-    for i in range(n_steps):
+    for i in range(first_step, first_step + n_steps):
         lo, hi = windows[i]
         inside = [e for e in events if lo <= e.time_range.start <= hi]
         step: dict[str, dict[str, float]] = {}
@@ -157,6 +160,30 @@ def profiler_step_totals(prof: Any, n_steps: int) -> list[dict[str, dict[str, fl
                 if len(f_issues) == len(f_waits) else float("nan"))
         result.append(step)
     return result
+
+
+class _Range:
+    __slots__ = ("start", "end")
+
+    def __init__(self, start: float, end: float) -> None:
+        self.start, self.end = start, end
+
+    def elapsed_us(self) -> float:
+        return self.end - self.start
+
+
+class _Event:
+    __slots__ = ("name", "time_range")
+
+    def __init__(self, name: str, start: float, end: float) -> None:
+        self.name, self.time_range = name, _Range(start, end)
+
+
+def chrome_trace_events(path: str | Path) -> list[_Event]:
+    """Complete ("X") events of an exported torch.profiler Chrome trace, times in µs as in the profiler."""
+    trace = json.loads(Path(path).read_text())
+    return [_Event(e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+            for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "name" in e]
 
 
 def tracer_step_totals(records: list[dict]) -> dict[str, dict[str, float]]:
