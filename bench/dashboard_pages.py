@@ -1,0 +1,194 @@
+"""Dashboard page benchmark: how long each page's data, analysis and figures take on a large store, and
+how that grows with the number of ranks.
+
+Method
+- One synthetic store (``dashboard.synthetic``) with a run per scale (default 64, 256 and 1,024 ranks) x
+  1,000 steps: Llama-8B shape, pp=4 x fsdp=n/4, 1F1B with 4 microbatches (8 spans per rank and step),
+  FSDP units merged to 4 per step and direction plus PP send/recv per span (~20 collectives per rank and
+  step), per-step memory, NVML samples every ~2 steps, a throttled straggler. Generated once and kept
+  under ``.runs/bench_dashboard/`` (gitignored); a marker file records the generator settings.
+- Per page, the same function the page calls (``dashboard.views``) with an uncached loader, plus
+  serialising every figure to JSON (what Streamlit sends to the browser). Widgets and layout are not
+  included. Each page runs ``--repeat`` times; "first" is the first call in this process (OS page cache
+  already warm from generation or earlier runs), "median" the median of all calls.
+- "data" is the time inside ``dashboard.data`` (DuckDB), "rest" analysis + figures + JSON. The runs
+  table, which the app's sidebar loads once (cached) for every page, is timed under Runs only.
+- "cpu s": process CPU time (all threads) of the call; DuckDB uses both cores, so on an otherwise idle
+  machine the wall time is roughly between cpu/2 and cpu.
+- Peak memory: the highest RSS sampled every 2 ms during the call, minus RSS before it (DuckDB's native
+  memory included, which tracemalloc would miss).
+
+Run: ``python bench/dashboard_pages.py [--ranks 64,256,1024] [--steps 1000] [--repeat 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dashboard import data, views  # noqa: E402
+from dashboard.store import Store  # noqa: E402
+from dashboard.synthetic import Straggler, SyntheticConfig, write_store  # noqa: E402
+
+GENERATOR = "v6"  # bump when the synthetic model changes, to regenerate the cached store
+
+
+def config_for(ranks: int, steps: int) -> SyntheticConfig:
+    if ranks % 4:
+        raise ValueError(f"ranks ({ranks}) must be a multiple of pp = 4")
+    return SyntheticConfig(run=f"bench-{ranks}", mesh={"pp": 4, "fsdp": ranks // 4}, steps=steps, model="llama-8b",
+                           schedule="1F1B", microbatches=4, max_ops_per_group=4, t0=1.8e9 + ranks,
+                           straggler=Straggler(rank=ranks // 3, factor=1.25, cause="throttle"), seed=ranks)
+
+
+def ensure_run(root: Path, cfg: SyntheticConfig) -> tuple[float | None, int]:
+    """Generate the run unless a matching one is cached. Returns (seconds spent generating or None, bytes)."""
+    marker = root / "markers" / f"{cfg.run}.json"
+    want = json.dumps({"generator": GENERATOR, "config": repr(cfg)}, sort_keys=True)
+    took = None
+    if not marker.exists() or marker.read_text() != want:
+        for kind_dir in (root / "tables").glob("*"):
+            shutil.rmtree(kind_dir / f"run={cfg.run}", ignore_errors=True)
+        t = time.perf_counter()
+        write_store(root, config=cfg)
+        took = time.perf_counter() - t
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(want)
+    size = sum(p.stat().st_size for p in (root / "tables").glob(f"*/run={cfg.run}/*/*.parquet"))
+    return took, size
+
+
+class PeakRss:
+    """Highest RSS seen while active, sampled on a thread."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.proc, self.interval = psutil.Process(), interval
+        self.peak = self.base = 0
+        self._stop = threading.Event()
+
+    def __enter__(self) -> PeakRss:
+        self.base = self.peak = self.proc.memory_info().rss
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+
+
+def timed_loader(store: Store, spent: list[float], *, shared: dict) -> views.Loader:
+    """Uncached, except the runs table: the app's sidebar loads it once (cached) for every page, so it is
+    timed under the Runs page and shared by the others."""
+    def load(name, **kw):
+        if name in shared and not kw:
+            return shared[name]
+        t = time.perf_counter()
+        try:
+            return getattr(data, name)(store, **kw)
+        finally:
+            spent.append(time.perf_counter() - t)
+    return load
+
+
+def _figures_of(result) -> list:
+    if isinstance(result, tuple):
+        return [x for x in result if hasattr(x, "to_json")]
+    return list(getattr(result, "figures", {}).values())
+
+
+def pages(run: str, runs: list[str]) -> dict:
+    """Page name -> function(load) doing what the page does."""
+    return {
+        "runs": lambda load: views.runs_view(load),
+        "overview": lambda load: views.overview(load, run=run, runs=[run], steps=None),
+        "pipeline": lambda load: views.pipeline(load, run=run, steps=None),
+        "communication": lambda load: views.communication(load, run=run, steps=None),
+        "memory": lambda load: views.memory(load, run=run, steps=None),
+        "scaling": lambda load: views.scaling(load, selected=runs, focus=run),
+        "gpu": lambda load: views.gpu(load, run=run),
+    }
+
+
+def bench_page(store: Store, fn, *, repeat: int, shared: dict) -> dict:
+    totals, datas, peaks, cpus = [], [], [], []
+    for _ in range(repeat):
+        spent: list[float] = []
+        with PeakRss() as mem:
+            t, c = time.perf_counter(), time.process_time()
+            result = fn(timed_loader(store, spent, shared=shared))
+            figs = result if isinstance(result, list) else _figures_of(result)
+            for fig in figs:
+                if fig is not None:
+                    fig.to_json()
+            totals.append(time.perf_counter() - t)
+            cpus.append(time.process_time() - c)
+        datas.append(sum(spent))
+        peaks.append((mem.peak - mem.base) / 2**20)
+    return {"first_s": totals[0], "median_s": statistics.median(totals), "data_s": statistics.median(datas),
+            "rest_s": statistics.median(totals) - statistics.median(datas), "peak_mib": max(peaks),
+            "cpu_s": statistics.median(cpus)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", default="64,256,1024")
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--store", default=str(ROOT / ".runs" / "bench_dashboard"))
+    ap.add_argument("--budget", type=float, default=2.0, help="seconds per page (goal)")
+    a = ap.parse_args(argv)
+    scales = [int(x) for x in a.ranks.split(",")]
+    root = Path(a.store)
+    print(__doc__.split("Run:")[0].strip(), "\n")
+    print(f"machine: {psutil.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB RAM; python "
+          f"{sys.version.split()[0]}; store {root}\n")
+    cfgs = [config_for(n, a.steps) for n in scales]
+    for cfg in cfgs:
+        took, size = ensure_run(root, cfg)
+        how = f"generated in {took:.1f} s" if took is not None else "cached"
+        print(f"run {cfg.run}: {cfg.world_size} ranks x {cfg.steps} steps, {size / 2**20:.0f} MiB on disk ({how})")
+    store = Store.open(root)
+    runs = [c.run for c in cfgs]
+    rows = []
+    shared = {"runs_table": data.runs_table(store)}
+    for cfg in cfgs:
+        for name, fn in pages(cfg.run, runs).items():
+            r = bench_page(store, fn, repeat=a.repeat, shared={} if name == "runs" else shared)
+            rows.append({"ranks": cfg.world_size, "page": name, **r})
+    print(f"\nload average during the run: {' '.join(f'{x:.1f}' for x in psutil.getloadavg())} "
+          f"(other users' work on the same {psutil.cpu_count()} CPUs inflates wall times)")
+    print(f"\n{'page':<14}{'ranks':>6}{'first s':>9}{'median s':>10}{'data s':>8}{'rest s':>8}{'cpu s':>7}"
+          f"{'peak MiB':>10}  goal")
+    for r in rows:
+        ok = "ok" if r["median_s"] <= a.budget else f"OVER {a.budget:.0f} s"
+        print(f"{r['page']:<14}{r['ranks']:>6}{r['first_s']:>9.2f}{r['median_s']:>10.2f}{r['data_s']:>8.2f}"
+              f"{r['rest_s']:>8.2f}{r['cpu_s']:>7.2f}{r['peak_mib']:>10.0f}  {ok}")
+    if len(scales) > 1:
+        print("\nscaling with ranks (median s):")
+        for name in pages(runs[0], runs):
+            times = {r["ranks"]: r["median_s"] for r in rows if r["page"] == name}
+            lo, hi = min(times), max(times)
+            print(f"  {name:<14}" + "  ".join(f"{n}: {t:.2f}" for n, t in sorted(times.items()))
+                  + f"   x{times[hi] / max(times[lo], 1e-9):.1f} for x{hi // lo} ranks")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,359 @@
+"""Per-step, per-rank and per-collective analyses: DataFrame in, DataFrame out, no plotting, no I/O.
+
+The formulas are the ones in the project's formulas brief; each function states the one it computes.
+Inputs are either raw store rows or the per-rank/per-step aggregates the data layer computes in SQL
+(documented per function), so the same function serves a unit test on a hand-computed table and the
+dashboard on 1,024 ranks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+# ------------------------------------------------------------------------------------------ busbw
+# nccl-tests bus-bandwidth factors: busbw = algbw * factor(n). Value k means k*(n-1)/n; None means 1.
+BUSBW_FACTOR: dict[str, float | None] = {
+    "all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0,
+    "broadcast": None, "reduce": None, "send": None, "recv": None, "barrier": None,
+}
+
+
+def busbw_factor(op: str, n: int) -> float:
+    """2(n-1)/n for all-reduce; (n-1)/n for all-gather, reduce-scatter, all-to-all; 1 otherwise."""
+    k = BUSBW_FACTOR.get(op)
+    if k is None or n <= 0:
+        return 1.0
+    return k * (n - 1) / n
+
+
+# -------------------------------------------------------------------------------------- breakdown
+BREAKDOWN = ("compute_s", "exposed_comm_s", "bubble_s", "other_s")
+
+
+def breakdown(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per-rank temporal breakdown: mean seconds per step of compute / exposed comm / bubble / other,
+    their fractions of wall time, and the unattributed residual wall - sum (should be ~0).
+
+    ``rows``: step rows (or per-rank means) with ``rank``, ``wall_s`` and the four components."""
+    g = rows.groupby("rank", sort=True)[["wall_s", *BREAKDOWN]].mean()
+    g = g.fillna({c: 0.0 for c in BREAKDOWN})
+    g["unattributed_s"] = g["wall_s"] - g[list(BREAKDOWN)].sum(axis=1)
+    for c in BREAKDOWN:
+        g[c.replace("_s", "_frac")] = np.where(g["wall_s"] > 0, g[c] / g["wall_s"], np.nan)
+    return g.reset_index()
+
+
+# -------------------------------------------------------------------------------------- stragglers
+MAD_SCALE = 1.4826  # makes MAD a consistent estimator of the standard deviation for normal data
+
+
+def robust_z(values: pd.Series) -> pd.Series:
+    """(x - median) / (1.4826 * MAD). If MAD is 0 (more than half the values identical), fall back to
+    the mean absolute deviation * 1.2533 (also sigma-consistent) so one outlier among equal values still
+    scores; if that is 0 too, every score is 0."""
+    x = values.astype(float)
+    med = x.median()
+    scale = MAD_SCALE * (x - med).abs().median()
+    if not scale > 0:
+        scale = 1.2533 * (x - med).abs().mean()
+    if not scale > 0:
+        return pd.Series(0.0, index=x.index)
+    return (x - med) / scale
+
+
+def step_cost(per_step: pd.DataFrame) -> pd.DataFrame:
+    """Straggler cost per step: in synchronous training the job waits for the slowest rank, so the time
+    lost is max over ranks of compute - median over ranks of compute.
+
+    ``per_step``: ``step``, ``max_compute_s``, ``median_compute_s`` (and optionally ``slowest_rank``)."""
+    out = per_step.copy()
+    out["cost_s"] = (out["max_compute_s"] - out["median_compute_s"]).clip(lower=0.0)
+    return out.sort_values("step").reset_index(drop=True)
+
+
+# NVML clocks-event ("throttle") reason bits. Idle, application-clock setting, sync boost and display
+# clock are not slowdowns, so only the others count as throttling.
+THROTTLE_REASONS = {
+    0x1: "idle", 0x2: "app clocks", 0x4: "SW power cap", 0x8: "HW slowdown", 0x10: "sync boost",
+    0x20: "SW thermal", 0x40: "HW thermal", 0x80: "HW power brake", 0x100: "display clocks",
+}
+THROTTLE_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+
+
+def decode_throttle(bits: int) -> list[str]:
+    """Names of the slowdown reasons set in an NVML clocks-event bitmask (non-slowdown bits dropped)."""
+    return [name for bit, name in THROTTLE_REASONS.items() if bits & bit & THROTTLE_MASK]
+
+
+def straggler_table(per_rank: pd.DataFrame, *, per_step: pd.DataFrame,
+                    gpu: pd.DataFrame | None = None, link: pd.DataFrame | None = None,
+                    threshold: float = 3.5, min_excess: float = 0.05, min_drop: float = 0.10) -> pd.DataFrame:
+    """Ranks that stand out, with a robust score, the delay they cost, and a cause hint.
+
+    - ``per_rank``: ``rank``, ``compute_s`` (mean compute per step over the range).
+    - ``per_step``: ``step``, ``max_compute_s``, ``median_compute_s``, ``slowest_rank``.
+    - ``gpu`` (optional): ``rank``, ``clock_ratio`` (SM clock / max clock), ``throttle_share`` (share of
+      samples with a slowdown reason), ``reasons`` (OR of reason bits).
+    - ``link`` (optional): ``rank``, ``busbw_ratio`` (its worst group's busbw against peer groups, see
+      ``link_ratios``), optionally ``link_group``.
+
+    A rank is listed when its compute robust z > threshold and it is at least ``min_excess`` above the
+    median (slow compute), or its busbw robust z < -threshold and it is at least ``min_drop`` below its
+    peers (slow link). The ratio floor matters when ranks are nearly identical: the MAD is then tiny and
+    a 0.1 % difference would score a large z. ``cost_s_per_step`` attributes the job's straggler cost to
+    the rank that was slowest in each step (sum over ranks = mean step cost). Cause hint, relative to
+    peers (busy GPUs often show a power cap now and then): GPU throttling when its GPU reports slowdown
+    reasons in at least a quarter more of its samples than the median GPU, or runs its SM clock below 92 %
+    of the median; link when its busbw is low; else compute.
+    """
+    t = per_rank[["rank", "compute_s"]].copy()
+    med = t["compute_s"].median()
+    t["ratio_to_median"] = t["compute_s"] / med if med > 0 else np.nan
+    t["robust_z"] = robust_z(t["compute_s"])
+    cost = step_cost(per_step)
+    n_steps = max(len(cost), 1)
+    if "slowest_rank" in cost:
+        by_rank = cost.groupby("slowest_rank").agg(slowest_steps=("step", "size"), cost=("cost_s", "sum"))
+        t = t.merge(by_rank, how="left", left_on="rank", right_index=True)
+    else:
+        t["slowest_steps"], t["cost"] = np.nan, np.nan
+    t["slowest_share"] = t.pop("slowest_steps").fillna(0) / n_steps
+    t["cost_s_per_step"] = t.pop("cost").fillna(0.0) / n_steps
+    for frame, cols in ((gpu, ["clock_ratio", "throttle_share", "reasons"]), (link, ["busbw_ratio", "link_group"])):
+        if frame is not None and len(frame):
+            t = t.merge(frame[["rank", *[c for c in cols if c in frame]]], how="left", on="rank")
+            for c in cols:
+                if c not in t:
+                    t[c] = np.nan
+        else:
+            for c in cols:
+                t[c] = np.nan
+    t["link_z"] = robust_z(t["busbw_ratio"]) if t["busbw_ratio"].notna().any() else np.nan
+    peers = {"clock": t["clock_ratio"].median(), "share": t["throttle_share"].median()}
+    flagged = (((t["robust_z"] > threshold) & (t["ratio_to_median"] >= 1 + min_excess))
+               | ((t["link_z"] < -threshold) & (t["busbw_ratio"] <= 1 - min_drop)))
+    t = t[flagged].copy()
+    t["cause"] = [_cause(r, peers=peers, threshold=threshold, min_drop=min_drop) for r in t.itertuples()]
+    return t.sort_values(["robust_z"], ascending=False).reset_index(drop=True)
+
+
+def _cause(r, *, peers: dict, threshold: float, min_drop: float) -> str:
+    throttled = not pd.isna(r.throttle_share) and r.throttle_share - peers["share"] >= 0.25
+    slow_clock = not pd.isna(r.clock_ratio) and not pd.isna(peers["clock"]) and r.clock_ratio < 0.92 * peers["clock"]
+    if throttled or slow_clock:
+        names = decode_throttle(int(r.reasons)) if not pd.isna(r.reasons) else []
+        detail = ", ".join(names) if names else "no reason bits"
+        return f"GPU throttling ({detail}; SM clock {r.clock_ratio:.0%} of max)"
+    if not pd.isna(r.link_z) and r.link_z < -threshold and r.busbw_ratio <= 1 - min_drop:
+        where = f"group {r.link_group} " if isinstance(r.link_group, str) else ""
+        return f"link ({where}busbw {r.busbw_ratio:.0%} of peer groups)"
+    return "compute (no throttling or link signal: kernels, host, data or imbalance)"
+
+
+# -------------------------------------------------------------------------------------- pipeline
+_GPIPE_LIKE = {"gpipe", "1f1b"}
+_INTERLEAVED = {"interleaved1f1b", "loopedbfs"}
+
+
+def normalize_schedule(name: str | None) -> str:
+    """'Interleaved1F1B', 'interleaved-1f1b' -> 'interleaved1f1b'."""
+    return "".join(ch for ch in (name or "").lower() if ch.isalnum())
+
+
+def bubble_theory(*, schedule: str | None, p: int, m: int, v: int = 1) -> float | None:
+    """Idle fraction of a stage's step (balanced stages, equal F and B cost):
+    GPipe and 1F1B (p-1)/(m+p-1); interleaved 1F1B (p-1)/(v*m+p-1). None when no closed form applies
+    (zero-bubble schedules, unknown names). This is the idle *fraction of the step*, not (p-1)/m (bubble
+    relative to ideal compute)."""
+    s = normalize_schedule(schedule)
+    if p < 1 or m < 1:
+        return None
+    if s in _GPIPE_LIKE:
+        return (p - 1) / (m + p - 1)
+    if s in _INTERLEAVED:
+        return (p - 1) / (max(v, 1) * m + p - 1)
+    return None
+
+
+def measured_bubble(spans: pd.DataFrame, *, windows: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Measured bubble per (step, rank): 1 - (sum of the rank's F/B/W span durations) / window.
+
+    ``spans``: ``step``, ``rank``, ``stage``, ``t_start``, ``t_end``. ``windows``: ``step``, ``rank``,
+    ``wall_s`` (the rank's step wall time, as the formula defines the window). Without windows, the
+    window is the pipeline's extent in that step (first span start to last span end, all ranks).
+    Returns ``step``, ``rank``, ``stage`` (the rank's lowest stage: its position in the pipeline),
+    ``busy_s``, ``window_s``, ``bubble``."""
+    s = spans.assign(d=spans["t_end"] - spans["t_start"])
+    g = s.groupby(["step", "rank"]).agg(stage=("stage", "min"), busy_s=("d", "sum")).reset_index()
+    if windows is not None and len(windows):
+        g = g.merge(windows[["step", "rank", "wall_s"]].rename(columns={"wall_s": "window_s"}),
+                    how="left", on=["step", "rank"])
+    else:
+        g["window_s"] = np.nan
+    extent = s.groupby("step").agg(a=("t_start", "min"), b=("t_end", "max"))
+    g["window_s"] = g["window_s"].fillna(g["step"].map(extent["b"] - extent["a"]))
+    g["bubble"] = 1.0 - g["busy_s"] / g["window_s"]
+    return g
+
+
+def idle_gaps(spans: pd.DataFrame, *, t0: float, t1: float) -> pd.DataFrame:
+    """Idle intervals of each rank inside [t0, t1]: the complement of its spans (for shading bubbles).
+    ``spans``: ``rank``, ``t_start``, ``t_end``. Returns ``rank``, ``t_start``, ``t_end``."""
+    out = []
+    for rank, grp in spans.sort_values("t_start").groupby("rank"):
+        cursor = t0
+        for a, b in zip(grp["t_start"], grp["t_end"]):
+            if a > cursor:
+                out.append((rank, cursor, min(a, t1)))
+            cursor = max(cursor, b)
+        if cursor < t1:
+            out.append((rank, cursor, t1))
+    return pd.DataFrame(out, columns=["rank", "t_start", "t_end"])
+
+
+# -------------------------------------------------------------------------------- communication
+def comm_summary(rows: pd.DataFrame) -> pd.DataFrame:
+    """Time per op and parallel dimension, split into exposed (the training thread waited: wait_s) and
+    overlapped (duration - wait, hidden behind compute), per rank and step (averaged over the distinct
+    (rank, step) pairs in ``rows``).
+
+    ``rows``: collective and P2P records with ``rank``, ``step``, ``op``, ``dim``, ``bytes``,
+    ``duration_s``, ``wait_s``."""
+    rank_steps = max(int(rows.groupby("rank")["step"].nunique().sum()), 1)
+    t = (rows.groupby(["op", "dim"], as_index=False)
+         .agg(count=("bytes", "size"), duration_s=("duration_s", "sum"), wait_s=("wait_s", "sum"),
+              total_bytes=("bytes", "sum")))
+    t["exposed_s"] = t["wait_s"] / rank_steps
+    t["overlapped_s"] = (t["duration_s"] - t["wait_s"]).clip(lower=0.0) / rank_steps
+    t["ops_per_step"] = t["count"] / rank_steps
+    t["bytes_per_step"] = t["total_bytes"] / rank_steps
+    t["exposed_share"] = np.where(t["duration_s"] > 0, t["wait_s"] / t["duration_s"], np.nan)
+    return t.sort_values(["exposed_s", "overlapped_s"], ascending=False).reset_index(drop=True)
+
+
+def collective_instances(rows: pd.DataFrame) -> pd.DataFrame:
+    """One row per collective instance (group, seq) with its network-side bus bandwidth.
+
+    ``net_s`` = earliest t_end - latest t_start over the members: the transfer once the last member
+    arrived. Per-rank durations include waiting for late peers (arrival skew), so a fast rank that
+    waited would look like a slow link; ``net_s`` does not, while a slow link lengthens it for the whole
+    group. ``busbw`` = bytes x factor / net_s (bytes/s; NaN when net_s <= 0). P2P ops are left out.
+
+    ``rows``: ``rank``, ``op``, ``dim``, ``group``, ``group_size``, ``bytes``, ``seq``, ``t_start``,
+    ``t_end`` (``peer`` optional)."""
+    r = rows if "peer" not in rows else rows[rows["peer"] < 0]
+    key = _instance_key(r)
+    by = r.groupby(key, sort=False)
+    first = r.loc[~key.duplicated(), ["group", "seq", "op", "dim"]].set_index(key[~key.duplicated()])
+    g = by.agg(group_size=("group_size", "max"), bytes=("bytes", "max"), members=("rank", "size"),
+               t_last=("t_start", "max"), t_end=("t_end", "min"))
+    g = first.join(g).reset_index(drop=True)
+    g["net_s"] = g["t_end"] - g["t_last"]
+    factor = np.array([busbw_factor(op, int(n)) for op, n in zip(g["op"], g["group_size"])])
+    g["busbw"] = np.where(g["net_s"] > 0, g["bytes"] * factor / g["net_s"].where(g["net_s"] > 0), np.nan)
+    return g
+
+
+def busbw_spread(instances: pd.DataFrame) -> pd.DataFrame:
+    """Per op, dim and message size: median, p10 and p90 busbw over collective instances, and their
+    count. ``instances``: from ``collective_instances``."""
+    c = instances[(instances["bytes"] > 0) & instances["busbw"].notna()]
+    g = c.groupby(["op", "dim", "bytes"])["busbw"]
+    out = g.agg(count="size", busbw="median")
+    out["busbw_p10"] = g.quantile(0.1)
+    out["busbw_p90"] = g.quantile(0.9)
+    return out.reset_index()
+
+
+def link_ratios(instances: pd.DataFrame, *, members: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """How each group's network-side busbw compares with groups doing the same op on the same dim with
+    the same size, and each rank's worst group.
+
+    A group's ratio is the median over its instances of busbw / (median busbw of that op, dim, size). A
+    rank's ratio is the lowest over its groups (a slow NIC shows on the dims that cross hosts, not on
+    the others). ``members``: ``rank``, ``dim``, ``group``. Returns (``rank``, ``busbw_ratio``,
+    ``link_group``) and (``dim``, ``group``, ``group_size``, ``busbw_ratio``, ``busbw``)."""
+    c = instances[(instances["bytes"] > 0) & instances["busbw"].notna()].copy()
+    ref = c.groupby(["op", "dim", "bytes"])["busbw"].transform("median")
+    c["ratio"] = c["busbw"] / ref.where(ref > 0)
+    groups = (c.groupby(["dim", "group"], as_index=False)
+              .agg(group_size=("group_size", "max"), busbw_ratio=("ratio", "median"), busbw=("busbw", "median"))
+              .sort_values("busbw_ratio").reset_index(drop=True))
+    m = members[["rank", "dim", "group"]].drop_duplicates().merge(groups[["dim", "group", "busbw_ratio"]],
+                                                                   on=["dim", "group"])
+    worst = m.loc[m.groupby("rank")["busbw_ratio"].idxmin()] if len(m) else m
+    ranks = worst.rename(columns={"group": "link_group"})[["rank", "busbw_ratio", "link_group"]]
+    return ranks.sort_values("rank").reset_index(drop=True), groups
+
+
+def _instance_key(r: pd.DataFrame) -> pd.Series:
+    """One integer per (group, seq): grouping on it is several times faster than on a string column."""
+    seq = r["seq"].to_numpy(dtype=np.int64)
+    lo, span = (int(seq.min()), int(seq.max() - seq.min()) + 1) if len(seq) else (0, 1)
+    return pd.Series(pd.factorize(r["group"])[0].astype(np.int64) * span + (seq - lo), index=r.index)
+
+
+def arrival_skew(rows: pd.DataFrame) -> pd.DataFrame:
+    """Arrival skew of collectives: for every (group, seq) collective, each rank's t_start minus the
+    earliest t_start in that collective. The last to arrive made the others wait; ``caused_wait_s`` on
+    its row is the sum over the others of (its t_start - their t_start). P2P ops (peer >= 0) are left
+    out: their sequence numbers do not pair up across ranks.
+
+    ``rows``: ``rank``, ``group``, ``seq``, ``t_start`` (``peer`` optional)."""
+    r = rows if "peer" not in rows else rows[rows["peer"] < 0]
+    r = r[["rank", "group", "seq", "t_start"]].reset_index(drop=True)
+    by = r.groupby(_instance_key(r), sort=False)["t_start"]
+    r["skew_s"] = r["t_start"] - by.transform("min")
+    # idxmax takes the first row on ties, so each collective blames exactly one rank.
+    r["is_last"] = r.index.isin(by.idxmax())
+    owed = by.transform("max") * by.transform("size") - by.transform("sum")
+    r["caused_wait_s"] = np.where(r["is_last"], owed, 0.0)
+    return r
+
+
+def skew_by_rank(skew: pd.DataFrame) -> pd.DataFrame:
+    """Per rank: mean, p95 and max arrival skew, how often it arrived last, and the wait it caused."""
+    by = skew.groupby("rank")
+    g = by.agg(mean_skew_s=("skew_s", "mean"), max_skew_s=("skew_s", "max"), last_count=("is_last", "sum"),
+               collectives=("seq", "size"), caused_wait_s=("caused_wait_s", "sum"))
+    g.insert(1, "p95_skew_s", by["skew_s"].quantile(0.95))
+    g["last_share"] = g["last_count"] / g["collectives"]
+    return g.reset_index().sort_values("caused_wait_s", ascending=False, kind="stable").reset_index(drop=True)
+
+
+def slow_groups(groups: pd.DataFrame, *, threshold: float = 3.5, min_drop: float = 0.10) -> pd.DataFrame:
+    """Communication groups whose bus bandwidth is low against the other groups of the same dim: a
+    slow link slows every member of its groups alike, so it shows per group rather than per rank.
+
+    ``groups``: ``dim``, ``group``, ``busbw_ratio`` (median of busbw / peers' busbw, same op and size).
+    Adds ``robust_z`` (within the dim) and keeps groups with z < -threshold whose ratio is also at
+    least ``min_drop`` below 1 (so near-identical groups with a tiny MAD are not flagged)."""
+    if groups.empty:
+        return groups.assign(robust_z=pd.Series(dtype=float))
+    z = groups.groupby("dim", group_keys=False)["busbw_ratio"].apply(robust_z)
+    out = groups.assign(robust_z=z.reindex(groups.index))
+    keep = (out["robust_z"] < -threshold) & (out["busbw_ratio"] <= 1 - min_drop)
+    return out[keep].sort_values("robust_z").reset_index(drop=True)
+
+
+# ---------------------------------------------------------------------------------- throughput
+def parallel_degrees(mesh: dict[str, int] | None, *, world_size: int) -> dict[str, int]:
+    """Degrees of dp (data replicas: dp * fsdp), tp and pp. Without a mesh, all ranks are replicas."""
+    mesh = mesh or {}
+    tp, pp = int(mesh.get("tp", 1) or 1), int(mesh.get("pp", 1) or 1)
+    if mesh:
+        dp = int(mesh.get("dp", 1) or 1) * int(mesh.get("fsdp", 1) or 1)
+    else:
+        dp = max(world_size, 1)
+    return {"dp": dp, "tp": tp, "pp": pp}
+
+
+def step_throughput(per_step: pd.DataFrame, *, dp: int) -> pd.DataFrame:
+    """Tokens/s per step: each rank reports its replica's tokens (global / dp), so global tokens =
+    mean over ranks * dp; the step takes the slowest rank's wall time (synchronous training).
+
+    ``per_step``: ``step``, ``tokens_mean``, ``step_time_s`` (max wall over ranks)."""
+    t = per_step.copy()
+    t["tokens_per_s"] = np.where(t["step_time_s"] > 0, t["tokens_mean"] * dp / t["step_time_s"], np.nan)
+    return t

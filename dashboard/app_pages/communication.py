@@ -1,0 +1,48 @@
+"""Communication: time per op and parallel dim (exposed vs overlapped), bus bandwidth against message
+size, arrival skew per rank, and groups with slow links."""
+
+import streamlit as st
+
+from dashboard import data, ui, views
+
+
+def main(ctx: ui.Context) -> None:
+    run = ctx.focus
+    st.title(f"Communication · {run}")
+    view = views.communication(ui.loader(ctx), run=run, steps=ctx.steps)
+    ui.warn_skipped(*view.frames)
+    if view.summary.empty:
+        ui.missing("collective records", run=run)
+        return
+    s, f = view.summary, view.figures
+    c = st.columns(3)
+    c[0].metric("exposed comm per rank-step", f"{s['exposed_s'].sum() * 1e3:.2f} ms")
+    c[1].metric("overlapped per rank-step", f"{s['overlapped_s'].sum() * 1e3:.2f} ms")
+    c[2].metric("ops per rank-step", f"{s['ops_per_step'].sum():.1f}")
+    ui.window_note(ctx, view.steps, what="The figures on this page", budget=data.RAW_BUDGET)
+    ui.chart(f["time"])
+    st.caption("Exposed = wait_s, the time the training thread was blocked on the op; overlapped = "
+               "duration − wait, hidden behind compute.")
+    if view.skew is None:
+        st.info("No collectives (only P2P or nothing) to compare arrival times and link bandwidth.")
+        return
+    st.subheader("Bus bandwidth, arrival skew and slow links")
+    if "busbw" in f:
+        ui.chart(f["busbw"])
+        st.caption("busbw = bytes × factor / transfer time (all-reduce 2(n−1)/n; all-gather, reduce-scatter, "
+                   "all-to-all (n−1)/n; others 1), where the transfer time is the earliest end minus the latest "
+                   "start over the group's members: waiting for late peers is left out. Points: median over "
+                   "collectives; bars: p10–p90.")
+    ui.chart(f["skew"])
+    st.caption("For each (group, seq) collective: each rank's start minus the earliest start; the last to "
+               "arrive made the others wait the sum of their differences.")
+    st.dataframe(view.skew.head(10), hide_index=True)
+    if view.slow_groups is None or view.slow_groups.empty:
+        st.success("No group's bus bandwidth stands out against the other groups of its dim.")
+    else:
+        st.warning(f"{len(view.slow_groups)} group(s) run clearly slower than the other groups of their dim: "
+                   "a slow link or NIC on one of their members.")
+        st.dataframe(view.slow_groups, hide_index=True)
+
+
+ui.render(main)

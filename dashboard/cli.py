@@ -1,0 +1,70 @@
+"""``meshscope dashboard --store DIR [--prometheus URL] [--port P] [--host 127.0.0.1]``: serve the
+Streamlit dashboard over a run store (``streamlit run streamlit_app.py -- --store DIR ...``), headless,
+bound to localhost unless told otherwise."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from dashboard.config import ConfigError, check_prometheus_url
+
+APP = Path(__file__).resolve().parent.parent / "streamlit_app.py"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of usage + exit
+        raise ConfigError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="meshscope dashboard", description=__doc__.split("\n")[0])
+    p.add_argument("--store", required=True, help="run store directory (the agent's --store)")
+    p.add_argument("--prometheus", default=None, help="Prometheus base URL for the Live page")
+    p.add_argument("--port", default="8501", help="port to serve on (default 8501)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: local only)")
+    p.add_argument("--refresh", default="5", help="Live page refresh interval, seconds (default 5)")
+    return p
+
+
+def build_command(argv: list[str]) -> list[str]:
+    """Validate the flags and return the ``streamlit run`` command line. Raises ConfigError."""
+    a = _parser().parse_args(argv)
+    store = Path(a.store).expanduser()
+    if not store.is_dir():
+        raise ConfigError(f"store directory not found: {a.store}")
+    if not a.port.isdigit() or not 1 <= int(a.port) <= 65535:
+        raise ConfigError(f"--port must be an integer in 1..65535, got {a.port!r}")
+    try:
+        refresh = float(a.refresh)
+    except ValueError:
+        raise ConfigError(f"--refresh must be a number of seconds, got {a.refresh!r}") from None
+    if not refresh > 0:
+        raise ConfigError(f"--refresh must be > 0 seconds, got {a.refresh!r}")
+    if a.prometheus is not None:
+        check_prometheus_url(a.prometheus)
+    script_args = ["--store", str(store.resolve()), "--refresh", str(refresh)]
+    if a.prometheus:
+        script_args += ["--prometheus", a.prometheus]
+    return [sys.executable, "-m", "streamlit", "run", str(APP),
+            "--server.address", a.host, "--server.port", str(int(a.port)), "--server.headless", "true",
+            "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
+            "--", *script_args]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(x in ("-h", "--help") for x in argv):
+        _parser().print_help()
+        return 0
+    try:
+        cmd = build_command(argv)
+    except ConfigError as e:
+        print(f"meshscope dashboard: error: {e}", file=sys.stderr)
+        return 2
+    # Become the Streamlit server rather than start it as a child: a supervisor that stops this process
+    # by its PID then stops the server too, instead of leaving an orphan holding the port.
+    os.execv(cmd[0], cmd)
+    raise AssertionError("unreachable: execv returned")

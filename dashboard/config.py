@@ -1,0 +1,57 @@
+"""The dashboard's configuration: one dataclass, validated at construction, from command-line arguments.
+
+``meshscope dashboard`` (``dashboard.cli``) validates the user's flags and hands ``--store`` and
+``--prometheus`` to the Streamlit script as script arguments (``streamlit run streamlit_app.py --
+--store DIR``); the script parses them again with ``parse_app_args``. There are no environment
+variables: tests pass the same arguments through ``sys.argv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import urllib.parse
+from dataclasses import dataclass
+
+
+class ConfigError(ValueError):
+    """A bad flag; the message is one line for the user."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AppConfig:
+    store: str
+    prometheus: str | None = None
+    refresh_s: float = 5.0  # Live page refresh interval
+
+    def __post_init__(self) -> None:
+        if not self.store:
+            raise ConfigError("--store DIR is required")
+        if self.prometheus is not None:
+            check_prometheus_url(self.prometheus)
+        if not self.refresh_s > 0:
+            raise ConfigError(f"--refresh must be > 0 seconds, got {self.refresh_s}")
+
+
+def check_prometheus_url(url: str) -> None:
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ConfigError(f"--prometheus must be an http(s)://host:port URL, got {url!r}")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print usage and exit; we want one line
+        raise ConfigError(message)
+
+
+def app_parser(prog: str) -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, add_help=False)
+    p.add_argument("--store", required=True)
+    p.add_argument("--prometheus", default=None)
+    p.add_argument("--refresh", type=float, default=5.0)
+    return p
+
+
+def parse_app_args(argv: list[str]) -> AppConfig:
+    """Arguments the Streamlit script receives after ``--``."""
+    a = app_parser("streamlit_app.py").parse_args(argv)
+    return AppConfig(store=a.store, prometheus=a.prometheus, refresh_s=a.refresh)

@@ -1,0 +1,253 @@
+"""Data access for the pages: DuckDB over the store's Parquet, filtered by run and step range, with the
+aggregation pushed into SQL so that 1,024 ranks x 1,000 steps arrive as per-rank or per-step tables.
+
+Shape of the cost: the store holds one small file per rank and kind, so at 1,024 ranks a scan is
+dominated by opening 1,024 files (~0.2-0.3 s here), and the collective and span tables grow with
+ranks x steps x ops. So each function reads a kind once (materialising the filtered rows when several
+aggregates need them), and the heavy tables are read over a step window that fits ``ROW_BUDGET``
+(``budget_window``; the pages say which steps they used).
+
+Every function takes the ``Store`` first and the rest keyword-only, returns DataFrames (or a dict of
+them) and has no Streamlit in it; ``dashboard.ui`` caches them. ``steps`` is an inclusive (first, last)
+step range or None for all steps.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+
+from agent.schema import SCHEMAS
+from dashboard.analysis import THROTTLE_MASK
+from dashboard.store import SKIPPED, Store
+
+_ALL = (-(2**62), 2**62)
+# The collective and span tables grow with ranks x steps x ops. A page analyses the latest steps of the
+# selected range that fit a budget (and says which), so its cost stays bounded:
+ROW_BUDGET = 2_000_000  # records aggregated in SQL (spans)
+RAW_BUDGET = 200_000  # raw records brought into pandas (collectives)
+_META_COLS = ("world_size", "strategy", "mesh", "schedule", "microbatches", "virtual_stages", "model",
+              "n_params", "n_params_nonembedding", "n_layers", "d_model", "seq_len", "global_batch",
+              "flops_per_token", "peak_flops", "device", "dtype", "config")
+
+
+def _range(steps: tuple[int, int] | None) -> list[int]:
+    lo, hi = steps or _ALL
+    return [int(lo), int(hi)]
+
+
+def budget_window(steps: tuple[int, int], *, rows_per_step: float | None, budget: int) -> tuple[int, int]:
+    """The latest steps of ``steps`` whose records fit in ``budget`` (all of them when the rate is
+    unknown)."""
+    lo, hi = steps
+    if not rows_per_step or rows_per_step <= 0:
+        return lo, hi
+    return max(lo, hi - max(1, int(budget // rows_per_step)) + 1), hi
+
+
+def parse_mesh(text: str | None) -> dict[str, int]:
+    """The ``mesh`` JSON of a run record as {dim: degree}; {} when absent or malformed."""
+    try:
+        mesh = json.loads(text or "{}")
+        return {str(k): int(v) for k, v in mesh.items()} if isinstance(mesh, dict) else {}
+    except (json.JSONDecodeError, TypeError, ValueError):
+        return {}
+
+
+def _skipped(target: pd.DataFrame, *sources: pd.DataFrame) -> pd.DataFrame:
+    target.attrs[SKIPPED] = sorted({p for s in sources for p in s.attrs.get(SKIPPED, [])})
+    return target
+
+
+# ------------------------------------------------------------------------------------------ runs
+def runs_table(store: Store) -> pd.DataFrame:
+    """One row per run in the store: metadata from the ``run`` records (the latest attempt, lowest
+    rank), ranks that reported, step range, collectives recorded per step (all ranks), start and end.
+    Runs with no ``run`` records (partial) still appear, with empty metadata."""
+    names = store.runs()
+    cols = ", ".join(f"first({c} ORDER BY attempt DESC, rank) AS {c}" for c in _META_COLS)
+    meta, steps = store.query_all([
+        (f"SELECT run, {cols}, count(DISTINCT rank) AS ranks_started, max(attempt) AS attempts, "
+         "min(t_start) AS t_start FROM run GROUP BY run", None),
+        ("SELECT run, min(step) AS first_step, max(step) AS last_step, count(DISTINCT step) AS steps, "
+         "count(DISTINCT rank) AS ranks_stepping, max(t_end) AS t_end, "
+         "sum(n_collectives) / count(DISTINCT step) AS collectives_per_step FROM step GROUP BY run", None),
+    ], kinds=("run", "step"), runs=names)
+    out = (pd.DataFrame({"run": pd.Series(names, dtype=object)})
+           .merge(meta, how="left", on="run").merge(steps, how="left", on="run"))
+    out["t_start"] = out["t_start"].fillna(out["t_end"])
+    out = out.sort_values("t_start", ascending=False, na_position="last").reset_index(drop=True)
+    return _skipped(out, meta, steps)
+
+
+def events(store: Store, *, run: str, limit: int = 200) -> pd.DataFrame:
+    """Timeline events other than start/end, newest first."""
+    return store.query("SELECT t, rank, step, kind, message FROM event WHERE kind NOT IN ('start', 'end') "
+                       "ORDER BY t DESC LIMIT ?", kinds=("event",), runs=[run], params=[limit])
+
+
+# ------------------------------------------------------------------------------------ overview
+def overview_data(store: Store, *, run: str, runs: list[str], steps: tuple[int, int] | None,
+                  max_ranks: int = 128, max_steps: int = 200) -> dict[str, pd.DataFrame]:
+    """Everything the Overview takes from the step records, in one read of them:
+
+    - ``series``: per run (all ``runs``) and step: ``step_time_s`` (max wall over ranks), ``tokens_mean``
+      (mean replica tokens), ``mfu`` (mean per-rank MFU), ``loss`` (mean of finite losses), ``ranks``.
+    - ``breakdown``: per rank of ``run``: mean wall / compute / exposed comm / bubble / other seconds.
+    - ``heatmap``: compute seconds on a grid of at most max_ranks x max_steps cells (mean over a cell's
+      steps, then max over its ranks, so a slow rank is not averaged away); ``rank_bin``/``step_bin``
+      are a cell's first rank/step, ``rank_width``/``step_width`` its size.
+    - ``per_rank``: mean compute per rank; ``per_step``: max and median compute over ranks and the
+      slowest rank (inputs of ``analysis.straggler_table``).
+    - ``window``: the step range's first start and last end time (for the GPU join)."""
+    r = _range(steps)
+    focus = "run = $run"
+    frames = store.query_all([
+        ("SELECT run, step, max(wall_s) AS step_time_s, avg(tokens) AS tokens_mean, avg(mfu) AS mfu, "
+         "avg(loss) FILTER (WHERE loss IS NOT NULL AND NOT isnan(loss)) AS loss, count(*) AS ranks "
+         "FROM step GROUP BY run, step ORDER BY run, step", None),
+        (f"SELECT rank, avg(wall_s) AS wall_s, avg(compute_s) AS compute_s, avg(exposed_comm_s) AS exposed_comm_s, "
+         f"avg(bubble_s) AS bubble_s, avg(other_s) AS other_s, count(*) AS steps FROM step WHERE {focus} "
+         f"GROUP BY rank ORDER BY rank", {"run": run}),
+        (f"""WITH s AS (SELECT rank, step, compute_s FROM step WHERE {focus}),
+           b AS (SELECT greatest(1, ceil((max(rank) + 1) / $mr))::BIGINT AS rw, min(step) AS s0,
+                        greatest(1, ceil((max(step) - min(step) + 1) / $ms))::BIGINT AS sw FROM s),
+           c AS (SELECT rank // b.rw AS rbin, rank, (step - b.s0) // b.sw AS sbin, avg(compute_s) AS v
+                 FROM s, b GROUP BY ALL)
+        SELECT rbin * b.rw AS rank_bin, sbin * b.sw + b.s0 AS step_bin, max(v) AS compute_s,
+               any_value(b.rw) AS rank_width, any_value(b.sw) AS step_width
+        FROM c, b GROUP BY ALL ORDER BY rank_bin, step_bin""", {"run": run, "mr": max_ranks, "ms": max_steps}),
+        (f"SELECT step, max(compute_s) AS max_compute_s, median(compute_s) AS median_compute_s, "
+         f"arg_max(rank, compute_s) AS slowest_rank FROM step WHERE {focus} GROUP BY step ORDER BY step",
+         {"run": run}),
+        (f"SELECT min(t_start) AS t_start, max(t_end) AS t_end FROM step WHERE {focus}", {"run": run}),
+    ], kinds=("step",), runs=runs, materialize={"step": ("step BETWEEN ? AND ?", r, _OVERVIEW_COLS)})
+    out = dict(zip(("series", "breakdown", "heatmap", "per_step", "window"), frames))
+    out["per_rank"] = out["breakdown"][["rank", "compute_s"]]
+    return out
+
+
+_OVERVIEW_COLS = ("run", "rank", "step", "t_start", "t_end", "wall_s", "compute_s", "exposed_comm_s", "bubble_s",
+                  "other_s", "tokens", "mfu", "loss")
+
+
+def gpu_by_rank(store: Store, *, run: str, window: tuple[float, float] | None) -> pd.DataFrame:
+    """Per rank (joined on host and GPU index = local rank, samples within ``window`` seconds):
+    ``clock_ratio`` (mean SM clock / max clock), ``throttle_share`` (samples with a slowdown reason),
+    ``reasons`` (OR of slowdown bits)."""
+    a, b = window or (-1e300, 1e300)
+    return store.query(
+        f"""WITH r AS (SELECT rank, first(host ORDER BY attempt DESC) AS host,
+                     first(local_rank ORDER BY attempt DESC) AS local_rank FROM run GROUP BY rank),
+        g AS (SELECT host, gpu, avg(sm_clock_hz / nullif(sm_clock_max_hz, 0)) AS clock_ratio,
+                     avg(CASE WHEN (throttle_reasons & {THROTTLE_MASK}) != 0 THEN 1.0 ELSE 0.0 END) AS throttle_share,
+                     bit_or(throttle_reasons & {THROTTLE_MASK}) AS reasons
+              FROM gpu WHERE t BETWEEN ? AND ? GROUP BY host, gpu)
+        SELECT r.rank, g.clock_ratio, g.throttle_share, g.reasons FROM r JOIN g
+          ON r.host = g.host AND r.local_rank = g.gpu ORDER BY r.rank""",
+        kinds=("run", "gpu"), runs=[run], params=[float(a), float(b)])
+
+
+# ------------------------------------------------------------------------------- communication
+def collective_rows(store: Store, *, run: str, steps: tuple[int, int] | None) -> pd.DataFrame:
+    """Raw collective and P2P rows of a step window, for time per op, arrival skew and network-side
+    busbw (``analysis.comm_summary``, ``arrival_skew``, ``collective_instances``). At 1,024 ranks
+    reading the columns costs about the same for 10 steps as for all (each rank's file is read whole),
+    so one read serves the whole Communication page; pass a window that fits ``RAW_BUDGET`` rows."""
+    return store.query(
+        "SELECT rank, step, op, dim, \"group\", group_size, bytes, seq, t_start, t_end, duration_s, wait_s, peer "
+        "FROM collective WHERE step BETWEEN ? AND ?", kinds=("collective",), runs=[run], params=_range(steps))
+
+
+# ------------------------------------------------------------------------------------ pipeline
+def pipeline_data(store: Store, *, run: str, steps: tuple[int, int] | None,
+                  gantt_step: int | None) -> dict[str, pd.DataFrame]:
+    """Spans and step windows, each kind read once, for the Pipeline page:
+
+    - ``bubble``: per step and stage, the mean over the stage's ranks of 1 - (sum of span durations) /
+      (the rank's step wall time); without step records the window is the step's span extent. Stage is
+      the rank's lowest stage (its position in the pipeline, also under interleaving).
+    - ``spans`` / ``windows``: the spans of ``gantt_step`` for one representative rank per pipeline
+      position (the lowest rank), and those ranks' step records (``t_start``, ``t_end``, ``wall_s``)."""
+    lo, hi = _range(steps)
+    g = -1 if gantt_step is None else int(gantt_step)
+    keep = ("(step BETWEEN ? AND ? OR step = ?)", [lo, hi, g])
+    bubble, spans, windows = store.query_all([
+        ("""WITH s AS (SELECT rank, step, min(stage) AS stage, sum(t_end - t_start) AS busy,
+                             min(t_start) AS a, max(t_end) AS b
+                      FROM span WHERE step BETWEEN $lo AND $hi GROUP BY rank, step),
+           e AS (SELECT step, max(b) - min(a) AS extent FROM s GROUP BY step)
+        SELECT s.step, s.stage, avg(1 - s.busy / coalesce(w.wall_s, e.extent)) AS bubble,
+               avg(s.busy) AS busy_s, avg(coalesce(w.wall_s, e.extent)) AS window_s, count(*) AS ranks
+        FROM s JOIN e USING (step) LEFT JOIN step w USING (rank, step)
+        GROUP BY s.step, s.stage ORDER BY s.step, s.stage""", {"lo": lo, "hi": hi}),
+        ("""WITH pos AS (SELECT rank, min(stage) AS pos FROM span WHERE step = $g GROUP BY rank),
+               rep AS (SELECT min(rank) AS rank FROM pos GROUP BY pos)
+            SELECT step, rank, stage, microbatch, kind, t_start, t_end FROM span
+            WHERE step = $g AND rank IN (SELECT rank FROM rep) ORDER BY rank, t_start""", {"g": g}),
+        ("SELECT rank, step, t_start, t_end, wall_s FROM step WHERE step = $g", {"g": g}),
+    ], kinds=("span", "step"), runs=[run],
+        materialize={"step": (*keep, ("rank", "step", "t_start", "t_end", "wall_s")),
+                     "span": (*keep, ("rank", "step", "stage", "microbatch", "kind", "t_start", "t_end"))})
+    windows = windows[windows["rank"].isin(spans["rank"].unique())].reset_index(drop=True)
+    return {"bubble": bubble, "spans": spans, "windows": _skipped(windows, bubble)}
+
+
+# -------------------------------------------------------------------------------------- memory
+def memory_data(store: Store, *, run: str, steps: tuple[int, int] | None) -> dict[str, pd.DataFrame]:
+    """``per_rank``: current (latest sample) and peak allocated / reserved / RSS bytes, device capacity
+    (NULL for CPU), alloc retries and OOMs; ``per_step``: max and median over ranks of the peaks."""
+    per_rank, per_step = store.query_all([
+        ("SELECT rank, arg_max(allocated_bytes, t) AS allocated, max(allocated_peak_bytes) AS allocated_peak, "
+         "arg_max(reserved_bytes, t) AS reserved, max(reserved_peak_bytes) AS reserved_peak, "
+         "arg_max(rss_bytes, t) AS rss, max(rss_peak_bytes) AS rss_peak, "
+         "max(CASE WHEN device_total_bytes > 0 THEN device_total_bytes END) AS capacity, "
+         "max(alloc_retries) AS alloc_retries, max(ooms) AS ooms FROM memory GROUP BY rank ORDER BY rank", None),
+        ("SELECT step, max(allocated_peak_bytes) AS allocated_peak_max, median(allocated_peak_bytes) AS "
+         "allocated_peak_median, max(rss_peak_bytes) AS rss_peak_max, median(rss_peak_bytes) AS rss_peak_median "
+         "FROM memory GROUP BY step ORDER BY step", None),
+    ], kinds=("memory",), runs=[run], materialize={"memory": ("step BETWEEN ? AND ?", _range(steps), _MEMORY_COLS)})
+    return {"per_rank": per_rank, "per_step": per_step}
+
+
+_MEMORY_COLS = ("rank", "step", "t", "allocated_bytes", "allocated_peak_bytes", "reserved_bytes", "reserved_peak_bytes",
+                "rss_bytes", "rss_peak_bytes", "device_total_bytes", "alloc_retries", "ooms")
+
+
+# ----------------------------------------------------------------------------------------- gpu
+def gpu_data(store: Store, *, run: str, bins: int = 120) -> dict[str, pd.DataFrame]:
+    """``summary`` per GPU: samples, mean utilisation / power, max temperature, mean and min SM clock
+    ratio, share of samples throttled, reason bits, memory, XID / ECC error counts. ``series`` per GPU
+    and time bin (``bins`` over the run): mean utilisation, power, temperature, clock ratio; ``t`` is
+    the bin's first sample (epoch seconds)."""
+    summary, series = store.query_all([
+        (f"SELECT host, gpu, any_value(name) AS name, count(*) AS samples, avg(util_ratio) AS util, "
+         f"avg(power_watts) AS power_w, max(temperature_celsius) AS temp_max_c, "
+         f"avg(sm_clock_hz / nullif(sm_clock_max_hz, 0)) AS clock_ratio, "
+         f"min(sm_clock_hz / nullif(sm_clock_max_hz, 0)) AS clock_ratio_min, "
+         f"avg(CASE WHEN (throttle_reasons & {THROTTLE_MASK}) != 0 THEN 1.0 ELSE 0.0 END) AS throttle_share, "
+         f"bit_or(throttle_reasons & {THROTTLE_MASK}) AS reasons, max(mem_used_bytes) AS mem_used_max, "
+         f"max(mem_total_bytes) AS mem_total, max(xid_errors_total) - min(xid_errors_total) AS xid_errors, "
+         f"max(ecc_errors_total) - min(ecc_errors_total) AS ecc_errors "
+         f"FROM gpu GROUP BY host, gpu ORDER BY host, gpu", None),
+        ("WITH w AS (SELECT min(t) AS a, greatest(max(t) - min(t), 1e-9) AS span FROM gpu) "
+         "SELECT host || ':' || gpu AS gpu, least(floor((t - w.a) / w.span * ?), ? - 1) AS bin, "
+         "min(t) AS t, avg(util_ratio) AS util, avg(power_watts) AS power_w, avg(temperature_celsius) AS temp_c, "
+         "avg(sm_clock_hz / nullif(sm_clock_max_hz, 0)) AS clock_ratio FROM gpu, w GROUP BY ALL "
+         "ORDER BY gpu, bin", [bins, bins]),
+    ], kinds=("gpu",), runs=[run], materialize={"gpu": ("true", [], [f.name for f in SCHEMAS["gpu"]])})
+    return {"summary": summary, "series": series}
+
+
+# ------------------------------------------------------------------------------------- scaling
+def run_summaries(store: Store, *, runs: list[str]) -> pd.DataFrame:
+    """Per run: median step time (max wall over ranks, median over steps: robust to warm-up), mean
+    replica tokens per step, mean MFU, and the exposed-communication fraction sum(exposed) / sum(wall)
+    over ranks and steps. Join with ``runs_table`` for the metadata."""
+    return store.query(
+        "WITH s AS (SELECT run, step, max(wall_s) AS t, avg(tokens) AS tok, avg(mfu) AS mfu, "
+        "sum(exposed_comm_s) AS exposed, sum(wall_s) AS wall FROM step GROUP BY run, step) "
+        "SELECT run, median(t) AS step_time_s, avg(tok) AS tokens_mean, avg(mfu) AS mfu, count(*) AS steps_used, "
+        "sum(exposed) / nullif(sum(wall), 0) AS comm_fraction FROM s GROUP BY run",
+        kinds=("step",), runs=runs)

@@ -1,0 +1,269 @@
+"""Figure builders: pure functions from the analysis tables to ``plotly.graph_objects.Figure``.
+
+No Streamlit and no I/O here, so each figure can be built in a test or the benchmark. Every figure
+states its units and, where a definition matters (bubble, busbw), which one it shows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+from dashboard.scaling import AmdahlFit
+
+COLORS = {"compute_s": "#2e7d32", "exposed_comm_s": "#c62828", "bubble_s": "#9e9e9e", "other_s": "#1565c0",
+          "forward": "#43a047", "backward": "#1e88e5", "weight": "#8e24aa", "idle": "rgba(160,160,160,0.35)"}
+LABELS = {"compute_s": "compute", "exposed_comm_s": "exposed comm", "bubble_s": "bubble", "other_s": "other"}
+
+
+def _layout(fig: go.Figure, *, title: str, x: str, y: str, height: int = 380) -> go.Figure:
+    fig.update_layout(title=title, xaxis_title=x, yaxis_title=y, height=height, margin=dict(l=60, r=20, t=50, b=50),
+                      legend=dict(orientation="h", y=-0.2))
+    return fig
+
+
+def _dt(t: pd.Series) -> pd.Series:
+    return pd.to_datetime(t, unit="s", utc=True)
+
+
+# ------------------------------------------------------------------------------------------ runs
+def runs_timeline(runs: pd.DataFrame) -> go.Figure:
+    """Runs by start time and world size (marker size grows with the steps recorded), so runs of any
+    length stay visible however far apart they started."""
+    t = runs.dropna(subset=["t_start"])
+    steps = t["steps"].fillna(0).astype(float)
+    size = 10 + 20 * np.sqrt(steps / max(float(steps.max()), 1.0))
+    fig = go.Figure()
+    for strategy, g in t.groupby(t["strategy"].fillna("no run record"), sort=True):
+        fig.add_trace(go.Scatter(
+            x=_dt(g["t_start"]), y=g["world_size"].fillna(g["ranks_stepping"]).fillna(0), mode="markers+text",
+            name=str(strategy), text=g["run"], textposition="top center", marker=dict(size=size[g.index]),
+            customdata=steps[g.index], hovertemplate="%{text}: %{y} ranks, %{customdata} steps<extra></extra>"))
+    fig.update_yaxes(type="log")
+    return _layout(fig, title="Runs by start time and world size (marker: steps recorded)", x="start (UTC)",
+                   y="world size", height=360)
+
+
+# -------------------------------------------------------------------------------------- overview
+def step_lines(series: pd.DataFrame, *, y: str, title: str, y_title: str, percent: bool = False) -> go.Figure:
+    """One line per run of column ``y`` over steps."""
+    fig = go.Figure()
+    for run, g in series.groupby("run", sort=False):
+        g = g.dropna(subset=[y])
+        fig.add_trace(go.Scatter(x=g["step"], y=g[y], mode="lines", name=str(run)))
+    if percent:
+        fig.update_yaxes(tickformat=".0%")
+    return _layout(fig, title=title, x="step", y=y_title, height=300)
+
+
+def breakdown_bars(bd: pd.DataFrame) -> go.Figure:
+    """Stacked mean seconds per step per rank: compute / exposed comm / bubble / other."""
+    fig = go.Figure()
+    for c in LABELS:
+        fig.add_trace(go.Bar(x=bd["rank"], y=bd[c], name=LABELS[c], marker_color=COLORS[c]))
+    fig.update_layout(barmode="stack", bargap=0.05 if len(bd) > 64 else 0.2)
+    return _layout(fig, title="Where each rank's step time goes (mean per step)", x="rank", y="seconds")
+
+
+def compute_heatmap(hm: pd.DataFrame, *, rank_width: int, step_width: int) -> go.Figure:
+    """Rank x step heatmap of compute seconds (downsampled: mean over a step bin, max over a rank bin)."""
+    grid = hm.pivot(index="rank_bin", columns="step_bin", values="compute_s")
+    note = [] if rank_width == 1 and step_width == 1 else [f"{rank_width} ranks x {step_width} steps per cell; "
+                                                           "max over ranks of the mean over steps"]
+    fig = go.Figure(go.Heatmap(z=grid.to_numpy(), x=grid.columns, y=grid.index, colorscale="Viridis",
+                               colorbar=dict(title="compute s")))
+    title = "Compute time per rank and step" + (f" ({note[0]})" if note else "")
+    return _layout(fig, title=title, x="step", y="rank", height=420)
+
+
+def straggler_cost(cost: pd.DataFrame) -> go.Figure:
+    """Per-step straggler cost (max - median compute over ranks), seconds."""
+    fig = go.Figure(go.Scatter(x=cost["step"], y=cost["cost_s"], mode="lines", fill="tozeroy",
+                               name="max - median compute", line_color="#c62828"))
+    return _layout(fig, title="Straggler cost per step: max - median compute over ranks", x="step",
+                   y="seconds lost", height=260)
+
+
+# -------------------------------------------------------------------------------------- pipeline
+def gantt(spans: pd.DataFrame, *, gaps: pd.DataFrame, t0: float, labels: dict[int, str]) -> go.Figure:
+    """Spans per rank (one row per pipeline position) for one step, forward / backward / weight, with
+    idle time shaded. Times in ms from the step start; bar text is the microbatch."""
+    fig = go.Figure()
+    order = list(labels)
+    ylab = lambda ranks: [labels[r] for r in ranks]  # noqa: E731
+    if len(gaps):
+        fig.add_trace(go.Bar(y=ylab(gaps["rank"]), x=(gaps["t_end"] - gaps["t_start"]) * 1e3,
+                             base=(gaps["t_start"] - t0) * 1e3, orientation="h", name="idle (bubble)",
+                             marker_color=COLORS["idle"], hovertemplate="idle %{x:.2f} ms<extra></extra>"))
+    for kind in ("forward", "backward", "weight"):
+        s = spans[spans["kind"] == kind]
+        if s.empty:
+            continue
+        fig.add_trace(go.Bar(y=ylab(s["rank"]), x=(s["t_end"] - s["t_start"]) * 1e3, base=(s["t_start"] - t0) * 1e3,
+                             orientation="h", name=kind, marker_color=COLORS[kind], text=s["microbatch"],
+                             textposition="inside", insidetextanchor="middle",
+                             customdata=np.stack([s["stage"], s["microbatch"]], axis=1),
+                             hovertemplate=kind + " stage %{customdata[0]} mb %{customdata[1]}: %{x:.2f} ms"
+                                           "<extra></extra>"))
+    fig.update_layout(barmode="overlay", bargap=0.25)
+    fig.update_yaxes(categoryorder="array", categoryarray=[labels[r] for r in reversed(order)])
+    return _layout(fig, title="Pipeline schedule of the step (bar text: microbatch; grey: idle)",
+                   x="ms since step start", y="pipeline position (rank)", height=max(260, 80 + 50 * len(order)))
+
+
+def bubble_by_stage(per_stage: pd.DataFrame, *, theory: float | None) -> go.Figure:
+    """Measured bubble fraction per stage with the theoretical reference."""
+    fig = go.Figure(go.Bar(x=per_stage["stage"].astype(str), y=per_stage["bubble"], name="measured",
+                           marker_color="#616161"))
+    if theory is not None:
+        fig.add_hline(y=theory, line_dash="dash", line_color="#c62828",
+                      annotation_text=f"theory {theory:.1%}", annotation_position="top left")
+    fig.update_yaxes(tickformat=".0%", rangemode="tozero")
+    return _layout(fig, title="Bubble = 1 - Σ spans / step wall time (idle fraction of the step)",
+                   x="stage", y="idle fraction", height=320)
+
+
+def bubble_trend(per_step: pd.DataFrame, *, theory: float | None) -> go.Figure:
+    """Measured bubble per step (one line per stage) with the theoretical reference."""
+    fig = go.Figure()
+    for stage, g in per_step.groupby("stage"):
+        fig.add_trace(go.Scatter(x=g["step"], y=g["bubble"], mode="lines", name=f"stage {stage}"))
+    if theory is not None:
+        fig.add_hline(y=theory, line_dash="dash", line_color="#c62828", annotation_text="theory")
+    fig.update_yaxes(tickformat=".0%", rangemode="tozero")
+    return _layout(fig, title="Bubble fraction across steps", x="step", y="idle fraction", height=320)
+
+
+# --------------------------------------------------------------------------------- communication
+def comm_time(summary: pd.DataFrame) -> go.Figure:
+    """Per op and dim: exposed (waited) and overlapped seconds per rank and step, stacked."""
+    x = summary["op"] + " · " + summary["dim"]
+    fig = go.Figure([
+        go.Bar(x=x, y=summary["exposed_s"] * 1e3, name="exposed (wait)", marker_color=COLORS["exposed_comm_s"]),
+        go.Bar(x=x, y=summary["overlapped_s"] * 1e3, name="overlapped", marker_color="#ef9a9a")])
+    fig.update_layout(barmode="stack")
+    return _layout(fig, title="Collective time per op and parallel dim (per rank and step)", x="op · dim",
+                   y="ms per rank-step")
+
+
+def busbw_vs_size(df: pd.DataFrame) -> go.Figure:
+    """Network-side busbw (GB/s, nccl-tests definition, after the last member arrived) against message
+    size: median over collective instances, p10-p90 as error bars."""
+    fig = go.Figure()
+    for (op, dim), g in df.groupby(["op", "dim"]):
+        fig.add_trace(go.Scatter(
+            x=g["bytes"], y=g["busbw"] / 1e9, mode="markers+lines", name=f"{op} · {dim}",
+            error_y=dict(type="data", symmetric=False, array=(g["busbw_p90"] - g["busbw"]) / 1e9,
+                         arrayminus=(g["busbw"] - g["busbw_p10"]) / 1e9),
+            customdata=g["count"], hovertemplate="%{x:.3s}B: %{y:.1f} GB/s (%{customdata} ops)<extra></extra>"))
+    fig.update_xaxes(type="log")
+    return _layout(fig, title="Bus bandwidth vs message size (busbw = bytes / transfer time x factor; GB/s = 1e9 B/s)",
+                   x="message size (bytes)", y="busbw GB/s")
+
+
+def skew_by_rank(df: pd.DataFrame) -> go.Figure:
+    """Mean arrival skew per rank and the wait it caused others when it arrived last."""
+    d = df.sort_values("rank")
+    fig = go.Figure([
+        go.Bar(x=d["rank"], y=d["mean_skew_s"] * 1e3, name="mean arrival skew", marker_color="#6a1b9a"),
+        go.Scatter(x=d["rank"], y=d["caused_wait_s"] * 1e3, name="wait it caused others (sum)", yaxis="y2",
+                   mode="markers", marker_color="#c62828")])
+    fig.update_layout(yaxis2=dict(overlaying="y", side="right", title="ms caused (sum)"))
+    return _layout(fig, title="Arrival skew: each rank's start minus the earliest, per collective", x="rank",
+                   y="ms (mean)")
+
+
+# ---------------------------------------------------------------------------------------- memory
+def memory_by_rank(df: pd.DataFrame, *, current: str, peak: str, label: str) -> go.Figure:
+    """Per rank current and peak bytes (GiB) against device capacity."""
+    gib = 2**30
+    fig = go.Figure([
+        go.Bar(x=df["rank"], y=df[peak] / gib, name=f"peak {label}", marker_color="#ef6c00"),
+        go.Bar(x=df["rank"], y=df[current] / gib, name=f"current {label}", marker_color="#1565c0")])
+    cap = df["capacity"].dropna()
+    if len(cap):
+        fig.add_hline(y=float(cap.max()) / gib, line_dash="dash", line_color="#c62828",
+                      annotation_text=f"capacity {cap.max() / gib:.0f} GiB")
+    fig.update_layout(barmode="overlay")
+    return _layout(fig, title=f"Memory per rank ({label})", x="rank", y="GiB")
+
+
+def memory_trend(per_step: pd.DataFrame, *, peak: str, label: str) -> go.Figure:
+    """Max and median over ranks of the per-step peak (GiB)."""
+    gib = 2**30
+    fig = go.Figure([go.Scatter(x=per_step["step"], y=per_step[f"{peak}_max"] / gib, mode="lines", name="max rank"),
+                     go.Scatter(x=per_step["step"], y=per_step[f"{peak}_median"] / gib, mode="lines",
+                                name="median rank")])
+    return _layout(fig, title=f"Peak memory per step ({label})", x="step", y="GiB", height=300)
+
+
+def memory_model_vs_measured(model: pd.DataFrame, *, measured: dict[str, float]) -> go.Figure:
+    """Analytic breakdown (stacked) next to measured peaks (GiB)."""
+    gib = 2**30
+    fig = go.Figure()
+    for row in model.itertuples():
+        fig.add_trace(go.Bar(x=["model"], y=[row.bytes / gib], name=row.component, hovertext=row.formula))
+    for name, value in measured.items():
+        fig.add_trace(go.Bar(x=[name], y=[value / gib], name=name, marker_color="#424242", showlegend=False))
+    fig.update_layout(barmode="stack")
+    return _layout(fig, title="Analytic model vs measured peak per device", x="", y="GiB")
+
+
+# --------------------------------------------------------------------------------------- scaling
+def scaling_speedup(table: pd.DataFrame, *, fit: AmdahlFit | None) -> go.Figure:
+    """Speedup vs world size (relative to the smallest run, scaled so it sits on the ideal line), the
+    ideal line and the Amdahl fit rescaled to the same baseline."""
+    n = table["world_size"].astype(float)
+    grid = np.geomspace(max(n.min(), 1.0), max(n.max(), 2.0), 50)
+    fig = go.Figure(go.Scatter(x=grid, y=grid, mode="lines", name="ideal", line=dict(dash="dot", color="#9e9e9e")))
+    if fit is not None:
+        n0 = n.iloc[0]
+        fig.add_trace(go.Scatter(x=grid, y=n0 * fit.speedup(grid) / fit.speedup(n0), mode="lines",
+                                 name=f"Amdahl fit c = {fit.c:.3f}", line_color="#c62828"))
+    colors = np.where(table["best"], "#2e7d32", "#1565c0")
+    fig.add_trace(go.Scatter(x=n, y=table["speedup"], mode="markers+text", name="runs", text=table["run"],
+                             textposition="top center", marker=dict(size=12, color=colors)))
+    fig.update_xaxes(type="log")
+    fig.update_yaxes(type="log")
+    return _layout(fig, title="Speedup vs world size (green: best throughput)", x="world size", y="speedup")
+
+
+def scaling_bars(table: pd.DataFrame) -> go.Figure:
+    """Throughput per run with efficiency and communication fraction."""
+    colors = np.where(table["best"], "#2e7d32", "#1565c0")
+    fig = go.Figure([
+        go.Bar(x=table["run"], y=table["tokens_per_s"], name="tokens/s", marker_color=colors),
+        go.Scatter(x=table["run"], y=table["efficiency"], name="efficiency", yaxis="y2", mode="markers+lines"),
+        go.Scatter(x=table["run"], y=table["comm_fraction"], name="exposed comm fraction", yaxis="y2",
+                   mode="markers+lines")])
+    fig.update_layout(yaxis2=dict(overlaying="y", side="right", tickformat=".0%", range=[0, 1.1]))
+    return _layout(fig, title="Throughput, scaling efficiency and communication fraction", x="run", y="tokens/s")
+
+
+# ------------------------------------------------------------------------------------------- gpu
+def gpu_heatmap(series: pd.DataFrame, *, value: str = "clock_ratio", title: str = "SM clock / max") -> go.Figure:
+    """GPU x time heatmap of one metric (time-binned)."""
+    grid = series.pivot(index="gpu", columns="bin", values=value)
+    t = series.groupby("bin")["t"].min().reindex(grid.columns)
+    fig = go.Figure(go.Heatmap(z=grid.to_numpy(), x=_dt(t), y=grid.index, colorscale="RdYlGn",
+                               colorbar=dict(title=title)))
+    return _layout(fig, title=f"{title} per GPU over time", x="time (UTC)", y="host:gpu",
+                   height=min(900, max(300, 80 + 12 * len(grid))))
+
+
+def gpu_lines(series: pd.DataFrame, *, gpus: list[str], value: str, title: str) -> go.Figure:
+    fig = go.Figure()
+    for gpu in gpus:
+        g = series[series["gpu"] == gpu]
+        fig.add_trace(go.Scatter(x=_dt(g["t"]), y=g[value], mode="lines", name=gpu))
+    return _layout(fig, title=title, x="time (UTC)", y=title, height=300)
+
+
+# ------------------------------------------------------------------------------------------ live
+def live_bars(df: pd.DataFrame, *, value: str, title: str, percent: bool = False) -> go.Figure:
+    """Current per-rank values from Prometheus."""
+    fig = go.Figure(go.Bar(x=df["rank"].astype(str), y=df[value], marker_color="#1565c0"))
+    if percent:
+        fig.update_yaxes(tickformat=".0%")
+    return _layout(fig, title=title, x="rank", y=title, height=280)

@@ -1,0 +1,126 @@
+"""Live per-rank figures from Prometheus (HTTP API ``/api/v1/query``), for the Live page.
+
+The metrics the page reads are the one mapping below, names taken from the agent's metric catalog
+(``agent.catalog``; a test checks names and types against it). Queries aggregate ``by (rank)``: a few
+series per rank, never per op.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+
+import pandas as pd
+
+# Logical name -> Prometheus metric name (the type the queries assume in the comment).
+METRICS: dict[str, str] = {
+    "step": "meshscope_rank_last_step",  # gauge: last optimizer step the rank completed
+    "wall": "meshscope_rank_step_wall_seconds_total",  # counter: step wall time
+    "phase": "meshscope_rank_step_phase_seconds_total",  # counter: wall time by phase (label below)
+    "mfu": "meshscope_rank_mfu_ratio",  # gauge: MFU of the rank's last step, 0-1
+}
+RANK_LABEL = "rank"
+RUN_LABEL = "run"
+PHASE_LABEL = "phase"  # values: compute, exposed_comm, bubble, other (they add up to the wall time)
+
+
+class LiveError(Exception):
+    """Prometheus unreachable or answering with an error; the message is for the user."""
+
+
+def _selector(run: str | None, **labels: str) -> str:
+    pairs = ({RUN_LABEL: run} if run else {}) | labels
+    if not pairs:
+        return ""
+    quote = lambda v: v.replace("\\", "\\\\").replace('"', '\\"')  # noqa: E731
+    return "{" + ", ".join(f'{k}="{quote(v)}"' for k, v in pairs.items()) + "}"
+
+
+def queries(*, run: str | None, window: str = "1m") -> dict[str, str]:
+    """PromQL per column of the live table. A phase's share of the step: the rate of its seconds over
+    the rate of wall seconds (so pauses between steps do not count)."""
+    by = f"by ({RANK_LABEL})"
+    wall = f"sum {by} (rate({METRICS['wall']}{_selector(run)}[{window}]))"
+
+    def share(phase: str) -> str:
+        return f"sum {by} (rate({METRICS['phase']}{_selector(run, **{PHASE_LABEL: phase})}[{window}])) / {wall}"
+
+    return {
+        "step": f"max {by} ({METRICS['step']}{_selector(run)})",
+        "compute_ratio": share("compute"),
+        "exposed_comm_ratio": share("exposed_comm"),
+        "mfu": f"avg {by} ({METRICS['mfu']}{_selector(run)})",
+    }
+
+
+Opener = Callable[..., object]
+
+
+class PrometheusClient:
+    """Minimal instant-query client (stdlib only). ``opener`` is injectable for tests."""
+
+    def __init__(self, url: str, *, timeout: float = 3.0, opener: Opener = urllib.request.urlopen) -> None:
+        parsed = urllib.parse.urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise ValueError(f"Prometheus URL must be http(s)://host[:port], got {url!r}")
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self._open = opener
+
+    def query(self, promql: str) -> list[tuple[dict[str, str], float]]:
+        """Instant vector query -> [(labels, value)]."""
+        q = urllib.parse.urlencode({"query": promql})
+        try:
+            with self._open(f"{self.url}/api/v1/query?{q}", timeout=self.timeout) as resp:
+                body = json.loads(resp.read().decode())
+        except urllib.error.HTTPError as e:
+            detail = _error_detail(e)
+            raise LiveError(f"Prometheus at {self.url} rejected the query ({e.code}): {detail}") from e
+        except (urllib.error.URLError, OSError, TimeoutError) as e:
+            raise LiveError(f"Prometheus at {self.url} is not reachable: {getattr(e, 'reason', e)}") from e
+        except json.JSONDecodeError as e:
+            raise LiveError(f"Prometheus at {self.url} answered with something other than JSON") from e
+        if body.get("status") != "success":
+            raise LiveError(f"Prometheus query failed: {body.get('error', 'unknown error')}")
+        data = body.get("data", {})
+        if data.get("resultType") != "vector":
+            return []
+        return [(r.get("metric", {}), float(r["value"][1])) for r in data.get("result", [])]
+
+    def check(self) -> None:
+        """Raise LiveError unless Prometheus answers a trivial query."""
+        self.query("vector(1)")
+
+
+def _error_detail(e: urllib.error.HTTPError) -> str:
+    try:
+        return json.loads(e.read().decode()).get("error", str(e))
+    except (json.JSONDecodeError, OSError, UnicodeDecodeError):
+        return str(e)
+
+
+def live_runs(client: PrometheusClient) -> list[str]:
+    """Runs that currently report (empty when the metrics carry no run label)."""
+    rows = client.query(f"count by ({RUN_LABEL}) ({METRICS['step']})")
+    return sorted(labels[RUN_LABEL] for labels, _ in rows if labels.get(RUN_LABEL))
+
+
+def snapshot(client: PrometheusClient, *, run: str | None, window: str = "1m") -> pd.DataFrame:
+    """Current per-rank table: ``rank`` plus one column per query (NaN where a rank has no value)."""
+    table: dict[int, dict[str, float]] = {}
+    for column, promql in queries(run=run, window=window).items():
+        for labels, value in client.query(promql):
+            try:
+                rank = int(labels.get(RANK_LABEL, ""))
+            except ValueError:
+                continue  # series without a usable rank label cannot be placed
+            table.setdefault(rank, {})[column] = value if math.isfinite(value) else math.nan
+    cols = ["rank", *queries(run=run)]
+    if not table:
+        return pd.DataFrame(columns=cols)
+    df = pd.DataFrame.from_dict(table, orient="index").rename_axis("rank").reset_index()
+    return df.reindex(columns=cols).sort_values("rank").reset_index(drop=True)

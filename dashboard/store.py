@@ -1,0 +1,251 @@
+"""Read-only access to a run store: the one place where the dashboard touches the file system.
+
+Layout (written by the node agent, see ``agent.collector.store``)::
+
+    <root>/tables/<kind>/run=<run>/rank=<rank>/part-*.parquet
+
+Confinement: the root is resolved once; run names come only from listing ``run=*`` directories; kinds
+come only from ``agent.schema.KINDS``; below the root no symlink is followed (a link that could lead out
+is ignored), so every file handed to DuckDB lies under the root. User input never becomes a path or SQL
+text: it only selects among listed names, and values go to DuckDB as bound parameters.
+
+Robustness: a kind may be missing entirely (an empty, typed view stands in), files may lack newer
+columns (NULL of the schema type is projected), and a file may be corrupt or of the wrong schema (it is
+skipped, and the skipped paths are reported in ``DataFrame.attrs["skipped_files"]`` so the page can say
+so). A part the agent's compaction deletes between listing and reading is handled by listing again.
+Anything else DuckDB rejects becomes a ``StoreError`` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from agent.schema import KINDS, SCHEMAS
+
+SKIPPED = "skipped_files"  # key in DataFrame.attrs
+
+_DUCK_TYPES = {pa.int64(): "BIGINT", pa.int32(): "INTEGER", pa.float64(): "DOUBLE", pa.string(): "VARCHAR",
+               pa.bool_(): "BOOLEAN"}
+# Partition keys come from the path; fixing their types stops DuckDB from turning run "0042" into 42.
+_HIVE_TYPES = "{'run': VARCHAR, 'rank': INTEGER}"
+_VIEW_NAME = re.compile(r"^[a-z_]+$")
+PARTITION_KEYS = ("run", "rank")
+# What unreadable or mismatched files raise. Parser/binder errors are bugs in our SQL and propagate.
+_DATA_ERRORS = (duckdb.IOException, duckdb.InvalidInputException, duckdb.ConversionException,
+                duckdb.SerializationException)
+# kind -> (SQL condition, its params, the columns to keep); see Store.query_all.
+Materialize = tuple[str, Sequence, Sequence[str]]
+
+
+class StoreError(Exception):
+    """A store that cannot be read (missing directory, unreadable data). The message is for the user."""
+
+
+@dataclass(frozen=True, slots=True)
+class Store:
+    """A store root, resolved. Construct with ``Store.open``."""
+
+    root: Path
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> Store:
+        root = Path(path).expanduser().resolve()
+        if not root.is_dir():
+            raise StoreError(f"store directory not found: {path}")
+        return cls(root=root)
+
+    # ---------------------------------------------------------------- listing
+    def runs(self) -> list[str]:
+        """Run names present under any kind, sorted."""
+        names: set[str] = set()
+        for kind in KINDS:
+            names.update(self._run_dirs(kind))
+        return sorted(names)
+
+    def _run_dirs(self, kind: str) -> dict[str, Path]:
+        base = self.root / "tables" / kind
+        if not base.is_dir() or base.is_symlink():
+            return {}
+        return {name[len("run="):]: path for name, path in _entries(base, prefix="run=", want_dir=True)}
+
+    def files(self, kind: str, *, runs: Iterable[str]) -> list[Path]:
+        """Parquet files of one kind for the given runs (names not in the listing are ignored)."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown record kind {kind!r}; expected one of {', '.join(KINDS)}")
+        dirs = self._run_dirs(kind)
+        out: list[Path] = []
+        for run in runs:
+            run_dir = dirs.get(run)
+            if run_dir is None:
+                continue
+            for _, rank_dir in _entries(run_dir, prefix="rank=", want_dir=True):
+                out.extend(path for name, path in _entries(rank_dir, prefix="", want_dir=False)
+                           if name.endswith(".parquet"))
+        return sorted(out)
+
+
+    # ---------------------------------------------------------------- querying
+    def query(self, sql: str, *, kinds: Sequence[str], runs: Sequence[str],
+              params: Sequence | None = None) -> pd.DataFrame:
+        """Run ``sql`` with one view per kind (named after the kind) over the selected runs' files.
+
+        The views have exactly the schema's columns plus ``run`` and ``rank``. Corrupt files are skipped
+        and listed in ``attrs["skipped_files"]``.
+        """
+        return self.query_all([(sql, params)], kinds=kinds, runs=runs)[0]
+
+    def query_all(self, statements: Sequence[tuple[str, Sequence | None]], *, kinds: Sequence[str],
+                  runs: Sequence[str], materialize: Mapping[str, Materialize] | None = None,
+                  ) -> list[pd.DataFrame]:
+        """Several (sql, params) over the same kinds, on one connection. Returns one frame per statement
+        (empty for statements that return no rows, e.g. DDL).
+
+        ``materialize``: kind -> (SQL condition, params, columns). That kind becomes a temporary table of
+        those columns of the rows matching the condition, read once; otherwise it is a view and every
+        statement that uses it scans the files again. A scan costs opening every file (1,024 at 1,024
+        ranks) plus decoding the columns it reads, so several aggregates over the same rows share one
+        read of just the columns they need."""
+        for attempt in range(3):
+            sources = {kind: self.files(kind, runs=runs) for kind in kinds}
+            try:
+                frames, skipped = self._read(statements, sources=sources, materialize=materialize or {})
+                break
+            except _DATA_ERRORS as err:  # only when listed files vanished (see _read)
+                if attempt == 2:
+                    raise StoreError(f"could not read the store: {_first_line(err)}") from err
+        for df in frames:
+            df.attrs[SKIPPED] = skipped
+        return frames
+
+    def _read(self, statements, *, sources: dict[str, list[Path]],
+              materialize: Mapping[str, Materialize]) -> tuple[list[pd.DataFrame], list[str]]:
+        """Fast path first; then by column name; then without the files whose footer is unreadable."""
+        run = functools.partial(self._execute, statements, sources=sources, materialize=materialize)
+        try:
+            return run(union=False), []
+        except _DATA_ERRORS as err:
+            if any(not p.exists() for paths in sources.values() for p in paths):
+                # The agent compacts parts (writes the merged file, then deletes the sources), so a
+                # listed file can vanish before it is read: the caller lists again.
+                raise
+            first = err
+        try:
+            # Files of an older agent may lack columns ("schema mismatch"): read by name instead.
+            return run(union=True), []
+        except _DATA_ERRORS as err:
+            first = err
+        # Only now pay for checking every footer: the common case stays one scan.
+        skipped = []
+        for kind, paths in sources.items():
+            good = [p for p in paths if _readable(p, kind)]
+            skipped += [str(p.relative_to(self.root)) for p in paths if p not in good]
+            sources[kind] = good
+        if not skipped:
+            raise StoreError(f"could not read the store: {_first_line(first)}") from first
+        try:
+            return run(union=True), skipped
+        except _DATA_ERRORS as again:
+            raise StoreError(f"could not read the store: {_first_line(again)}") from again
+
+    def _execute(self, statements, *, sources: dict[str, list[Path]], union: bool,
+                 materialize: Mapping[str, Materialize]) -> list[pd.DataFrame]:
+        # A fresh in-memory connection per call: DuckDB connections are not shared across Streamlit's
+        # script threads, and opening one costs well under a millisecond.
+        with duckdb.connect(config={"threads": min(4, os.cpu_count() or 1)}) as con:
+            for kind, paths in sources.items():
+                assert _VIEW_NAME.match(kind)
+                select = _view_sql(con, kind, paths, union=union)
+                if kind in materialize:
+                    cond, params, columns = materialize[kind]
+                    cols = ", ".join(f'"{c}"' for c in columns)
+                    con.execute(f"CREATE TEMP TABLE {kind} AS SELECT {cols} FROM ({select}) WHERE {cond}", params)
+                else:
+                    con.execute(f"CREATE TEMP VIEW {kind} AS {select}")
+            frames = []
+            for sql, params in statements:
+                con.execute(sql, params)
+                frames.append(con.df() if con.description else pd.DataFrame())
+            return frames
+
+
+def _entries(directory: Path, *, prefix: str, want_dir: bool) -> list[tuple[str, Path]]:
+    """Directory entries by name prefix, never following symlinks: with the root resolved once and
+    every later component a real directory entry, no path can leave the root (and no per-file
+    ``resolve()`` is needed, which matters at thousands of files)."""
+    out = []
+    with os.scandir(directory) as it:
+        for e in it:
+            if e.name.startswith(prefix) and not e.is_symlink() and (
+                    e.is_dir(follow_symlinks=False) if want_dir else e.is_file(follow_symlinks=False)):
+                out.append((e.name, Path(e.path)))
+    return out
+
+
+def _view_sql(con: duckdb.DuckDBPyConnection, kind: str, paths: list[Path], *, union: bool) -> str:
+    # ``run`` and ``rank`` come from the path (the agent drops them from the files, e.g. the run kind's
+    # ``rank``), so they are appended once at the end.
+    schema = [f for f in SCHEMAS[kind] if f.name not in PARTITION_KEYS]
+    if not paths:
+        cols = ", ".join(f'CAST(NULL AS {_DUCK_TYPES[f.type]}) AS "{f.name}"' for f in schema)
+        return f"SELECT {cols}, CAST(NULL AS VARCHAR) AS run, CAST(NULL AS INTEGER) AS rank WHERE false"
+    # Paths come from our own listing (confined to the root); quote them as SQL literals.
+    listing = ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths)
+
+    def source(by_name: bool) -> str:
+        return (f"read_parquet([{listing}], hive_partitioning = true, union_by_name = {str(by_name).lower()}, "
+                f"hive_types = {_HIVE_TYPES})")
+
+    # Without union_by_name DuckDB binds to the first file's schema (cheap: one footer); union_by_name
+    # reads every footer first, which costs ~0.2 s at 1,024 files, so it is the fallback.
+    present = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {source(union)}").fetchall()}
+    if not union and any(f.name not in present for f in schema):  # the first file is an old one
+        union = True
+        present = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {source(True)}").fetchall()}
+    cols = []
+    for f in schema:
+        duck = _DUCK_TYPES[f.type]
+        # Quoted: "group" is a column name and an SQL keyword. A column no file has becomes a typed NULL.
+        cols.append(f'CAST("{f.name}" AS {duck}) AS "{f.name}"' if f.name in present
+                    else f'CAST(NULL AS {duck}) AS "{f.name}"')
+    return f"SELECT {', '.join(cols)}, run, rank FROM {source(union)}"
+
+
+def _readable(path: Path, kind: str) -> bool:
+    """Footer readable and every known column of a compatible type."""
+    try:
+        schema = pq.read_schema(path)
+    except (OSError, pa.ArrowException):
+        return False
+    expected = SCHEMAS[kind]
+    for field in schema:
+        i = expected.get_field_index(field.name)
+        if i >= 0 and not _compatible(field.type, expected.field(i).type):
+            return False
+    return True
+
+
+def _compatible(found: pa.DataType, expected: pa.DataType) -> bool:
+    if found == expected:
+        return True
+    if pa.types.is_integer(expected):
+        return pa.types.is_integer(found)
+    if pa.types.is_floating(expected):
+        return pa.types.is_floating(found) or pa.types.is_integer(found)
+    if pa.types.is_string(expected):
+        return pa.types.is_string(found) or pa.types.is_large_string(found) or pa.types.is_dictionary(found)
+    return False
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -1,0 +1,166 @@
+"""Streamlit glue shared by the entry file and the pages: configuration, the shared run selection and
+step range, bounded caches over ``dashboard.data``, and the messages for empty, partial or unreadable
+stores. Pages stay thin: they ask this module for a ``Context`` and for data, and draw figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pandas as pd
+import plotly.graph_objects as go
+import streamlit as st
+
+from dashboard import data, views
+from dashboard.config import AppConfig, ConfigError, parse_app_args
+from dashboard.live import LiveError, PrometheusClient
+from dashboard.store import SKIPPED, Store, StoreError
+
+CONFIG_KEY = "meshscope.config"
+SELECTED_KEY = "meshscope.selected_runs"  # shared run selection (written by the Runs page)
+CONTEXT_KEY = "meshscope.context"
+WARNED_KEY = "meshscope.warned"  # skipped files already reported in this page run
+CACHE_TTL_S = 30  # the agent appends while a run is live; a short TTL keeps pages current
+
+# The data functions the pages may load through the cache (the name is the cache key's first part).
+LOADERS: dict[str, Callable] = {name: getattr(data, name) for name in (
+    "runs_table", "events", "overview_data", "gpu_by_rank", "collective_rows",
+    "pipeline_data", "memory_data", "gpu_data", "run_summaries")}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Context:
+    config: AppConfig
+    store: Store
+    runs: pd.DataFrame  # runs_table
+    selected: tuple[str, ...]  # runs picked on the Runs page (default: the newest)
+    focus: str | None  # the run single-run pages show
+    steps: tuple[int, int] | None  # step range of the focus run
+
+
+# ------------------------------------------------------------------------------------ loading
+@st.cache_data(ttl=CACHE_TTL_S, max_entries=256, max_size=512 * 2**20, show_spinner="Reading the store…")
+def _cached(name: str, root: str, kwargs: tuple):
+    return LOADERS[name](Store.open(root), **dict(kwargs))
+
+
+def load(name: str, store: Store, **kwargs):
+    """``data.<name>(store, **kwargs)`` through a bounded, short-lived cache. Lists become tuples so
+    the arguments hash."""
+    frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kwargs.items()))
+    return _cached(name, str(store.root), frozen)
+
+
+def loader(ctx: Context) -> views.Loader:
+    """The cached loader the page views take."""
+    return lambda name, **kw: load(name, ctx.store, **kw)
+
+
+@st.cache_resource(max_entries=4)
+def prometheus_client(url: str) -> PrometheusClient:
+    return PrometheusClient(url)
+
+
+# ------------------------------------------------------------------------------------ context
+def init(argv: list[str]) -> AppConfig | None:
+    """Parse the script arguments (entry file, every rerun); show a one-line error if they are bad."""
+    try:
+        config = parse_app_args(argv)
+    except ConfigError as e:
+        st.error(f"meshscope dashboard: {e}. Start it with `meshscope dashboard --store DIR`.")
+        st.session_state.pop(CONFIG_KEY, None)
+        return None
+    st.session_state[CONFIG_KEY] = config
+    return config
+
+
+def sidebar() -> None:
+    """Shared widgets in the entry file (so they persist across pages): focus run and step range."""
+    st.session_state.pop(CONTEXT_KEY, None)
+    config = st.session_state.get(CONFIG_KEY)
+    if config is None:
+        return
+    try:
+        store = Store.open(config.store)
+        runs = load("runs_table", store)
+    except StoreError as e:
+        st.sidebar.error(str(e))
+        return
+    names = runs["run"].tolist()
+    selected = tuple(r for r in st.session_state.get(SELECTED_KEY, ()) if r in names) or tuple(names[:1])
+    focus, steps = None, None
+    st.sidebar.caption(f"Store: `{store.root}`")
+    if selected:
+        focus = st.sidebar.selectbox("Run", selected, key="meshscope.focus",
+                                     help="Pick runs on the Runs page; single-run pages show this one.")
+        meta = views.meta_of(runs, focus)
+        if "first_step" in meta:
+            bounds = int(meta["first_step"]), int(meta["last_step"])
+            steps = bounds if bounds[0] == bounds[1] else _step_slider(focus, bounds)
+    st.session_state[CONTEXT_KEY] = Context(config=config, store=store, runs=runs, selected=selected,
+                                            focus=focus, steps=steps)
+
+
+def _step_slider(run: str, bounds: tuple[int, int]) -> tuple[int, int]:
+    """The step-range slider of a run. A live run grows: a range that ended at the newest step keeps
+    following it, and a stored range is clamped to the current bounds (a slider rejects values outside)."""
+    key, seen = f"meshscope.steps.{run}", f"meshscope.steps.{run}.bounds"
+    lo, hi = st.session_state.get(key, bounds)
+    previous = st.session_state.get(seen)
+    if previous and hi == previous[1]:
+        hi = bounds[1]
+    lo, hi = max(lo, bounds[0]), min(hi, bounds[1])
+    st.session_state[key] = (lo, hi) if lo <= hi else bounds
+    st.session_state[seen] = bounds
+    return st.sidebar.slider("Steps", bounds[0], bounds[1], key=key)
+
+
+def render(main: Callable[[Context], None], *, needs_run: bool = True) -> None:
+    """Run a page body with its context; store problems become messages, not tracebacks."""
+    ctx = st.session_state.get(CONTEXT_KEY)
+    if ctx is None:
+        st.info("No store is open (see the message above).")
+        return
+    if ctx.runs.empty and needs_run:
+        st.info(f"No runs in the store at `{ctx.store.root}` yet. Runs appear here once the node agent has "
+                "written records under `tables/`.")
+        return
+    st.session_state[WARNED_KEY] = set()
+    if needs_run:
+        warn_skipped(ctx.runs)
+    try:
+        main(ctx)
+    except StoreError as e:
+        st.error(str(e))
+    except LiveError as e:
+        st.warning(str(e))
+
+
+# ------------------------------------------------------------------------------------ helpers
+def warn_skipped(*frames: pd.DataFrame) -> None:
+    """Say which files were skipped as unreadable (each file once per page run)."""
+    warned = st.session_state.setdefault(WARNED_KEY, set())
+    skipped = sorted({p for f in frames if f is not None for p in f.attrs.get(SKIPPED, [])} - warned)
+    warned.update(skipped)
+    if skipped:
+        shown = ", ".join(f"`{p}`" for p in skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+        st.warning(f"Skipped {len(skipped)} unreadable file(s) (corrupt or of another schema): {shown}. "
+                   "The figures below leave them out.")
+
+
+def chart(fig: go.Figure, *, key: str | None = None) -> None:
+    st.plotly_chart(fig, width="stretch", key=key, config={"displaylogo": False})
+
+
+def window_note(ctx: Context, window: tuple[int, int] | None, *, what: str, budget: int) -> None:
+    """Say when a budgeted analysis covers fewer steps than the selected range."""
+    if window and ctx.steps and tuple(window) != tuple(ctx.steps):
+        st.caption(f"{what} cover steps {window[0]}–{window[1]}: the latest of the selected range "
+                   f"({ctx.steps[0]}–{ctx.steps[1]}) that fit a budget of {budget:,} records. Narrow the "
+                   "step range in the sidebar to look at other steps.")
+
+
+def missing(what: str, *, run: str) -> None:
+    """One clear line for a kind of record a (partial) run does not have."""
+    st.info(f"No {what} in run `{run}` (for the selected steps).")

@@ -1,0 +1,315 @@
+"""What each page shows, computed without Streamlit: data (through an injected loader), analysis and
+figures, returned as one small object per page. The pages only lay these out; the benchmark and the
+tests call the same functions, so what they time and check is what the pages run.
+
+``load(name, **kwargs)`` calls ``dashboard.data.<name>(store, **kwargs)``: the pages pass a cached
+loader (``dashboard.ui.loader``), the benchmark ``direct_loader(store)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+from dashboard import analysis, data, figures
+from dashboard.memory_model import memory_model, spec_from_meta
+from dashboard.scaling import AmdahlFit, amdahl_fit, scaling_table
+from dashboard.store import Store
+
+Loader = Callable[..., Any]
+_MODEL_FIELDS = ("n_params", "n_layers", "d_model", "seq_len", "global_batch")
+
+
+def direct_loader(store: Store) -> Loader:
+    """A loader without caching (benchmark, tests)."""
+    return lambda name, **kw: getattr(data, name)(store, **kw)
+
+
+def meta_of(runs: pd.DataFrame, run: str | None) -> dict:
+    """A run's row of the runs table without missing values; ``mesh`` parsed to {dim: degree}."""
+    row = runs[runs["run"] == run]
+    meta = {} if row.empty else {k: v for k, v in row.iloc[0].items() if not _isna(v)}
+    meta["mesh"] = data.parse_mesh(meta.get("mesh"))
+    return meta
+
+
+def _isna(v) -> bool:
+    try:
+        return bool(pd.isna(v))
+    except (TypeError, ValueError):
+        return False
+
+
+def _dp(meta: dict, *, fallback: int) -> int:
+    return analysis.parallel_degrees(meta["mesh"], world_size=int(meta.get("world_size", fallback)))["dp"]
+
+
+# -------------------------------------------------------------------------------------- overview
+@dataclass(slots=True, kw_only=True)
+class Overview:
+    series: pd.DataFrame  # per run and step, with tokens_per_s
+    figures: dict[str, go.Figure] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    stragglers: pd.DataFrame | None = None
+    unattributed_s: float = 0.0
+    frames: list[pd.DataFrame] = field(default_factory=list)  # for the skipped-files warning
+
+
+def _range_of(meta: dict, steps) -> tuple[int, int] | None:
+    """The selected range, or the run's whole recorded range."""
+    if steps:
+        return int(steps[0]), int(steps[1])
+    if "first_step" in meta and "last_step" in meta:
+        return int(meta["first_step"]), int(meta["last_step"])
+    return None
+
+
+def collective_window(meta: dict, steps, *, budget: int) -> tuple[int, int] | None:
+    """Latest steps of the range whose collective records (all ranks) fit in ``budget``."""
+    rng = _range_of(meta, steps)
+    return rng and data.budget_window(rng, rows_per_step=meta.get("collectives_per_step"), budget=budget)
+
+
+def overview(load: Loader, *, run: str, runs: list[str], steps, threshold: float = 3.5) -> Overview:
+    table = load("runs_table")
+    d = load("overview_data", run=run, runs=runs, steps=steps)
+    series = d["series"]
+    view = Overview(series=series, frames=list(d.values()))
+    if series.empty:
+        return view
+    parts = [analysis.step_throughput(g, dp=_dp(meta_of(table, r), fallback=int(g["ranks"].max())))
+             for r, g in series.groupby("run", sort=False)]
+    view.series = series = pd.concat(parts, ignore_index=True)
+    mine = series[series["run"] == run]
+    step_time = float(mine["step_time_s"].median()) if len(mine) else np.nan
+    loss = mine["loss"].dropna()
+    view.metrics = {"tokens_per_s": float(mine["tokens_per_s"].median()), "mfu": float(mine["mfu"].median()),
+                    "step_time_s": step_time, "loss": float(loss.iloc[-1]) if len(loss) else np.nan}
+    f = view.figures
+    f["tokens"] = figures.step_lines(series, y="tokens_per_s", title="Throughput", y_title="tokens/s")
+    f["mfu"] = figures.step_lines(series, y="mfu", title="MFU (mean of per-rank MFU)", y_title="MFU", percent=True)
+    f["loss"] = figures.step_lines(series, y="loss", title="Loss (mean over ranks that report it)", y_title="loss")
+    if d["breakdown"].empty:  # the focus run has no step records in the range (others may)
+        return view
+    bd = analysis.breakdown(d["breakdown"])
+    f["breakdown"] = figures.breakdown_bars(bd)
+    view.unattributed_s = float(bd["unattributed_s"].abs().max())
+    hm = d["heatmap"]
+    f["heatmap"] = figures.compute_heatmap(hm, rank_width=int(hm["rank_width"].iloc[0]),
+                                           step_width=int(hm["step_width"].iloc[0]))
+
+    w = d["window"].iloc[0]
+    gpu = load("gpu_by_rank", run=run, window=(float(w["t_start"]), float(w["t_end"])))
+    meta = meta_of(table, run)
+    rows = load("collective_rows", run=run, steps=collective_window(meta, steps, budget=data.RAW_BUDGET))
+    link, _ = analysis.link_ratios(analysis.collective_instances(rows), members=rows[rows["peer"] < 0])
+    view.stragglers = analysis.straggler_table(d["per_rank"], per_step=d["per_step"], gpu=gpu, link=link,
+                                               threshold=threshold)
+    cost = analysis.step_cost(d["per_step"])
+    view.metrics["cost_s"] = float(cost["cost_s"].mean())
+    view.metrics["cost_share"] = view.metrics["cost_s"] / step_time if step_time > 0 else np.nan
+    f["cost"] = figures.straggler_cost(cost)
+    view.frames += [gpu, rows]
+    return view
+
+
+# -------------------------------------------------------------------------------------- pipeline
+@dataclass(slots=True, kw_only=True)
+class Pipeline:
+    per_step_stage: pd.DataFrame
+    steps: tuple[int, int] | None = None  # steps covered (the latest that fit the budget)
+    gantt_spans: int = 0
+    gantt_bubble: dict[int, float] = field(default_factory=dict)  # stage -> bubble of the drawn ranks
+    frames: list[pd.DataFrame] = field(default_factory=list)
+    schedule: str | None = None
+    p: int = 0
+    m: int = 0
+    v: int = 1
+    theory: float | None = None
+    figures: dict[str, go.Figure] = field(default_factory=dict)
+
+
+def pipeline(load: Loader, *, run: str, steps, gantt_step: int | None = None) -> Pipeline:
+    """Bubble per stage and step over the latest steps that fit the span budget, and the Gantt chart of
+    ``gantt_step`` (default: the last step of the range)."""
+    meta = meta_of(load("runs_table"), run)
+    rng = _range_of(meta, steps)
+    p = int(meta["mesh"].get("pp", 1))
+    m = int(meta.get("microbatches", 0) or 0)
+    v = int(meta.get("virtual_stages", 1) or 1)
+    # Spans per step: every rank records F and B (and W under zero-bubble) per microbatch and chunk.
+    per_step = float(meta.get("world_size", 0)) * max(m, 1) * v * 3 if p > 1 else None
+    window = rng and data.budget_window(rng, rows_per_step=per_step, budget=data.ROW_BUDGET)
+    gantt = gantt_step if gantt_step is not None else (rng[1] if rng else None)
+    d = load("pipeline_data", run=run, steps=window, gantt_step=gantt)
+    per = d["bubble"]
+    view = Pipeline(per_step_stage=per, steps=window, frames=[d["windows"]])
+    if per.empty and d["spans"].empty:
+        return view
+    view.p = p if p > 1 else int(per["stage"].nunique())
+    view.m, view.v, view.schedule = m, v, meta.get("schedule")
+    if view.m:
+        view.theory = analysis.bubble_theory(schedule=view.schedule, p=view.p, m=view.m, v=view.v)
+    if len(per):
+        by_stage = per.groupby("stage", as_index=False)["bubble"].mean()
+        view.figures["by_stage"] = figures.bubble_by_stage(by_stage, theory=view.theory)
+        view.figures["trend"] = figures.bubble_trend(per, theory=view.theory)
+    spans, windows = d["spans"], d["windows"]
+    if len(spans):
+        t0 = float(windows["t_start"].min()) if len(windows) else float(spans["t_start"].min())
+        t1 = float(windows["t_end"].max()) if len(windows) else float(spans["t_end"].max())
+        stage_of = spans.groupby("rank")["stage"].min().sort_values()
+        labels = {int(r): f"stage {s} · rank {r}" for r, s in stage_of.items()}
+        gaps = analysis.idle_gaps(spans, t0=t0, t1=t1)
+        view.figures["gantt"] = figures.gantt(spans, gaps=gaps, t0=t0, labels=labels)
+        view.gantt_spans = len(spans)
+        shown = analysis.measured_bubble(spans, windows=windows if len(windows) else None)
+        view.gantt_bubble = dict(zip(shown["stage"].astype(int), shown["bubble"]))
+    return view
+
+
+# --------------------------------------------------------------------------------- communication
+@dataclass(slots=True, kw_only=True)
+class Communication:
+    summary: pd.DataFrame
+    steps: tuple[int, int] | None = None  # steps covered (the latest of the range that fit the budget)
+    skew: pd.DataFrame | None = None
+    slow_groups: pd.DataFrame | None = None
+    figures: dict[str, go.Figure] = field(default_factory=dict)
+    frames: list[pd.DataFrame] = field(default_factory=list)
+
+
+def communication(load: Loader, *, run: str, steps) -> Communication:
+    """Everything from one read of the raw records of the latest steps that fit ``RAW_BUDGET``."""
+    meta = meta_of(load("runs_table"), run)
+    window = collective_window(meta, steps, budget=data.RAW_BUDGET)
+    rows = load("collective_rows", run=run, steps=window)
+    view = Communication(summary=rows, frames=[rows], steps=window)
+    if rows.empty:
+        return view
+    view.summary = analysis.comm_summary(rows)
+    view.figures["time"] = figures.comm_time(view.summary)
+    coll = rows[rows["peer"] < 0]
+    if coll.empty:
+        return view
+    view.skew = analysis.skew_by_rank(analysis.arrival_skew(coll))
+    view.figures["skew"] = figures.skew_by_rank(view.skew)
+    instances = analysis.collective_instances(coll)
+    bb = analysis.busbw_spread(instances)
+    if len(bb):
+        view.figures["busbw"] = figures.busbw_vs_size(bb)
+    _, groups = analysis.link_ratios(instances, members=coll)
+    view.slow_groups = analysis.slow_groups(groups)
+    return view
+
+
+# ---------------------------------------------------------------------------------------- memory
+@dataclass(slots=True, kw_only=True)
+class Memory:
+    per_rank: pd.DataFrame
+    label: str = ""
+    peak_col: str = ""
+    model: pd.DataFrame | None = None
+    model_missing: list[str] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+    figures: dict[str, go.Figure] = field(default_factory=dict)
+
+
+def memory(load: Loader, *, run: str, steps) -> Memory:
+    d = load("memory_data", run=run, steps=steps)
+    mem = d["per_rank"]
+    view = Memory(per_rank=mem)
+    if mem.empty:
+        return view
+    on_device = mem["allocated_peak"].fillna(0).max() > 0
+    current, view.peak_col, view.label = ("allocated", "allocated_peak", "device allocator") if on_device else (
+        "rss", "rss_peak", "host RSS (no device memory recorded)")
+    view.figures["per_rank"] = figures.memory_by_rank(mem, current=current, peak=view.peak_col, label=view.label)
+    view.figures["trend"] = figures.memory_trend(d["per_step"], peak=view.peak_col, label=view.label)
+    view.meta = meta = meta_of(load("runs_table"), run)
+    view.model_missing = [f for f in _MODEL_FIELDS if f not in meta]
+    if not view.model_missing:
+        view.model = memory_model(spec_from_meta(meta))
+        measured = {"measured peak (max rank)": float(mem[view.peak_col].max()),
+                    "measured peak (median rank)": float(mem[view.peak_col].median())}
+        view.figures["model"] = figures.memory_model_vs_measured(view.model, measured=measured)
+    return view
+
+
+# --------------------------------------------------------------------------------------- scaling
+@dataclass(slots=True, kw_only=True)
+class Scaling:
+    table: pd.DataFrame
+    runs: list[str]
+    models: list[str] = field(default_factory=list)
+    fit: AmdahlFit | None = None
+    figures: dict[str, go.Figure] = field(default_factory=dict)
+    frames: list[pd.DataFrame] = field(default_factory=list)
+
+
+def scaling(load: Loader, *, selected: list[str], focus: str | None, model: str | None = None) -> Scaling:
+    """Runs compared: the selection, or with fewer than two selected all runs of the focus run's model."""
+    table = load("runs_table")
+    chosen = list(selected)
+    if len(chosen) < 2:
+        focus_model = meta_of(table, focus).get("model")
+        if focus_model:
+            chosen = table.loc[table["model"] == focus_model, "run"].tolist()
+    per_run = load("run_summaries", runs=chosen)
+    summ = table.merge(per_run, on="run", how="inner")
+    view = Scaling(table=summ, runs=chosen, frames=[per_run])
+    summ = summ.dropna(subset=["world_size", "step_time_s"])
+    view.models = summ["model"].dropna().unique().tolist()
+    if summ.empty or not view.models:
+        view.table = summ
+        return view
+    summ = summ[summ["model"] == (model if model in view.models else view.models[0])].copy()
+    dp = [_dp(meta_of(table, r), fallback=int(w)) for r, w in zip(summ["run"], summ["world_size"])]
+    summ["tokens_per_s"] = summ["tokens_mean"] * dp / summ["step_time_s"]
+    view.table = scaling_table(summ)
+    view.fit = amdahl_fit(n=view.table["world_size"].to_numpy(), throughput=view.table["tokens_per_s"].to_numpy())
+    view.figures["speedup"] = figures.scaling_speedup(view.table, fit=view.fit)
+    view.figures["bars"] = figures.scaling_bars(view.table)
+    return view
+
+
+# ------------------------------------------------------------------------------------------- gpu
+@dataclass(slots=True, kw_only=True)
+class Gpu:
+    summary: pd.DataFrame
+    series: pd.DataFrame | None = None
+    worst: list[str] = field(default_factory=list)
+    figures: dict[str, go.Figure] = field(default_factory=dict)
+
+
+GPU_LINES = (("util", "utilisation"), ("clock_ratio", "SM clock / max"), ("power_w", "power (W)"),
+             ("temp_c", "temperature (°C)"))
+
+
+def gpu(load: Loader, *, run: str, pick: list[str] | None = None) -> Gpu:
+    d = load("gpu_data", run=run)
+    summary = d["summary"]
+    view = Gpu(summary=summary)
+    if summary.empty:
+        return view
+    view.summary = summary = summary.assign(
+        gpu_id=summary["host"] + ":" + summary["gpu"].astype(str),
+        throttle=[", ".join(analysis.decode_throttle(int(b))) for b in summary["reasons"].fillna(0)])
+    view.series = series = d["series"]
+    view.worst = summary.sort_values("clock_ratio")["gpu_id"].head(8).tolist()
+    view.figures["heatmap"] = figures.gpu_heatmap(series)
+    chosen = view.worst if pick is None else pick
+    for value, title in GPU_LINES:
+        view.figures[value] = figures.gpu_lines(series, gpus=chosen, value=value, title=title)
+    return view
+
+
+# ------------------------------------------------------------------------------------------ runs
+def runs_view(load: Loader) -> tuple[pd.DataFrame, go.Figure]:
+    table = load("runs_table")
+    return table, figures.runs_timeline(table)

@@ -1,0 +1,28 @@
+"""meshscope dashboard entry file: ``meshscope dashboard --store DIR`` runs
+``streamlit run streamlit_app.py -- --store DIR [--prometheus URL]``.
+
+Pages live in ``dashboard/app_pages/`` (not ``pages/``, which would trigger Streamlit's legacy
+auto-discovery); logic lives in plain modules under ``dashboard/``.
+"""
+
+import sys
+
+import streamlit as st
+
+from dashboard import ui
+
+st.set_page_config(page_title="meshscope", layout="wide")
+ui.init(sys.argv[1:])
+PAGES = [
+    st.Page("dashboard/app_pages/runs.py", title="Runs", url_path="runs", default=True),
+    st.Page("dashboard/app_pages/overview.py", title="Overview", url_path="overview"),
+    st.Page("dashboard/app_pages/pipeline.py", title="Pipeline", url_path="pipeline"),
+    st.Page("dashboard/app_pages/communication.py", title="Communication", url_path="communication"),
+    st.Page("dashboard/app_pages/memory.py", title="Memory", url_path="memory"),
+    st.Page("dashboard/app_pages/scaling.py", title="Scaling", url_path="scaling"),
+    st.Page("dashboard/app_pages/gpu.py", title="GPU", url_path="gpu"),
+    st.Page("dashboard/app_pages/live.py", title="Live", url_path="live"),
+]
+page = st.navigation(PAGES)
+ui.sidebar()
+page.run()

@@ -1,0 +1,89 @@
+"""A real HTTP server on 127.0.0.1 that answers ``/api/v1/query`` the way Prometheus does, for the
+dashboard's Live page tests (unit, AppTest and browser tiers). Values per rank are fixed so tests can
+assert on them; every query received is recorded."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from dashboard.live import METRICS
+
+
+def free_port() -> int:
+    """A localhost port nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def value_for(query: str, rank: int) -> float | None:
+    """The value a live query evaluates to for one rank (phase shares are answered as ratios directly)."""
+    if 'phase="compute"' in query:
+        return 0.5 + 0.01 * rank
+    if 'phase="exposed_comm"' in query:
+        return 0.2
+    if METRICS["mfu"] in query:
+        return 0.4
+    if METRICS["step"] in query:
+        return 100.0 + rank
+    return None
+
+
+class FakePrometheus:
+    def __init__(self, *, ranks: int = 4, run: str = "live-run") -> None:
+        self.ranks, self.run = ranks, run
+        self.queries: list[str] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server API)
+                url = urllib.parse.urlparse(self.path)
+                if url.path != "/api/v1/query":
+                    self.send_error(404)
+                    return
+                query = urllib.parse.parse_qs(url.query).get("query", [""])[0]
+                fake.queries.append(query)
+                body = json.dumps({"status": "success", "data": {"resultType": "vector",
+                                                                  "result": fake.result(query)}}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):  # keep test output quiet
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def result(self, query: str) -> list[dict]:
+        now = time.time()
+        if query == "vector(1)":
+            return [{"metric": {}, "value": [now, "1"]}]
+        if query.startswith("count by (run)"):
+            return [{"metric": {"run": self.run}, "value": [now, str(self.ranks)]}]
+        out = []
+        for rank in range(self.ranks):
+            v = value_for(query, rank)
+            if v is not None:
+                out.append({"metric": {"rank": str(rank)}, "value": [now, repr(v)]})
+        return out
+
+    def __enter__(self) -> FakePrometheus:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)

@@ -1,0 +1,104 @@
+"""Real-browser tier: serve the dashboard with ``meshscope dashboard`` on a free localhost port and load
+every page in headless Debian Chromium; each page must draw at least one non-empty Plotly chart and no
+Streamlit exception. Screenshots go to artifacts/screenshots/ (gitignored)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from dashboard.synthetic import Straggler, SyntheticConfig, write_store
+from fake_prometheus import FakePrometheus, free_port
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = "/usr/bin/chromium"
+ROOT = Path(__file__).resolve().parent.parent
+SHOTS = ROOT / "artifacts" / "screenshots"
+PAGES = ["",  # the default page (Runs) lives at the root URL
+         "overview", "pipeline", "communication", "memory", "scaling", "gpu", "live"]
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+# A chart counts when Plotly has drawn it and at least one trace has data points. Plotly 6 ships numpy
+# arrays as typed-array objects ({dtype, bdata, _inputArray}), so length comes from either form.
+NON_EMPTY_PLOT = """() => {
+    const n = a => !a ? 0 : (a.length ?? (a._inputArray ? a._inputArray.length : 0));
+    return [...document.querySelectorAll('.js-plotly-plot')].some(p =>
+        Array.isArray(p.data) && p.data.some(t => n(t.x) > 0 || n(t.y) > 0 || n(t.z) > 0));
+}"""
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, *, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"dashboard exited early with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
+                if r.read().strip() == b"ok":
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"dashboard not healthy within {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    if not (os.path.exists(CHROMIUM) and shutil.which(CHROMIUM)):
+        pytest.skip(f"Debian chromium not installed at {CHROMIUM} (apt-get install -y chromium)")
+    store = tmp_path_factory.mktemp("store")
+    # The newest run is the pipeline run, so it is the default focus; the older DDP run of the same model
+    # gives the Scaling page two world sizes.
+    write_store(store, config=SyntheticConfig(run="ddp-8", mesh={"dp": 8}, steps=30, t0=1.8e9))
+    write_store(store, config=SyntheticConfig(run="pp-fsdp-16", mesh={"pp": 2, "fsdp": 4, "tp": 2}, steps=30,
+                                              straggler=Straggler(rank=5, cause="throttle"), t0=1.8e9 + 86400))
+    port = free_port()
+    with FakePrometheus(ranks=4) as prom:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "meshscope_cli", "dashboard", "--store", str(store), "--port", str(port),
+             "--prometheus", prom.url, "--refresh", "2"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_healthy(url, proc, timeout=60)
+            yield url
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)  # our own session: streamlit and anything it started
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+
+
+def test_every_page_draws_a_chart_without_exceptions(served):
+    from playwright.sync_api import sync_playwright
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            # Tall: Streamlit scrolls inside its own container, so full_page alone would cut the page off.
+            page = browser.new_page(viewport={"width": 1500, "height": 3000})
+            for name in PAGES:
+                page.goto(f"{served}/{name}", wait_until="domcontentloaded", timeout=30_000)
+                page.wait_for_selector('[data-testid="stApp"]', timeout=30_000)
+                page.wait_for_function(NON_EMPTY_PLOT, timeout=45_000)
+                # Let the script run finish so a late exception would be on the page.
+                page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"] "
+                                       "button')", timeout=30_000)
+                page.screenshot(path=str(SHOTS / f"{name or 'runs'}.png"), full_page=True)
+                errors = page.locator('[data-testid="stException"]')
+                assert errors.count() == 0, f"{name}: {errors.first.inner_text()}"
+                assert page.locator(".js-plotly-plot").count() >= 1, name
+        finally:
+            browser.close()

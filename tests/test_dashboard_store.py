@@ -1,0 +1,218 @@
+"""The store reader and the SQL data layer: confinement, partial and corrupt stores, and agreement of
+the SQL aggregates with the pandas analyses on the raw rows."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import duckdb
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from agent.schema import SCHEMAS
+from dashboard import analysis, data
+from dashboard.store import SKIPPED, Store, StoreError
+from dashboard.synthetic import Straggler, SyntheticConfig, write_store
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Store:
+    root = tmp_path_factory.mktemp("store")
+    write_store(root, config=SyntheticConfig(run="pp", mesh={"pp": 2, "dp": 2, "tp": 2}, steps=10,
+                                             straggler=Straggler(rank=6, cause="throttle"), t0=1.8e9))
+    write_store(root, config=SyntheticConfig(run="ddp", mesh={"dp": 4}, steps=5, t0=1.7e9))
+    return Store.open(root)
+
+
+def _raw(store: Store, kind: str, run: str) -> pd.DataFrame:
+    return pd.concat([pq.read_table(f).to_pandas().assign(rank=int(f.parent.name.split("=")[1]))
+                      for f in store.files(kind, runs=[run])], ignore_index=True)
+
+
+# --------------------------------------------------------------------------------------- listing
+def test_open_and_list(store, tmp_path):
+    assert store.runs() == ["ddp", "pp"]
+    assert len(store.files("step", runs=["pp"])) == 8
+    assert store.files("step", runs=["nope"]) == []
+    with pytest.raises(ValueError, match="unknown record kind"):
+        store.files("secrets", runs=["pp"])
+    with pytest.raises(StoreError, match="store directory not found"):
+        Store.open(tmp_path / "missing")
+    assert Store.open(tmp_path).runs() == []
+
+
+def test_reads_stay_inside_the_root(tmp_path):
+    outside = tmp_path / "outside"
+    write_store(outside, config=SyntheticConfig(run="secret", mesh={"dp": 2}, steps=2))
+    root = tmp_path / "store"
+    write_store(root, config=SyntheticConfig(run="mine", mesh={"dp": 2}, steps=2))
+    step = root / "tables" / "step"
+    os.symlink(outside / "tables" / "step" / "run=secret", step / "run=linked")  # a run dir leading out
+    os.symlink(outside / "tables" / "step" / "run=secret" / "rank=0" / "part-00000.parquet",
+               step / "run=mine" / "rank=0" / "part-99999.parquet")  # a file leading out
+    s = Store.open(root)
+    assert "linked" not in s.runs()
+    files = s.files("step", runs=["mine", "linked", "../../outside/tables/step/run=secret"])
+    assert len(files) == 2 and all(f.resolve().is_relative_to(s.root) for f in files)
+    assert data.runs_table(s)["run"].tolist() == ["mine"]
+
+
+# ------------------------------------------------------------------------------ partial / corrupt
+def test_missing_kind_is_an_empty_typed_view(tmp_path):
+    write_store(tmp_path, config=SyntheticConfig(run="r", mesh={"dp": 2}, steps=2))
+    s = Store.open(tmp_path)
+    df = s.query("SELECT * FROM span", kinds=("span",), runs=["r"])
+    assert df.empty and list(df.columns) == [f.name for f in SCHEMAS["span"]] + ["run", "rank"]
+    assert data.pipeline_data(s, run="r", steps=None, gantt_step=1)["bubble"].empty
+
+
+def test_files_from_an_older_agent_lacking_columns(tmp_path):
+    write_store(tmp_path, config=SyntheticConfig(run="r", mesh={"dp": 2}, steps=3))
+    f = tmp_path / "tables" / "step" / "run=r" / "rank=1" / "part-00000.parquet"
+    pq.write_table(pq.read_table(f).drop(["mfu", "loss"]), f)
+    s = Store.open(tmp_path)
+    df = s.query("SELECT rank, mfu, loss, wall_s FROM step ORDER BY rank, step", kinds=("step",), runs=["r"])
+    assert len(df) == 6 and df.attrs[SKIPPED] == []
+    assert df[df["rank"] == 1]["mfu"].isna().all() and df[df["rank"] == 0]["mfu"].notna().all()
+    # When no file has a column, it is a typed NULL.
+    for g in (tmp_path / "tables" / "step" / "run=r").glob("rank=*/*.parquet"):
+        pq.write_table(pq.read_table(g).drop(["grad_norm"]), g)
+    assert s.query("SELECT max(grad_norm) AS g FROM step", kinds=("step",), runs=["r"])["g"].isna().all()
+
+
+def test_corrupt_and_mistyped_files_are_skipped_and_reported(tmp_path):
+    write_store(tmp_path, config=SyntheticConfig(run="r", mesh={"dp": 4}, steps=3))
+    base = tmp_path / "tables" / "step" / "run=r"
+    truncated = base / "rank=1" / "part-00000.parquet"
+    truncated.write_bytes(truncated.read_bytes()[:50])
+    (base / "rank=2" / "part-00001.parquet").write_bytes(b"")
+    mistyped = pq.read_table(base / "rank=3" / "part-00000.parquet")
+    mistyped = mistyped.set_column(0, "step", pa.array([str(x) for x in mistyped["step"].to_pylist()]))
+    pq.write_table(mistyped, base / "rank=3" / "part-00000.parquet")
+    s = Store.open(tmp_path)
+    df = s.query("SELECT DISTINCT rank FROM step ORDER BY rank", kinds=("step",), runs=["r"])
+    assert df["rank"].tolist() == [0, 2]
+    assert sorted(df.attrs[SKIPPED]) == ["tables/step/run=r/rank=1/part-00000.parquet",
+                                          "tables/step/run=r/rank=2/part-00001.parquet",
+                                          "tables/step/run=r/rank=3/part-00000.parquet"]
+    table = data.runs_table(s)
+    assert table.loc[0, "ranks_stepping"] == 2 and len(table.attrs[SKIPPED]) == 3
+
+
+def test_a_part_deleted_by_compaction_is_listed_again(tmp_path, monkeypatch):
+    write_store(tmp_path, config=SyntheticConfig(run="r", mesh={"dp": 2}, steps=3))
+    listed, real = [], Store.files
+
+    def racing(self, kind, *, runs):  # the first listing still names a source compaction then removed
+        files = real(self, kind, runs=runs)
+        listed.append(kind)
+        return files + [files[0].with_name("part-compacted-away.parquet")] if len(listed) == 1 else files
+
+    monkeypatch.setattr(Store, "files", racing)
+    df = Store.open(tmp_path).query("SELECT count(*) AS n FROM step", kinds=("step",), runs=["r"])
+    assert df["n"].iloc[0] == 6 and df.attrs[SKIPPED] == [] and len(listed) == 2
+
+
+def test_a_bug_in_our_sql_is_not_mistaken_for_corruption(store):
+    with pytest.raises(duckdb.ParserException):
+        store.query("SELEC nonsense", kinds=("step",), runs=["pp"])
+
+
+def test_materialized_kind_keeps_only_the_requested_rows_and_columns(store):
+    n, cols = store.query_all(
+        [("SELECT count(*) AS n FROM step", None), ("DESCRIBE step", None)], kinds=("step",), runs=["pp"],
+        materialize={"step": ("step BETWEEN ? AND ?", [2, 3], ("rank", "step", "wall_s"))})
+    assert n["n"].iloc[0] == 2 * 8
+    assert cols["column_name"].tolist() == ["rank", "step", "wall_s"]
+
+
+# --------------------------------------------------------------------------- SQL against pandas
+def test_runs_table(store, tmp_path):
+    t = data.runs_table(store).set_index("run")
+    assert t.index.tolist() == ["pp", "ddp"]  # newest first
+    assert t.loc["pp", "world_size"] == 8 and t.loc["pp", "strategy"] == "pp+tp+ddp"
+    assert (t.loc["pp", "first_step"], t.loc["pp", "last_step"], t.loc["pp", "steps"]) == (0, 9, 10)
+    raw = _raw(store, "step", "pp")
+    assert t.loc["pp", "collectives_per_step"] == pytest.approx(raw["n_collectives"].sum() / 10)
+
+
+def test_partial_run_without_run_records_is_listed(tmp_path):
+    write_store(tmp_path, config=SyntheticConfig(run="r", mesh={"dp": 2}, steps=2))
+    shutil.rmtree(tmp_path / "tables" / "run" / "run=r")
+    t = data.runs_table(Store.open(tmp_path))
+    assert t["run"].tolist() == ["r"] and pd.isna(t.loc[0, "world_size"]) and t.loc[0, "steps"] == 2
+
+
+def test_overview_data_matches_pandas(store):
+    d = data.overview_data(store, run="pp", runs=["pp", "ddp"], steps=(2, 7), max_ranks=4, max_steps=3)
+    raw = _raw(store, "step", "pp")
+    raw = raw[raw["step"].between(2, 7)]
+    bd = analysis.breakdown(raw).set_index("rank")
+    got = analysis.breakdown(d["breakdown"]).set_index("rank")
+    assert np.allclose(got[list(analysis.BREAKDOWN)], bd[list(analysis.BREAKDOWN)])
+    per_step = d["per_step"].set_index("step")
+    g = raw.groupby("step")["compute_s"]
+    assert np.allclose(per_step["max_compute_s"], g.max()) and np.allclose(per_step["median_compute_s"], g.median())
+    assert (per_step["slowest_rank"] == 6).all()
+    series = d["series"]
+    assert set(series["run"]) == {"pp", "ddp"} and series[series["run"] == "pp"]["step"].tolist() == list(range(2, 8))
+    assert np.allclose(series[series["run"] == "pp"]["step_time_s"], raw.groupby("step")["wall_s"].max())
+    # 8 ranks into at most 4 rows of 2; 6 steps into at most 3 columns of 2; max over ranks of step means.
+    hm = d["heatmap"]
+    assert (hm["rank_width"].iloc[0], hm["step_width"].iloc[0]) == (2, 2) and len(hm) == 12
+    cell = raw[raw["rank"].isin([6, 7]) & raw["step"].isin([2, 3])].groupby("rank")["compute_s"].mean().max()
+    assert hm.set_index(["rank_bin", "step_bin"]).loc[(6, 2), "compute_s"] == pytest.approx(cell)
+    w = d["window"].iloc[0]
+    assert (w["t_start"], w["t_end"]) == pytest.approx((raw["t_start"].min(), raw["t_end"].max()))
+
+
+def test_gpu_by_rank_joins_host_and_local_rank(store):
+    g = data.gpu_by_rank(store, run="pp", window=None).set_index("rank")
+    assert len(g) == 8
+    assert g["clock_ratio"].idxmin() == 6 and g.loc[6, "throttle_share"] > 0.5
+    assert analysis.decode_throttle(int(g.loc[6, "reasons"])) == ["SW power cap", "SW thermal", "HW thermal"]
+
+
+def test_pipeline_data_matches_pandas(store):
+    d = data.pipeline_data(store, run="pp", steps=(0, 9), gantt_step=4)
+    spans, steps = _raw(store, "span", "pp"), _raw(store, "step", "pp")
+    want = analysis.measured_bubble(spans, windows=steps).groupby(["step", "stage"])["bubble"].mean()
+    got = d["bubble"].set_index(["step", "stage"])["bubble"]
+    assert np.allclose(got.sort_index(), want.sort_index())
+    # The Gantt step: one rank per pipeline position (lowest rank), all its spans, and its step window.
+    assert sorted(d["spans"]["rank"].unique()) == [0, 4] and set(d["spans"]["step"]) == {4}
+    assert len(d["spans"]) == 2 * 2 * 4 and sorted(d["windows"]["rank"]) == [0, 4]
+
+
+def test_collective_rows_window(store):
+    rows = data.collective_rows(store, run="pp", steps=(8, 9))
+    raw = _raw(store, "collective", "pp")
+    assert len(rows) == int(raw["step"].between(8, 9).sum()) and set(rows["step"]) == {8, 9}
+
+
+def test_memory_and_gpu_data(store):
+    m = data.memory_data(store, run="pp", steps=None)
+    raw = _raw(store, "memory", "pp")
+    peaks = raw.groupby("rank")["allocated_peak_bytes"].max()
+    assert np.allclose(m["per_rank"].set_index("rank")["allocated_peak"], peaks)
+    assert (m["per_rank"]["capacity"] == 80 * 2**30).all() and len(m["per_step"]) == 10
+    g = data.gpu_data(store, run="pp", bins=4)
+    assert len(g["summary"]) == 8 and set(g["series"]["bin"]) <= {0, 1, 2, 3}
+
+
+def test_run_summaries(store):
+    s = data.run_summaries(store, runs=["pp", "ddp"]).set_index("run")
+    raw = _raw(store, "step", "ddp")
+    assert s.loc["ddp", "step_time_s"] == pytest.approx(raw.groupby("step")["wall_s"].max().median())
+    assert s.loc["ddp", "comm_fraction"] == pytest.approx(raw["exposed_comm_s"].sum() / raw["wall_s"].sum())
+
+
+@pytest.mark.parametrize(("steps", "rate", "budget", "window"), [
+    ((0, 999), 20_000, 200_000, (990, 999)), ((0, 999), 100, 200_000, (0, 999)), ((0, 999), None, 10, (0, 999)),
+    ((500, 999), 1e9, 10, (999, 999))])
+def test_budget_window(steps, rate, budget, window):
+    assert data.budget_window(steps, rows_per_step=rate, budget=budget) == window

@@ -1,0 +1,86 @@
+"""Page views end to end on synthetic stores: the injected straggler is found with the right cause, the
+budgeted windows say which steps they used, and every figure has data."""
+
+from __future__ import annotations
+
+import pytest
+
+from dashboard import data, views
+from dashboard.store import Store
+from dashboard.synthetic import Straggler, SyntheticConfig, write_store
+
+
+def _load(root, **runs) -> tuple[Store, views.Loader]:
+    for name, cfg in runs.items():
+        write_store(root, config=cfg)
+    store = Store.open(root)
+    return store, views.direct_loader(store)
+
+
+def _has_data(fig) -> bool:
+    return any(len(t.x if t.x is not None else []) or len(t.z if t.z is not None else []) for t in fig.data)
+
+
+@pytest.mark.parametrize(("cause", "cause_text"), [("compute", "compute"), ("throttle", "GPU throttling")])
+def test_compute_and_throttle_stragglers(tmp_path, cause, cause_text):
+    cfg = SyntheticConfig(run="r", mesh={"dp": 8}, steps=12, straggler=Straggler(rank=5, factor=1.3, cause=cause))
+    _, load = _load(tmp_path, r=cfg)
+    ov = views.overview(load, run="r", runs=["r"], steps=None)
+    assert ov.stragglers["rank"].tolist() == [5]
+    assert ov.stragglers["cause"].iloc[0].startswith(cause_text)
+    # The job loses max - median compute each step: ~30 % of the median rank's compute.
+    assert ov.metrics["cost_s"] == pytest.approx(0.3 * ov.stragglers["compute_s"].iloc[0] / 1.3, rel=0.15)
+    comm = views.communication(load, run="r", steps=None)
+    assert comm.skew.iloc[0]["rank"] == 5  # the late arriver made the others wait the most
+    assert comm.slow_groups.empty
+    for fig in [*ov.figures.values(), *comm.figures.values()]:
+        assert _has_data(fig)
+
+
+def test_link_straggler_is_found_by_its_group(tmp_path):
+    # dp groups pair ranks across the two hosts; rank 3's slow NIC slows its dp group {3, 11}.
+    cfg = SyntheticConfig(run="r", mesh={"dp": 2, "fsdp": 8}, steps=12,
+                          straggler=Straggler(rank=3, factor=1.5, cause="link"))
+    _, load = _load(tmp_path, r=cfg)
+    ov = views.overview(load, run="r", runs=["r"], steps=None)
+    assert sorted(ov.stragglers["rank"]) == [3, 11]
+    assert all(c.startswith("link (group dp:3") for c in ov.stragglers["cause"])
+    comm = views.communication(load, run="r", steps=None)
+    assert comm.slow_groups["group"].tolist() == ["dp:3"]
+    assert comm.slow_groups["busbw_ratio"].iloc[0] == pytest.approx(1 / 1.5, rel=0.1)
+
+
+def test_no_straggler_no_flags(tmp_path):
+    _, load = _load(tmp_path, r=SyntheticConfig(run="r", mesh={"pp": 2, "dp": 2, "tp": 2}, steps=10))
+    assert views.overview(load, run="r", runs=["r"], steps=None).stragglers.empty
+    assert views.communication(load, run="r", steps=None).slow_groups.empty
+
+
+def test_budgets_bound_the_steps_read_and_say_so(tmp_path, monkeypatch):
+    _, load = _load(tmp_path, r=SyntheticConfig(run="r", mesh={"pp": 2, "dp": 2}, steps=20))
+    rows_per_step = load("runs_table").iloc[0]["collectives_per_step"]
+    monkeypatch.setattr(data, "RAW_BUDGET", int(5 * rows_per_step))
+    # The pipeline page estimates spans per step as world 4 x microbatches 4 x 3: budget 6 steps of them.
+    monkeypatch.setattr(data, "ROW_BUDGET", 4 * 4 * 3 * 6)
+    comm = views.communication(load, run="r", steps=(0, 19))
+    assert comm.steps == (15, 19)
+    assert comm.summary["ops_per_step"].sum() == pytest.approx(rows_per_step / 4)  # per rank and step
+    pipe = views.pipeline(load, run="r", steps=(0, 19))
+    assert pipe.steps == (14, 19) and sorted(pipe.per_step_stage["step"].unique()) == list(range(14, 20))
+    assert pipe.gantt_spans == 2 * 2 * 4 and _has_data(pipe.figures["gantt"])
+    assert set(pipe.gantt_bubble) == {0, 1} and all(0 < b < 1 for b in pipe.gantt_bubble.values())
+
+
+def test_memory_gpu_scaling_views(tmp_path):
+    _, load = _load(tmp_path, a=SyntheticConfig(run="a", mesh={"dp": 4}, steps=6, t0=1.7e9),
+                    b=SyntheticConfig(run="b", mesh={"dp": 8}, steps=6, t0=1.8e9))
+    mem = views.memory(load, run="b", steps=None)
+    assert mem.label == "device allocator" and set(mem.model["component"]) == {
+        "parameters", "gradients", "optimizer state", "activations"}
+    gpu = views.gpu(load, run="b")
+    assert len(gpu.summary) == 8 and len(gpu.worst) == 8
+    sc = views.scaling(load, selected=["b"], focus="b")  # fewer than two selected: all runs of the model
+    assert sc.runs == ["b", "a"] and sc.table["world_size"].tolist() == [4, 8]
+    assert sc.fit is not None and 0 <= sc.fit.c <= 1
+    for fig in [*mem.figures.values(), *gpu.figures.values(), *sc.figures.values()]:
+        assert _has_data(fig)
