@@ -5,13 +5,17 @@ bound to localhost unless told otherwise."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from pathlib import Path
 
 from dashboard.config import ConfigError, check_prometheus_url
 
-APP = Path(__file__).resolve().parent.parent / "streamlit_app.py"
+# The one root-level Streamlit entry file; installed as a top-level module (pyproject py-modules) so a
+# non-editable install serves it too.
+_spec = importlib.util.find_spec("streamlit_app")
+APP = Path(_spec.origin) if _spec and _spec.origin else Path(__file__).resolve().parent.parent / "streamlit_app.py"
 
 
 class _Parser(argparse.ArgumentParser):
