@@ -26,3 +26,18 @@ def test_cli_dispatches_known_commands(capsys):
         assert cmd in out
     assert meshscope_cli.main(["no-such-command"]) == 2
     assert "unknown command 'no-such-command'" in capsys.readouterr().err
+
+
+def test_readme_metric_table_is_generated_from_the_catalog():
+    from agent import catalog
+
+    text = (ROOT / "README.md").read_text()
+    begin, end = "<!-- metrics:begin -->\n", "<!-- metrics:end -->"
+    table = text[text.index(begin) + len(begin): text.index(end)]
+    assert table == catalog.markdown_table(), "README metric table is stale: python -m agent.catalog"
+
+
+def test_readme_shows_exactly_the_two_setup_commands():
+    text = (ROOT / "README.md").read_text()
+    assert "make demo" in text and "make test" in text
+    assert "make demo" in (ROOT / "Makefile").read_text() or "demo:" in (ROOT / "Makefile").read_text()
