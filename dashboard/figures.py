@@ -53,7 +53,8 @@ def step_lines(series: pd.DataFrame, *, y: str, title: str, y_title: str, percen
         g = g.dropna(subset=[y])
         fig.add_trace(go.Scatter(x=g["step"], y=g[y], mode="lines", name=str(run)))
     if percent:
-        fig.update_yaxes(tickformat=".0%")
+        # Two significant digits: CPU runs sit at fractions of a percent, where ".0%" reads "0%, 0%, 1%".
+        fig.update_yaxes(tickformat=".2~%")
     return _layout(fig, title=title, x="step", y=y_title, height=300)
 
 
