@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from agent.instrument.telemetry import NullTelemetry, Telemetry, TelemetryConfig
 from trainer import config
-from trainer.parallel import build_mesh
+from trainer.parallel import build_mesh, schedule_stages
 from trainer.train import Trainer, _device
 
 
@@ -42,9 +42,7 @@ def main() -> int:
                    world_size=dist.get_world_size(), device=device)
     on.start({"strategy": cfg.parallel.strategy})
     off = NullTelemetry()
-    stages = None
-    if trainer.schedule is not None:
-        stages = getattr(trainer.schedule, "_stages", None) or [trainer.schedule._stage]
+    stages = schedule_stages(trainer.schedule)
     step = 0
     for _ in range(ns.warmup):
         trainer.train_step(step, off)

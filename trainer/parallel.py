@@ -155,6 +155,13 @@ def build_schedule(
     return cls(stages[0], n_microbatches=p.microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
+def schedule_stages(schedule: _PipelineSchedule | None) -> list[PipelineStage] | None:
+    """The stages a schedule drives on this rank (single-stage schedules keep one in ``_stage``)."""
+    if schedule is None:
+        return None
+    return list(getattr(schedule, "_stages", None) or [schedule._stage])
+
+
 def parallelize(
     model: GPT, *, layout: Layout, device: torch.device, activation_checkpoint: bool
 ) -> list[nn.Module]:

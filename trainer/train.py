@@ -21,7 +21,9 @@ from agent.instrument.telemetry import NullTelemetry, Telemetry, TelemetryConfig
 from trainer import checkpoint, config, data, model as model_lib, optim
 from trainer.config import ConfigError, TrainConfig
 from trainer.faults import Faults
-from trainer.parallel import Layout, build_mesh, build_schedule, parallelize, unwrap, world_loss
+from trainer.parallel import (
+    Layout, build_mesh, build_schedule, parallelize, schedule_stages, unwrap, world_loss,
+)
 from trainer.profiling import Profiler
 from trainer.progress import StepPrinter
 
@@ -222,8 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(cfg, device=device, layout=layout, peak_flops=peak)
         tel.start(run_info(cfg, layout=layout, device=device, peak=peak, peak_source=peak_source))
         tel.attach(model_parts=trainer.parts, mesh=layout.mesh, schedule=trainer.schedule,
-                   stages=getattr(trainer.schedule, "_stages", None) or
-                   ([trainer.schedule._stage] if trainer.schedule is not None else None))
+                   stages=schedule_stages(trainer.schedule))
         try:
             code = trainer.run(tel)
             tel.event("end", f"finished {cfg.steps} steps")
