@@ -1,5 +1,6 @@
 """meshscope dashboard entry file: ``meshscope dashboard --store DIR`` runs
-``streamlit run streamlit_app.py -- --store DIR [--prometheus URL]``.
+``streamlit run streamlit_app.py -- --store DIR [--store DIR2 ...] [--prometheus URL]`` (several stores,
+e.g. one per node of a multi-node job, read as one).
 
 Pages live in ``dashboard/app_pages/`` (not ``pages/``, which would trigger Streamlit's legacy
 auto-discovery); logic lives in plain modules under ``dashboard/``.

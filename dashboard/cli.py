@@ -1,6 +1,8 @@
-"""``meshscope dashboard --store DIR [--prometheus URL] [--port P] [--host 127.0.0.1]``: serve the
-Streamlit dashboard over a run store (``streamlit run streamlit_app.py -- --store DIR ...``), headless,
-bound to localhost unless told otherwise."""
+"""``meshscope dashboard --store DIR [--store DIR2 ...] [--prometheus URL] [--port P] [--host 127.0.0.1]``:
+serve the Streamlit dashboard over a run store (``streamlit run streamlit_app.py -- --store DIR ...``),
+headless, bound to localhost unless told otherwise. Several ``--store`` read as one store: a multi-node
+job's agents each write their node's ranks into their own store, and a run found in several is one run
+with all of their ranks."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import sys
 from pathlib import Path
 
 from dashboard.config import ConfigError, check_prometheus_url
+from dashboard.store import Store, StoreError
 
 # The one root-level Streamlit entry file; installed as a top-level module (pyproject py-modules) so a
 # non-editable install serves it too.
@@ -25,7 +28,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="meshscope dashboard", description=__doc__.split("\n")[0])
-    p.add_argument("--store", required=True, help="run store directory (the agent's --store)")
+    p.add_argument("--store", action="append", required=True, metavar="DIR",
+                   help="run store directory (the agent's --store); repeat for the stores of several nodes")
     p.add_argument("--prometheus", default=None, help="Prometheus base URL for the Live page")
     p.add_argument("--port", default="8501", help="port to serve on (default 8501)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: local only)")
@@ -36,9 +40,10 @@ def _parser() -> argparse.ArgumentParser:
 def build_command(argv: list[str]) -> list[str]:
     """Validate the flags and return the ``streamlit run`` command line. Raises ConfigError."""
     a = _parser().parse_args(argv)
-    store = Path(a.store).expanduser()
-    if not store.is_dir():
-        raise ConfigError(f"store directory not found: {a.store}")
+    try:  # the reader's own checks (missing directory, stores that cannot be read together)
+        stores = Store.open_many(a.store).roots
+    except StoreError as e:
+        raise ConfigError(str(e)) from None
     if not a.port.isdigit() or not 1 <= int(a.port) <= 65535:
         raise ConfigError(f"--port must be an integer in 1..65535, got {a.port!r}")
     try:
@@ -49,7 +54,7 @@ def build_command(argv: list[str]) -> list[str]:
         raise ConfigError(f"--refresh must be > 0 seconds, got {a.refresh!r}")
     if a.prometheus is not None:
         check_prometheus_url(a.prometheus)
-    script_args = ["--store", str(store.resolve()), "--refresh", str(refresh)]
+    script_args = [arg for store in stores for arg in ("--store", str(store))] + ["--refresh", str(refresh)]
     if a.prometheus:
         script_args += ["--prometheus", a.prometheus]
     return [sys.executable, "-m", "streamlit", "run", str(APP),

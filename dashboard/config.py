@@ -1,9 +1,10 @@
 """The dashboard's configuration: one dataclass, validated at construction, from command-line arguments.
 
-``meshscope dashboard`` (``dashboard.cli``) validates the user's flags and hands ``--store`` and
-``--prometheus`` to the Streamlit script as script arguments (``streamlit run streamlit_app.py --
---store DIR``); the script parses them again with ``parse_app_args``. There are no environment
-variables: tests pass the same arguments through ``sys.argv``.
+``meshscope dashboard`` (``dashboard.cli``) validates the user's flags and hands ``--store`` (repeatable:
+the stores of a multi-node job's agents, read as one) and ``--prometheus`` to the Streamlit script as
+script arguments (``streamlit run streamlit_app.py -- --store A --store B``); the script parses them
+again with ``parse_app_args``. There are no environment variables: tests pass the same arguments through
+``sys.argv``.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AppConfig:
-    store: str
+    stores: tuple[str, ...]  # one store, or one per node of a multi-node job (read as one)
     prometheus: str | None = None
     refresh_s: float = 5.0  # Live page refresh interval
 
     def __post_init__(self) -> None:
-        if not self.store:
+        if isinstance(self.stores, str):  # a lone path would be read as one store per character
+            raise TypeError("AppConfig.stores is a tuple of directories, not a string")
+        if not self.stores or not all(self.stores):
             raise ConfigError("--store DIR is required")
         if self.prometheus is not None:
             check_prometheus_url(self.prometheus)
@@ -45,7 +48,7 @@ class _Parser(argparse.ArgumentParser):
 
 def app_parser(prog: str) -> argparse.ArgumentParser:
     p = _Parser(prog=prog, add_help=False)
-    p.add_argument("--store", required=True)
+    p.add_argument("--store", action="append", required=True)
     p.add_argument("--prometheus", default=None)
     p.add_argument("--refresh", type=float, default=5.0)
     return p
@@ -54,4 +57,4 @@ def app_parser(prog: str) -> argparse.ArgumentParser:
 def parse_app_args(argv: list[str]) -> AppConfig:
     """Arguments the Streamlit script receives after ``--``."""
     a = app_parser("streamlit_app.py").parse_args(argv)
-    return AppConfig(store=a.store, prometheus=a.prometheus, refresh_s=a.refresh)
+    return AppConfig(stores=tuple(a.store), prometheus=a.prometheus, refresh_s=a.refresh)

@@ -4,10 +4,17 @@ Layout (written by the node agent, see ``agent.collector.store``)::
 
     <root>/tables/<kind>/run=<run>/rank=<rank>/part-*.parquet
 
-Confinement: the root is resolved once; run names come only from listing ``run=*`` directories; kinds
-come only from ``agent.schema.KINDS``; below the root no symlink is followed (a link that could lead out
-is ignored), so every file handed to DuckDB lies under the root. User input never becomes a path or SQL
-text: it only selects among listed names, and values go to DuckDB as bound parameters.
+Several stores read as one: a multi-node job has one agent per node, each writing the ranks of its node
+into that node's store, so ``Store.open_many([A, B])`` lists and queries the union. A run present in
+several stores is one run with the ranks of all of them (rows are not deduplicated: a rank in two stores,
+e.g. moved to another node by a torchrun restart, contributes the records of each attempt where it was
+written).
+
+Confinement, per root: each root is resolved once; run names come only from listing ``run=*``
+directories; kinds come only from ``agent.schema.KINDS``; below a root no symlink is followed (a link
+that could lead out is ignored), so every file handed to DuckDB lies under one of the roots. User input
+never becomes a path or SQL text: it only selects among listed names, and values go to DuckDB as bound
+parameters.
 
 Robustness: a kind may be missing entirely (an empty, typed view stands in), files may lack newer
 columns (NULL of the schema type is projected), and a file may be corrupt or of the wrong schema (it is
@@ -53,46 +60,82 @@ class StoreError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Store:
-    """A store root, resolved. Construct with ``Store.open``."""
+    """One or more store roots, resolved, read as one store. Construct with ``Store.open`` (one root) or
+    ``Store.open_many`` (the stores of several nodes)."""
 
-    root: Path
+    roots: tuple[Path, ...]
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> Store:
-        root = Path(path).expanduser().resolve()
-        if not root.is_dir():
-            raise StoreError(f"store directory not found: {path}")
-        return cls(root=root)
+        return cls.open_many([path])
+
+    @classmethod
+    def open_many(cls, paths: Iterable[str | os.PathLike]) -> Store:
+        """The union of the stores at ``paths`` (order kept; the same directory twice counts once)."""
+        roots: list[Path] = []
+        seen: set[tuple[int, int]] = set()
+        for path in paths:
+            root = Path(path).expanduser().resolve()
+            if not root.is_dir():
+                raise StoreError(f"store directory not found: {path}")
+            st = root.stat()  # (device, inode): one directory reached by two names is read once
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                roots.append(root)
+        if not roots:
+            raise StoreError("no store directory given")
+        _check_hive_keys(roots)
+        return cls(roots=tuple(roots))
+
+    @property
+    def root(self) -> Path:
+        """The root of a single store (a store over several roots has no one root: use ``roots``)."""
+        if len(self.roots) != 1:
+            raise ValueError(f"this store reads {len(self.roots)} roots; use .roots")
+        return self.roots[0]
+
+    def describe(self) -> str:
+        """The roots for messages, each as a Markdown code span, comma-separated."""
+        return ", ".join(f"`{r}`" for r in self.roots)
 
     # ---------------------------------------------------------------- listing
     def runs(self) -> list[str]:
-        """Run names present under any kind, sorted."""
+        """Run names present under any kind in any root, sorted."""
         names: set[str] = set()
         for kind in KINDS:
             names.update(self._run_dirs(kind))
         return sorted(names)
 
-    def _run_dirs(self, kind: str) -> dict[str, Path]:
-        base = self.root / "tables" / kind
-        if not base.is_dir() or base.is_symlink():
-            return {}
-        return {name[len("run="):]: path for name, path in _entries(base, prefix="run=", want_dir=True)}
+    def _run_dirs(self, kind: str) -> dict[str, list[Path]]:
+        """run name -> its directories of this kind, one per root that has it."""
+        out: dict[str, list[Path]] = {}
+        for root in self.roots:
+            base = root / "tables" / kind
+            if not base.is_dir() or base.is_symlink():
+                continue
+            for name, path in _entries(base, prefix="run=", want_dir=True):
+                out.setdefault(name[len("run="):], []).append(path)
+        return out
 
     def files(self, kind: str, *, runs: Iterable[str]) -> list[Path]:
-        """Parquet files of one kind for the given runs (names not in the listing are ignored)."""
+        """Parquet files of one kind for the given runs, from every root (names not in the listing are
+        ignored)."""
         if kind not in KINDS:
             raise ValueError(f"unknown record kind {kind!r}; expected one of {', '.join(KINDS)}")
         dirs = self._run_dirs(kind)
-        out: list[Path] = []
+        out: set[Path] = set()
         for run in runs:
-            run_dir = dirs.get(run)
-            if run_dir is None:
-                continue
-            for _, rank_dir in _entries(run_dir, prefix="rank=", want_dir=True):
-                out.extend(path for name, path in _entries(rank_dir, prefix="", want_dir=False)
-                           if name.endswith(".parquet"))
+            for run_dir in dirs.get(run, ()):
+                for _, rank_dir in _entries(run_dir, prefix="rank=", want_dir=True):
+                    out.update(path for name, path in _entries(rank_dir, prefix="", want_dir=False)
+                               if name.endswith(".parquet"))
         return sorted(out)
 
+    def _display(self, path: Path) -> str:
+        """A file for messages: relative to its root, prefixed with the root when there are several."""
+        root = next(r for r in self.roots if path.is_relative_to(r))
+        rel = str(path.relative_to(root))
+        return rel if len(self.roots) == 1 else f"{root}/{rel}"
 
     # ---------------------------------------------------------------- querying
     def query(self, sql: str, *, kinds: Sequence[str], runs: Sequence[str],
@@ -148,7 +191,7 @@ class Store:
         skipped = []
         for kind, paths in sources.items():
             good = [p for p in paths if _readable(p, kind)]
-            skipped += [str(p.relative_to(self.root)) for p in paths if p not in good]
+            skipped += [self._display(p) for p in paths if p not in good]
             sources[kind] = good
         if not skipped:
             raise StoreError(f"could not read the store: {_first_line(first)}") from first
@@ -178,9 +221,21 @@ class Store:
             return frames
 
 
+def _check_hive_keys(roots: Sequence[Path]) -> None:
+    """DuckDB reads every ``key=value`` component of a file's path as a partition key and refuses files
+    whose key sets differ ("Hive partition mismatch"); roots whose own paths differ in such components
+    cannot be read together, so say so now rather than fail on the first query."""
+    keys = [frozenset(part.split("=", 1)[0] for part in r.parts if "=" in part) for r in roots]
+    for root, k in zip(roots[1:], keys[1:]):
+        if k != keys[0]:
+            raise StoreError(f"stores {roots[0]} and {root} cannot be read together: their paths differ in "
+                             f"'key=value' directory names ({', '.join(sorted(k ^ keys[0]))}), which the "
+                             "reader takes for partition keys; rename one")
+
+
 def _entries(directory: Path, *, prefix: str, want_dir: bool) -> list[tuple[str, Path]]:
-    """Directory entries by name prefix, never following symlinks: with the root resolved once and
-    every later component a real directory entry, no path can leave the root (and no per-file
+    """Directory entries by name prefix, never following symlinks: with each root resolved once and
+    every later component a real directory entry, no path can leave its root (and no per-file
     ``resolve()`` is needed, which matters at thousands of files)."""
     out = []
     with os.scandir(directory) as it:
@@ -198,7 +253,7 @@ def _view_sql(con: duckdb.DuckDBPyConnection, kind: str, paths: list[Path], *, u
     if not paths:
         cols = ", ".join(f'CAST(NULL AS {_DUCK_TYPES[f.type]}) AS "{f.name}"' for f in schema)
         return f"SELECT {cols}, CAST(NULL AS VARCHAR) AS run, CAST(NULL AS INTEGER) AS rank WHERE false"
-    # Paths come from our own listing (confined to the root); quote them as SQL literals.
+    # Paths come from our own listing (confined to the roots); quote them as SQL literals.
     listing = ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths)
 
     def source(by_name: bool) -> str:

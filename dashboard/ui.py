@@ -41,15 +41,16 @@ class Context:
 
 # ------------------------------------------------------------------------------------ loading
 @st.cache_data(ttl=CACHE_TTL_S, max_entries=256, max_size=512 * 2**20, show_spinner="Reading the store…")
-def _cached(name: str, root: str, kwargs: tuple):
-    return LOADERS[name](Store.open(root), **dict(kwargs))
+def _cached(name: str, roots: tuple[str, ...], kwargs: tuple):
+    # Keyed by every root: the same run read over another set of stores is another result.
+    return LOADERS[name](Store.open_many(roots), **dict(kwargs))
 
 
 def load(name: str, store: Store, **kwargs):
     """``data.<name>(store, **kwargs)`` through a bounded, short-lived cache. Lists become tuples so
     the arguments hash."""
     frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kwargs.items()))
-    return _cached(name, str(store.root), frozen)
+    return _cached(name, tuple(map(str, store.roots)), frozen)
 
 
 def loader(ctx: Context) -> views.Loader:
@@ -82,7 +83,7 @@ def sidebar() -> None:
     if config is None:
         return
     try:
-        store = Store.open(config.store)
+        store = Store.open_many(config.stores)
         runs = load("runs_table", store)
     except StoreError as e:
         st.sidebar.error(str(e))
@@ -90,7 +91,7 @@ def sidebar() -> None:
     names = runs["run"].tolist()
     selected = tuple(r for r in st.session_state.get(SELECTED_KEY, ()) if r in names) or tuple(names[:1])
     focus, steps = None, None
-    st.sidebar.caption(f"Store: `{store.root}`")
+    st.sidebar.caption(f"Store{'s' if len(store.roots) > 1 else ''}: {store.describe()}")
     if selected:
         focus = st.sidebar.selectbox("Run", selected, key="meshscope.focus",
                                      help="Pick runs on the Runs page; single-run pages show this one.")
@@ -123,8 +124,8 @@ def render(main: Callable[[Context], None], *, needs_run: bool = True) -> None:
         st.info("No store is open (see the message above).")
         return
     if ctx.runs.empty and needs_run:
-        st.info(f"No runs in the store at `{ctx.store.root}` yet. Runs appear here once the node agent has "
-                "written records under `tables/`.")
+        st.info(f"No runs in the store at {ctx.store.describe()} yet. Runs appear here once the node agent "
+                "has written records under `tables/`.")
         return
     st.session_state[WARNED_KEY] = set()
     if needs_run:

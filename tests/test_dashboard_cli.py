@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dashboard import cli
-from dashboard.config import ConfigError, parse_app_args
+from dashboard.config import AppConfig, ConfigError, parse_app_args
 
 
 def test_command_binds_localhost_headless_and_passes_the_store(tmp_path):
@@ -19,7 +19,7 @@ def test_command_binds_localhost_headless_and_passes_the_store(tmp_path):
     assert opts["--server.address"] == "127.0.0.1" and opts["--server.port"] == "8600"
     assert opts["--server.headless"] == "true" and opts["--browser.gatherUsageStats"] == "false"
     script_args = cmd[cmd.index("--") + 1:]
-    assert parse_app_args(script_args).store == str(tmp_path.resolve())
+    assert parse_app_args(script_args).stores == (str(tmp_path.resolve()),)
 
 
 def test_prometheus_host_and_refresh_are_passed_on(tmp_path):
@@ -32,6 +32,7 @@ def test_prometheus_host_and_refresh_are_passed_on(tmp_path):
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--store", "{missing}"], "store directory not found: {missing}"),
+    (["--store", "{ok}", "--store", "{missing}"], "store directory not found: {missing}"),
     (["--store", "{ok}", "--port", "http"], "--port must be an integer in 1..65535, got 'http'"),
     (["--store", "{ok}", "--port", "0"], "--port must be an integer in 1..65535, got '0'"),
     (["--store", "{ok}", "--port", "70000"], "--port must be an integer in 1..65535, got '70000'"),
@@ -61,6 +62,19 @@ def test_app_arguments_are_validated():
         parse_app_args(["--store", "/x", "--prometheus", "ftp://host"])
     with pytest.raises(ConfigError, match="--store"):
         parse_app_args([])
+    assert parse_app_args(["--store", "/a", "--store", "/b"]).stores == ("/a", "/b")
+    with pytest.raises(TypeError, match="tuple of directories"):
+        AppConfig(stores="/a")
+
+
+def test_the_app_names_a_missing_second_store_in_one_line(monkeypatch, tmp_path):
+    from streamlit.testing.v1 import AppTest
+
+    missing = tmp_path / "node-b"
+    monkeypatch.setattr(sys, "argv", ["streamlit_app.py", "--store", str(tmp_path), "--store", str(missing)])
+    at = AppTest.from_file(str(cli.APP), default_timeout=60).run()
+    assert not at.exception
+    assert [e.value for e in at.sidebar.error] == [f"store directory not found: {missing}"]
 
 
 def test_main_becomes_the_streamlit_server(monkeypatch, tmp_path):
@@ -75,3 +89,22 @@ def test_main_becomes_the_streamlit_server(monkeypatch, tmp_path):
         cli.main(["--store", str(tmp_path), "--port", "8700"])
     assert seen["path"] == sys.executable and seen["args"] == cli.build_command(["--store", str(tmp_path),
                                                                                  "--port", "8700"])
+
+
+def test_several_stores_are_passed_on_resolved_and_once(tmp_path):
+    a, b = tmp_path / "node-a", tmp_path / "node-b"
+    a.mkdir()
+    b.mkdir()
+    (tmp_path / "a-link").symlink_to(a)
+    cmd = cli.build_command(["--store", str(a), "--store", str(tmp_path / "a-link"), "--store", str(b)])
+    config = parse_app_args(cmd[cmd.index("--") + 1:])
+    assert config.stores == (str(a.resolve()), str(b.resolve()))
+
+
+def test_stores_that_cannot_be_read_together_give_one_line(tmp_path, capsys):
+    keyed, plain = tmp_path / "node=1", tmp_path / "plain"
+    keyed.mkdir()
+    plain.mkdir()
+    assert cli.main(["--store", str(plain), "--store", str(keyed)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot be read together" in err and "node" in err

@@ -216,3 +216,114 @@ def test_run_summaries(store):
     ((500, 999), 1e9, 10, (999, 999))])
 def test_budget_window(steps, rate, budget, window):
     assert data.budget_window(steps, rows_per_step=rate, budget=budget) == window
+
+
+# ------------------------------------------------------------------------- several stores as one
+def _split(full, a, b) -> None:
+    """Copy a store into two node stores, as one agent per node writes them: ranks 0-1 and the GPU
+    samples of host node0000 to ``a``, the rest to ``b`` (two GPUs per host)."""
+    for f in full.rglob("*.parquet"):
+        rank = int(f.parent.name.split("=")[1])
+        first = f.name == "part-node0000.parquet" if rank == -1 else rank < 2
+        dst = (a if first else b) / f.relative_to(full)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(f, dst)
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    """(full store, node store A, node store B): run "r" (4 ranks) split over the nodes; run "solo" only
+    in A."""
+    tmp = tmp_path_factory.mktemp("nodes")
+    full, a, b = tmp / "full", tmp / "a", tmp / "b"
+    write_store(full, config=SyntheticConfig(run="r", mesh={"dp": 4}, steps=6, gpus_per_host=2, t0=1.8e9,
+                                             straggler=Straggler(rank=3, cause="throttle")))
+    _split(full, a, b)
+    write_store(a, config=SyntheticConfig(run="solo", mesh={"dp": 2}, steps=3, t0=1.7e9))
+    return full, a, b
+
+
+def test_a_run_split_over_two_stores_is_one_run_with_every_rank(nodes):
+    full, a, b = nodes
+    one, both = Store.open(full), Store.open_many([a, b])
+    assert both.roots == (a.resolve(), b.resolve())
+    assert both.runs() == ["r", "solo"]
+    files = both.files("step", runs=["r"])
+    assert [f.parent.name for f in files] == ["rank=0", "rank=1", "rank=2", "rank=3"]
+    assert {f.parents[4] for f in files} == {a.resolve(), b.resolve()}  # <root>/tables/step/run=r/rank=k/f
+    table = data.runs_table(both)
+    r = table.set_index("run").loc["r"]
+    assert (r["world_size"], r["ranks_started"], r["ranks_stepping"], r["steps"]) == (4, 4, 4, 6)
+    # Each node's store alone sees half of the run (the Runs page calls it partial).
+    assert data.runs_table(Store.open(a)).set_index("run").loc["r", "ranks_stepping"] == 2
+    # Every aggregate over the union equals the one over the undivided store.
+    pd.testing.assert_frame_equal(table[table["run"] == "r"].reset_index(drop=True), data.runs_table(one),
+                                  check_dtype=False)
+    got, want = (data.overview_data(s, run="r", runs=["r"], steps=None) for s in (both, one))
+    for key in ("series", "breakdown", "heatmap", "per_step", "window"):
+        pd.testing.assert_frame_equal(got[key], want[key], check_dtype=False)
+    assert got["per_step"]["slowest_rank"].eq(3).all()
+    g = data.gpu_by_rank(both, run="r", window=None).set_index("rank")  # GPU samples of both hosts
+    assert g.index.tolist() == [0, 1, 2, 3] and g["clock_ratio"].idxmin() == 3
+    assert len(data.collective_rows(both, run="r", steps=None)) == len(data.collective_rows(one, run="r", steps=None))
+
+
+def test_a_run_in_only_one_of_the_stores(nodes):
+    _, a, b = nodes
+    both = Store.open_many([a, b])
+    assert all(f.is_relative_to(a.resolve()) for f in both.files("step", runs=["solo"]))
+    t = data.runs_table(both).set_index("run")
+    assert t.loc["solo", "ranks_stepping"] == 2 and t.loc["solo", "steps"] == 3
+    s = data.run_summaries(both, runs=["solo"])
+    assert s["run"].tolist() == ["solo"] and s["steps_used"].iloc[0] == 3
+    assert Store.open(b).runs() == ["r"]
+
+
+def test_reads_stay_inside_every_root(tmp_path, nodes):
+    _, a, b = nodes
+    outside = tmp_path / "outside"
+    write_store(outside, config=SyntheticConfig(run="secret", mesh={"dp": 2}, steps=2))
+    b2 = tmp_path / "b2"
+    shutil.copytree(b, b2)
+    step = b2 / "tables" / "step"
+    os.symlink(outside / "tables" / "step" / "run=secret", step / "run=linked")
+    os.symlink(outside / "tables" / "step" / "run=secret" / "rank=0" / "part-00000.parquet",
+               step / "run=r" / "rank=2" / "part-99999.parquet")
+    s = Store.open_many([a, b2])
+    assert "linked" not in s.runs() and "secret" not in s.runs()
+    files = s.files("step", runs=["r", "linked", "secret", "../../outside/tables/step/run=secret"])
+    assert len(files) == 4
+    assert all(any(f.resolve().is_relative_to(root) for root in s.roots) for f in files)
+    assert data.runs_table(s)["run"].tolist() == ["r", "solo"]
+
+
+def test_opening_several_stores_checks_each(tmp_path, nodes):
+    _, a, b = nodes
+    with pytest.raises(StoreError, match=f"store directory not found: {tmp_path / 'missing'}$"):
+        Store.open_many([a, tmp_path / "missing"])
+    with pytest.raises(StoreError, match="no store directory given"):
+        Store.open_many([])
+    os.symlink(a, tmp_path / "a-again")
+    same = Store.open_many([a, tmp_path / "a-again", a])  # one directory by two names: read once
+    assert same.roots == (a.resolve(),) and same.root == a.resolve()
+    with pytest.raises(ValueError, match="reads 2 roots"):
+        Store.open_many([a, b]).root
+    # DuckDB takes key=value directory names for partition keys; mismatched ones cannot be combined.
+    keyed, plain, keyed2 = tmp_path / "node=x" / "s", tmp_path / "plain" / "s", tmp_path / "node=y" / "s"
+    for root in (keyed, plain, keyed2):
+        shutil.copytree(b, root)
+    with pytest.raises(StoreError, match="cannot be read together.*node"):
+        Store.open_many([plain, keyed])
+    assert data.runs_table(Store.open_many([keyed, keyed2])).loc[0, "ranks_stepping"] == 2
+
+
+def test_skipped_files_name_their_store(tmp_path, nodes):
+    _, a, b = nodes
+    b2 = tmp_path / "b2"
+    shutil.copytree(b, b2)
+    bad = b2 / "tables" / "step" / "run=r" / "rank=3" / "part-00000.parquet"
+    bad.write_bytes(bad.read_bytes()[:50])
+    df = Store.open_many([a, b2]).query("SELECT DISTINCT rank FROM step WHERE run = 'r' ORDER BY rank",
+                                        kinds=("step",), runs=["r"])
+    assert df["rank"].tolist() == [0, 1, 2]
+    assert df.attrs[SKIPPED] == [f"{b2.resolve()}/tables/step/run=r/rank=3/part-00000.parquet"]
