@@ -51,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # torchrun's own parser would take --run for an abbreviation of its --run-path: forward --run-name.
     rest = ["--run-name" if a == "--run" else ("--run-name=" + a[6:] if a.startswith("--run=") else a) for a in rest]
+    if cfg.telemetry.store and not cfg.telemetry.run and launch.nnodes > 1:
+        # Each node runs its own launcher: a timestamp taken here could differ between nodes and split
+        # one job into several runs.
+        print("meshscope train: error: --run NAME is required with --store when --nnodes > 1 "
+              "(every node must use the same name)", file=sys.stderr)
+        return 2
     if cfg.telemetry.store and not cfg.telemetry.run:
         rest += ["--run-name", f"{cfg.parallel.strategy.replace('+', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"]
 
