@@ -77,6 +77,8 @@ def test_resolved_strategy_names():
         ([sys.executable, "-m", "meshscope_cli", "train", "--nproc", "4", "--dp", "3"],
          "dp*tp*pp = 3*1*1 = 3 but the world size is 4"),
         ([sys.executable, "-m", "meshscope_cli", "train", "--nproc", "0"], "--nproc=0 must be >= 1"),
+        ([sys.executable, "-m", "meshscope_cli", "train", "--nnodes", "2", "--store", "s"],
+         "--run NAME is required with --store when --nnodes > 1"),
         ([sys.executable, "-m", "meshscope_cli", "train", "--config", "missing.toml"],
          "config file 'missing.toml' does not exist"),
     ],
