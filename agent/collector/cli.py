@@ -1,27 +1,37 @@
 """``meshscope agent`` and ``meshscope ingest``.
 
     meshscope agent --store DIR [--port 9477] [--host 127.0.0.1] [--poll-interval 1] [--once]
+                    [--tls-cert PEM --tls-key PEM] [--basic-auth-file FILE]
     meshscope ingest --store DIR
 
-Bad input (missing or unwritable store, bad port, unparsable numbers) gives one error line naming the
-value and exit status 2. The agent binds 127.0.0.1 unless told otherwise.
+Bad input (missing or unwritable store, bad port, unparsable numbers, unusable TLS or basic-auth files)
+gives one error line naming the value and exit status 2. The agent binds 127.0.0.1 unless told
+otherwise. With ``--tls-cert/--tls-key`` /metrics is served over HTTPS only; with ``--basic-auth-file``
+every request needs HTTP basic auth (file format: ``agent.security``; make a hash with
+``python -m agent.security hash-password``). Basic auth without TLS sends the password in clear text:
+the agent warns.
 """
 
 from __future__ import annotations
 
 import argparse
 import fcntl
+import ipaddress
 import os
 import signal
+import ssl
 import sys
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from agent.collector.agent import Agent, AgentConfig
 from agent.collector.gpu import load_nvml
 from agent.collector.ingest import IngestConfig
+from agent.collector.server import WebConfig, serve_metrics
 from agent.instrument.recorder import AnchoredClock
+from agent.security import Credentials
 
 
 class UsageError(Exception):
@@ -50,6 +60,11 @@ def _build_parser(prog: str, *, agent: bool) -> argparse.ArgumentParser:
                        help="write buffered records to the store at least this often")
         p.add_argument("--part-bytes", type=int, default=IngestConfig().part_target_bytes, metavar="N",
                        help="spool bytes per Parquet part")
+        p.add_argument("--tls-cert", type=Path, default=None, metavar="PEM",
+                       help="serve /metrics over HTTPS with this certificate (chain); needs --tls-key")
+        p.add_argument("--tls-key", type=Path, default=None, metavar="PEM", help="the certificate's private key")
+        p.add_argument("--basic-auth-file", type=Path, default=None, metavar="FILE",
+                       help="require HTTP basic auth: user:hash lines ($pbkdf2-sha256$ or bcrypt)")
     return p
 
 
@@ -95,18 +110,43 @@ def _main(argv: list[str] | None, *, prog: str, agent: bool) -> int:
     try:
         args = _build_parser(prog, agent=agent).parse_args(argv)
         config = _config(args, agent=agent)
+        web = _web(args) if agent and not args.once else None
         _check_store(args.store)
         lock_fd = _lock_store(args.store)
     except UsageError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     try:
-        return _run(args, config, prog=prog, once=not agent or args.once)
+        return _run(args, config, prog=prog, once=not agent or args.once, web=web)
     finally:
         os.close(lock_fd)
 
 
-def _run(args: argparse.Namespace, config: AgentConfig, *, prog: str, once: bool) -> int:
+@dataclass(slots=True)
+class _Web:
+    """The endpoint's security, loaded before anything binds so that a bad file is a usage error."""
+
+    config: WebConfig
+    ssl_context: ssl.SSLContext | None
+    credentials: Credentials | None
+
+
+def _web(args: argparse.Namespace) -> _Web:
+    try:
+        web = WebConfig(tls_cert=args.tls_cert, tls_key=args.tls_key, basic_auth_file=args.basic_auth_file)
+        return _Web(web, web.ssl_context(), web.credentials())
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _run(args: argparse.Namespace, config: AgentConfig, *, prog: str, once: bool, web: _Web | None) -> int:
     nvml = None
     if config.gpu_interval_s > 0:
         nvml, reason = load_nvml()
@@ -121,13 +161,21 @@ def _run(args: argparse.Namespace, config: AgentConfig, *, prog: str, once: bool
             app.run_once()
             print(f"{prog}: ingested {sum(app.state.ingested.values())} records into {args.store}", flush=True)
             return 0
+        if web.credentials is not None and web.ssl_context is None:
+            print(f"{prog}: warning: basic auth without TLS sends passwords in clear text (add --tls-cert/--tls-key)",
+                  file=sys.stderr)
+        if web.credentials is None and not _loopback(config.host):
+            print(f"{prog}: warning: /metrics on {config.host} is open to the network without authentication "
+                  "(add --basic-auth-file and --tls-cert/--tls-key)", file=sys.stderr)
         try:
-            port = app.serve()
+            app.server = serve_metrics(app.registry, host=config.host, port=config.port, web=web.config,
+                                       ssl_context=web.ssl_context, credentials=web.credentials)
         except OSError as exc:
             print(f"{prog}: error: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}",
                   file=sys.stderr)
             return 2
-        print(f"{prog}: serving http://{config.host}:{port}/metrics, store {args.store}", flush=True)
+        print(f"{prog}: serving {app.server.scheme}://{config.host}:{app.server.port}/metrics, store {args.store}",
+              flush=True)
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())

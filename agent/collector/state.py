@@ -312,7 +312,12 @@ def _on_event(st: MetricsState, rs: RunState, r: RankState, table: pa.Table, *, 
               now: float) -> None:
     counts = table.column("kind").value_counts().to_pylist()
     for item in counts:
-        rs.events[item["values"]] += item["counts"]
+        if item["values"] in _EVENT_KINDS:
+            rs.events[item["values"]] += item["counts"]
+        else:
+            # A null or unknown kind would become a label value: None breaks every later scrape, and any
+            # string a rank invents is a new series. Stored as is; its metric is counted as lost.
+            st.metric_errors += item["counts"]
     if any(item["values"] == "end" for item in counts):
         rs.ended = True
 
@@ -338,5 +343,6 @@ def _on_run(st: MetricsState, rs: RunState, r: RankState, table: pa.Table, *, ra
         rs.ended = False
 
 
+_EVENT_KINDS = frozenset(EVENT_KINDS)
 _HANDLERS = {"step": _on_step, "collective": _on_collective, "memory": _on_memory, "event": _on_event,
              "run": _on_run}

@@ -133,13 +133,26 @@ def _parse(buf: bytes, base: int, *, complete: bool) -> _Parsed:
                     continue
             need = frame_end
             break
+        payload = view[pos + FRAME_HEADER_SIZE:frame_end]
+        if (pos + FRAME_HEADER_SIZE) % 8:
+            # Frames after damage of odd length sit off the 8-byte grid: give Arrow an aligned copy (it
+            # warns on stderr for every unaligned buffer, and some kernels are slow or unsafe on them).
+            payload = memoryview(bytes(payload))
         try:
-            decoded = decode_payload(kind, version, view[pos + FRAME_HEADER_SIZE:frame_end], crc)
+            decoded = decode_payload(kind, version, payload, crc)
         except FrameError as err:
             if err.reason == "bad_payload_crc":
-                # A frame cut short (its writer died) followed by good frames: they sit inside its
-                # declared length. Resume at the first of them; otherwise skip the damaged frame whole.
+                # A frame cut short (its writer died) followed by good frames: the first of them starts
+                # inside its declared length, possibly in its last bytes, so that frame's header (or
+                # magic) may run past the declared end and past this buffer. Resume at the first of
+                # them; otherwise skip the damaged frame whole.
                 nxt = _next_valid_header(buf, view, pos + FRAME_HEADER_SIZE, limit=frame_end)
+                if nxt is None:
+                    unsure = _unverifiable_header(buf, pos + FRAME_HEADER_SIZE, limit=frame_end)
+                    if unsure is not None and not complete:
+                        need = unsure + FRAME_HEADER_SIZE  # read that header before deciding
+                        break
+                    nxt = unsure  # at the end of the file: a frame header still being written
                 if nxt is not None:
                     rejected.append((base + pos, "truncated", f"cut short; next frame at {base + nxt}"))
                     pos = nxt
@@ -169,8 +182,9 @@ def _find_magic(buf: bytes, start: int) -> int:
 
 
 def _next_valid_header(buf: bytes, view: memoryview, start: int, *, limit: int | None = None) -> int | None:
-    """The first position in [start, limit) where a frame header with a valid CRC starts."""
-    end = len(buf) if limit is None else limit
+    """The first position in [start, limit) where a frame header with a valid CRC starts (the header
+    itself may extend past ``limit``)."""
+    end = len(buf) if limit is None else min(len(buf), limit + len(MAGIC) - 1)
     pos = buf.find(MAGIC, start, end)
     while 0 <= pos <= len(buf) - FRAME_HEADER_SIZE:
         try:
@@ -178,4 +192,16 @@ def _next_valid_header(buf: bytes, view: memoryview, start: int, *, limit: int |
             return pos
         except FrameError:
             pos = buf.find(MAGIC, pos + 1, end)
+    return None
+
+
+def _unverifiable_header(buf: bytes, start: int, *, limit: int) -> int | None:
+    """The first position in [start, limit) where a frame could start whose header runs past the end of
+    ``buf``: a full magic with fewer than FRAME_HEADER_SIZE bytes after it, or a partial magic at the
+    very end. Such a header can only be checked once more bytes are read."""
+    first = max(start, len(buf) - FRAME_HEADER_SIZE + 1)
+    for pos in range(first, min(limit, len(buf))):
+        tail = buf[pos:pos + len(MAGIC)]
+        if tail == MAGIC or (len(tail) < len(MAGIC) and MAGIC.startswith(tail)):
+            return pos
     return None

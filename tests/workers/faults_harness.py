@@ -8,21 +8,26 @@
   transport's own reader: the ground truth a store is compared with (rank and attempt from each file's
   header, so re-executed steps of a restarted run stay apart).
 - :func:`poll_until`: a condition with a deadline; never a fixed sleep where a condition exists.
+- :func:`private_dir`: the fault tests' temporary directories (see there why not ``tmp_path``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import ssl
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 import pandas as pd
 import psutil
@@ -44,6 +49,21 @@ def env() -> dict[str, str]:
     out.setdefault("OMP_NUM_THREADS", "1")
     out["PYTHONUNBUFFERED"] = "1"
     return out
+
+
+@contextmanager
+def private_dir(prefix: str = "meshscope-faults-") -> Iterator[Path]:
+    """A temporary directory outside ``/tmp/pytest-of-<user>``, removed afterwards.
+
+    Where several pytest sessions run at once on one machine (engineers sharing a checkout), each new
+    session removes the older numbered ``pytest-N`` directories beyond the newest three, files of a
+    still-running test included: a spool deleted under a running rank was seen here. The fault tests run
+    real jobs for tens of seconds, so they keep their files apart."""
+    d = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def poll_until(predicate: Callable[[], T], *, timeout_s: float, interval_s: float = 0.1, what: str = "") -> T:
@@ -92,10 +112,17 @@ class AgentProcess:
             [sys.executable, "-m", "meshscope_cli", "agent", "--store", str(store), "--port", "0",
              "--poll-interval", str(poll_interval), "--gpu-interval", "0", *extra],
             cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
+        # stderr is drained all the time: an agent blocked writing to a full pipe (Arrow prints warnings
+        # from C++) would stall with its state lock held, and every scrape with it.
+        self._err: list[str] = []
+        self._drainer = threading.Thread(target=self._drain_stderr, daemon=True)
+        self._drainer.start()
         line = self.proc.stdout.readline()  # "meshscope agent: serving http://127.0.0.1:PORT/metrics, ..."
         if "serving " not in line:
             self.proc.kill()
-            raise AssertionError(f"agent did not start: {line!r} {self.proc.stderr.read()}")
+            self.proc.wait(timeout=20)
+            self._drainer.join(timeout=10)
+            raise AssertionError(f"agent did not start: {line!r} {''.join(self._err)}")
         self.url = line.split("serving ")[1].split(",")[0]
         self.port = int(self.url.rsplit(":", 1)[1].split("/")[0])
         self.ssl_context = ssl_context
@@ -145,11 +172,18 @@ class AgentProcess:
     def rss_bytes(self) -> int:
         return psutil.Process(self.proc.pid).memory_info().rss
 
+    def cpu_seconds(self) -> float:
+        t = psutil.Process(self.proc.pid).cpu_times()
+        return t.user + t.system
+
+    def _drain_stderr(self) -> None:
+        for line in iter(self.proc.stderr.readline, ""):
+            if len(self._err) < 10_000:
+                self._err.append(line)
+
     def _drain(self) -> None:
-        try:
-            self.stderr = self.proc.stderr.read()
-        except (OSError, ValueError):
-            pass
+        self._drainer.join(timeout=10)
+        self.stderr = "".join(self._err)
 
 
 def committed_bytes(store: Path) -> int:
@@ -171,34 +205,64 @@ class Job:
     """
 
     def __init__(self, nproc: int, *args: str, log: Path, torchrun_args: tuple[str, ...] = (),
-                 script: str | None = None, preexec_fn=None) -> None:
+                 script: str | None = None, preexec_fn=None, extra_env: dict[str, str] | None = None) -> None:
         target = [script] if script else ["-m", "trainer.train"]
         self.log = Path(log)
         self._out = open(self.log, "w")
+        # Output goes through a pipe that this process copies to the log: a rank whose file writes fail
+        # (a full disk, RLIMIT_FSIZE) can still print.
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
              *torchrun_args, *target, *map(str, args)],
-            cwd=ROOT, env=env(), stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=preexec_fn)
+            cwd=ROOT, env={**env(), **(extra_env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=preexec_fn)
+        self._copier = threading.Thread(target=self._copy, daemon=True)
+        self._copier.start()
+
+    def _copy(self) -> None:
+        for line in iter(self.proc.stdout.readline, b""):
+            self._out.write(line.decode(errors="replace"))
+            self._out.flush()
+        self._out.close()
 
     def running(self) -> bool:
         return self.proc.poll() is None
 
     def wait(self, *, timeout_s: float) -> int:
         try:
-            return self.proc.wait(timeout=timeout_s)
+            code = self.proc.wait(timeout=timeout_s)
+            self._copier.join(timeout=10)  # the last lines
+            return code
         except subprocess.TimeoutExpired:
             self.kill()
             raise AssertionError(f"job did not finish within {timeout_s:.0f} s:\n{self.tail()}") from None
 
     def kill(self) -> None:
-        """SIGKILL torchrun and its ranks (its process group)."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        """SIGKILL torchrun and every rank.
+
+        torch 2.13's elastic agent starts each worker with ``start_new_session=True``: the ranks are NOT in
+        torchrun's process group, so ``os.killpg(torchrun)`` alone leaves them running (orphaned, and a
+        hung one for ever). Snapshot the tree first, then kill torchrun's group and each rank's group."""
+        tree = self.ranks()
+        groups = {self.proc.pid}
+        for p in tree:
+            try:
+                groups.add(os.getpgid(p.pid))
+            except ProcessLookupError:
+                pass
+        for pgid in groups:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for p in tree:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
         self.proc.wait(timeout=30)
-        self._out.close()
+        psutil.wait_procs(tree, timeout=30)
+        self._copier.join(timeout=10)
 
     def ranks(self) -> list[psutil.Process]:
         try:
@@ -222,6 +286,10 @@ class Job:
 def spool_files(store: Path, run: str) -> list[Path]:
     d = Path(store) / "spool" / run
     return sorted(p for p in d.iterdir() if SPOOL_NAME.match(p.name)) if d.is_dir() else []
+
+
+def spool_sizes_of(store: Path, run: str) -> dict[str, int]:
+    return {p.name: os.stat(p).st_size for p in spool_files(store, run)}
 
 
 def spool_truth(store: Path, run: str) -> dict[str, pd.DataFrame]:
@@ -272,7 +340,7 @@ def compare_store_to_truth(store: Path, run: str, truth: dict[str, pd.DataFrame]
         stored = read_table(store, kind, run=run)
         want = truth[kind]
         cols = [c for c in SCHEMAS[kind].names if c != "rank"] + ["rank"]
-        key = lambda df: df[cols].astype(str).agg("\x1f".join, axis=1).value_counts()  # noqa: E731
+        key = lambda df: _row_keys(df[cols]).value_counts()  # noqa: E731
         a, b = (key(want) if len(want) else pd.Series(dtype=int)), (key(stored) if len(stored) else pd.Series(dtype=int))
         joined = pd.concat([a.rename("spool"), b.rename("store")], axis=1).fillna(0)
         report[kind] = {
@@ -281,6 +349,15 @@ def compare_store_to_truth(store: Path, run: str, truth: dict[str, pd.DataFrame]
             "duplicated": int((joined["store"] - joined["spool"]).clip(lower=0).sum()),
         }
     return report
+
+
+def _row_keys(df: pd.DataFrame) -> pd.Series:
+    """One string per row, equal for equal rows (NaN included; int32 vs int64 alike)."""
+    text = [df[c].astype(object).map(str) for c in df.columns]
+    out = text[0]
+    for col in text[1:]:
+        out = out + "\x1f" + col
+    return out
 
 
 def newest_attempt(step: pd.DataFrame, run: pd.DataFrame) -> pd.DataFrame:
@@ -296,10 +373,27 @@ def newest_attempt(step: pd.DataFrame, run: pd.DataFrame) -> pd.DataFrame:
     return tagged.drop_duplicates(["rank", "step"], keep="last").reset_index(drop=True)
 
 
-@dataclass
-class Timer:
-    marks: dict[str, float] = field(default_factory=dict)
+def self_signed(directory: Path, *, host: str = "127.0.0.1") -> tuple[Path, Path]:
+    """A self-signed certificate for ``host`` (IP SAN) and its key, as PEM files (``cryptography``)."""
+    import datetime
+    import ipaddress
 
-    def mark(self, name: str) -> float:
-        self.marks[name] = time.time()
-        return self.marks[name]
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = Path(directory) / "cert.pem", Path(directory) / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path

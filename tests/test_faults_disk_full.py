@@ -1,0 +1,192 @@
+"""The store's disk fills up during a run (spools and run store alike), then space returns: training
+continues, every lost telemetry record is counted and exported, and the agent recovers.
+
+How the disk is made full, without tricks that could harm the machine:
+
+- ``tmpfs`` (preferred, used when this process may mount: root with CAP_SYS_ADMIN, as in the sandbox):
+  the store is a 16 MiB tmpfs mounted for the test (always unmounted in ``finally``); a ballast file is
+  written until ENOSPC, and deleted to give the space back. A real full file system: ranks' spool
+  appends and the agent's Parquet / offsets writes all get ENOSPC.
+- ``rlimit`` (fallback, no privilege needed): ``RLIMIT_FSIZE`` of the agent and every rank is lowered to 0
+  at run time (``prlimit`` through psutil), so every append to a regular file fails with EFBIG (Python
+  ignores SIGXFSZ), and raised back to give the "space" back. ``MESHSCOPE_TEST_FULL_DISK=rlimit`` forces it.
+
+Exact accounting: the DDP run writes, per rank, 1 run record, 2 events (start, end) and per step 1 step
+record, 1 memory record and ``n_collectives`` collective records. Records missing from the store must
+equal the ``dropped_records_total`` the rank reported in its last step record (and in /metrics), and the
+store must hold exactly what reached the spools.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+
+from agent.collector.store import read_table
+from agent.transport.frame import REJECT_REASONS
+from tests.workers.faults_harness import (
+    AgentProcess, Job, compare_store_to_truth, poll_until, private_dir, spool_sizes_of, spool_truth,
+)
+
+pytestmark = pytest.mark.gloo
+
+WORLD, STEPS, RUN = 2, 320, "full"
+TMPFS_BYTES = 16 * 2**20
+
+
+@pytest.fixture
+def tmp_path():
+    """Not pytest's (concurrent sessions on this machine clean each other's): see faults_harness.private_dir."""
+    with private_dir() as d:
+        yield d
+
+
+def _can_mount_tmpfs(probe: Path) -> bool:
+    probe.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(probe)], capture_output=True)
+    if done.returncode != 0:
+        return False
+    subprocess.run(["umount", str(probe)], check=True)
+    return True
+
+
+class TmpfsDisk:
+    name = "tmpfs"
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_BYTES},mode=0755", "tmpfs", str(path)],
+                       check=True, capture_output=True)
+        self.ballast = path / "ballast"
+
+    def fill(self, pids: list[int]) -> None:
+        chunk = b"\0" * (1 << 16)
+        with open(self.ballast, "wb", buffering=0) as fh:
+            try:
+                while True:
+                    fh.write(chunk)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC, exc
+        with open(self.ballast, "ab", buffering=0) as fh:  # the last few bytes too
+            try:
+                while True:
+                    fh.write(b"\0" * 512)
+            except OSError:
+                pass
+
+    def free(self, pids: list[int]) -> None:
+        self.ballast.unlink()
+
+    def close(self) -> None:
+        if subprocess.run(["umount", str(self.path)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(self.path)], check=True)  # a straggling reader: detach
+
+
+class RlimitDisk:
+    name = "rlimit"
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.mkdir()
+
+    def fill(self, pids: list[int]) -> None:
+        for pid in pids:
+            psutil.Process(pid).rlimit(psutil.RLIMIT_FSIZE, (0, resource.RLIM_INFINITY))
+
+    def free(self, pids: list[int]) -> None:
+        for pid in pids:
+            try:
+                psutil.Process(pid).rlimit(psutil.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+            except psutil.NoSuchProcess:
+                pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def disk(tmp_path):
+    # MESHSCOPE_TEST_FULL_DISK=rlimit runs the fallback where tmpfs would be available (to check it).
+    use_tmpfs = os.environ.get("MESHSCOPE_TEST_FULL_DISK") != "rlimit" and _can_mount_tmpfs(tmp_path / "probe")
+    d = TmpfsDisk(tmp_path / "store") if use_tmpfs else RlimitDisk(tmp_path / "store")
+    try:
+        yield d
+    finally:
+        d.close()
+
+
+def test_full_disk_training_continues_losses_counted_agent_recovers(disk, tmp_path):
+    store = disk.path
+    agent = AgentProcess(store, "--part-age", "0.5", poll_interval=0.2)
+    job = Job(WORLD, "--steps", STEPS, "--log-every", 1, "--store", store, "--run-name", RUN, log=tmp_path / "job.log")
+    seen: dict[str, float] = {}
+    try:
+        poll_until(lambda: (agent.scrape().value("meshscope_rank_last_step", run=RUN, rank="0") or 0) >= 30,
+                   timeout_s=120, what="30 steps ingested")
+        pids = [agent.pid] + [p.pid for p in job.ranks()]
+        disk.fill(pids)
+        full_at_step = max(job.printed_steps())
+
+        # The outage bites on both sides: the agent fails to write the store, the ranks' spools stop
+        # growing, and training goes on (rank 0 keeps printing steps).
+        poll_until(lambda: (agent.scrape().value("meshscope_agent_store_write_errors_total") or 0) > 0,
+                   timeout_s=30, what="agent store write errors")
+        sizes = spool_sizes_of(store, RUN)
+        at = max(job.printed_steps())
+        poll_until(lambda: max(job.printed_steps()) >= at + 20, timeout_s=30, what="training goes on")
+        assert spool_sizes_of(store, RUN) == sizes, "spools grew on a full disk"
+        assert job.running(), job.tail()
+        freed_at_step = max(job.printed_steps())
+        disk.free(pids)
+
+        assert job.wait(timeout_s=180) == 0, job.tail()
+        assert job.printed_steps()[-1] == STEPS - 1
+
+        def recovered():
+            m = agent.scrape()
+            last = m.by("meshscope_rank_last_step", "rank", run=RUN)
+            dropped = m.by("meshscope_rank_dropped_records_total", "rank", run=RUN)
+            ok = (last == {str(r): STEPS - 1.0 for r in range(WORLD)} and len(dropped) == WORLD
+                  and min(dropped.values()) > 0 and m.value("meshscope_agent_backlog_bytes") == 0)
+            return m if ok else None
+
+        m = poll_until(recovered, timeout_s=60, what="agent ingests the rest of the run")
+        seen["write_errors"] = m.value("meshscope_agent_store_write_errors_total")
+        seen["dropped"] = m.by("meshscope_rank_dropped_records_total", "rank", run=RUN)
+        seen["rejected"] = sum(m.value("meshscope_agent_frames_rejected_total", reason=r) for r in REJECT_REASONS)
+        assert agent.alive()
+        assert agent.stop() == 0, agent.stderr
+    finally:
+        job.kill()
+        agent.kill()
+
+    step = read_table(store, "step", run=RUN)
+    n_coll = set(step["n_collectives"])
+    assert len(n_coll) == 1, n_coll  # DDP: the same collectives every step
+    per_step = 2 + n_coll.pop()  # step + memory + collectives
+    stored = {r: 0 for r in range(WORLD)}
+    for kind in ("run", "step", "collective", "memory", "event", "span"):
+        for rank, n in read_table(store, kind, run=RUN).groupby("rank").size().items():
+            stored[rank] += n
+    expected = 1 + 2 + STEPS * per_step
+    last = step.sort_values("step").groupby("rank").tail(1).set_index("rank")["dropped_records_total"]
+    lost = {r: expected - stored[r] for r in range(WORLD)}
+    report = compare_store_to_truth(store, RUN, spool_truth(store, RUN))
+    print(f"\nfull disk ({disk.name}) from step ~{full_at_step} to ~{freed_at_step}: lost per rank {lost}, "
+          f"reported in the last step record {last.to_dict()}, in /metrics {seen['dropped']}; agent store write "
+          f"errors {seen['write_errors']:.0f}, frames rejected {seen['rejected']:.0f}; store vs spool {report}")
+    assert all(v > 0 for v in lost.values())
+    assert lost == last.to_dict() == {int(r): int(v) for r, v in seen["dropped"].items()}
+    assert seen["write_errors"] > 0 and seen["rejected"] == 0
+    assert all(r["lost"] == 0 and r["duplicated"] == 0 for r in report.values()), report
+    # The end of the run (after the space came back) is complete on every rank.
+    tail = step[step["step"] >= freed_at_step + 50]
+    assert sorted(zip(tail["rank"], tail["step"])) == [(r, s) for r in range(WORLD)
+                                                      for s in range(freed_at_step + 50, STEPS)]
