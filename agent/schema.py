@@ -28,7 +28,9 @@ OPS = (
 # Pipeline span kinds.
 SPAN_KINDS = ("forward", "backward", "weight")
 # Event kinds (run timeline).
-EVENT_KINDS = ("start", "end", "crash", "nonfinite_loss", "skipped_step", "restart", "telemetry_error", "hang")
+EVENT_KINDS = (
+    "start", "end", "crash", "aborted_step", "nonfinite_loss", "skipped_step", "restart", "telemetry_error", "hang",
+)
 
 _f64, _i64, _i32, _str, _bool = pa.float64(), pa.int64(), pa.int32(), pa.string(), pa.bool_()
 

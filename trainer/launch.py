@@ -8,6 +8,7 @@ then runs ``torchrun -m trainer.train`` with the same flags.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -70,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         targs += ["--nnodes", str(launch.nnodes), "--node_rank", str(launch.node_rank),
                   "--master_addr", launch.master_addr, "--master_port", str(launch.master_port)]
     targs += ["-m", "trainer.train", *rest]
+    if launch.max_restarts > 0:
+        # torchrun's shared rendezvous TCP store has no per-attempt prefix: a restarted attempt can meet
+        # the previous attempt's keys and fail to connect its gloo mesh. One store per attempt avoids it.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         run(get_args_parser().parse_args(targs))
     except ChildFailedError as e:

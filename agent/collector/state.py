@@ -90,6 +90,7 @@ class RankState:
     nonfinite: int = 0
     skipped: int = 0
     dropped: int = 0
+    high_step: int = -1  # highest step counted: steps re-executed after a restart are not counted again
     memory: dict[str, float] | None = None
     seq: dict[str, int] = field(default_factory=dict)
     # (op, dim) -> [seconds, bytes, count]
@@ -259,13 +260,18 @@ def _on_step(st: MetricsState, rs: RunState, r: RankState, table: pa.Table, *, r
     compute = _col(table, "compute_s")
     steps = _col(table, "step", np.int64)
     t_end = _col(table, "t_end")
-    r.steps += table.num_rows
-    r.wall += float(np.nansum(wall))
-    r.phases += [float(np.nansum(compute))] + [float(np.nansum(_col(table, f"{p}_s"))) for p in PHASES[1:]]
-    r.tokens += float(np.nansum(_col(table, "tokens")))
-    r.flops += float(np.nansum(_col(table, "flops")))
-    r.nonfinite += int(np.count_nonzero(_col(table, "loss_nonfinite", bool)))
-    r.skipped += int(np.count_nonzero(_col(table, "skipped", bool)))
+    # A torchrun restart resumes from a checkpoint and runs steps again: count a step only when it is
+    # above every step counted before it (records arrive in order per spool), so totals stay per step.
+    before = np.maximum.accumulate(np.concatenate(([r.high_step], steps[:-1])))
+    new = steps > before
+    r.high_step = max(r.high_step, int(steps.max()))
+    r.steps += int(np.count_nonzero(new))
+    r.wall += float(np.nansum(wall[new]))
+    r.phases += [float(np.nansum(compute[new]))] + [float(np.nansum(_col(table, f"{p}_s")[new])) for p in PHASES[1:]]
+    r.tokens += float(np.nansum(_col(table, "tokens")[new]))
+    r.flops += float(np.nansum(_col(table, "flops")[new]))
+    r.nonfinite += int(np.count_nonzero(_col(table, "loss_nonfinite", bool)[new]))
+    r.skipped += int(np.count_nonzero(_col(table, "skipped", bool)[new]))
     if current:
         i = int(np.argmax(steps[::-1]))  # the newest of the highest step
         i = len(steps) - 1 - i

@@ -207,8 +207,15 @@ class Telemetry:
         self._cur = state
         try:
             yield StepContext(state)
-        finally:
-            self._end_step(state)
+        except BaseException as exc:
+            # An aborted step (e.g. a peer died and the collective failed) is not a completed step: no
+            # step record (it would run ahead of the failed rank and report a non-finite loss that never
+            # happened), an event saying why, and the exception goes on to the user's code.
+            self._cur = None
+            self.event("aborted_step", f"step {step} aborted: {type(exc).__name__}: {exc}"[:500], step=step)
+            self._wake.set()
+            raise
+        self._end_step(state)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
