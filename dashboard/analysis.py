@@ -138,6 +138,15 @@ def straggler_table(per_rank: pd.DataFrame, *, per_step: pd.DataFrame,
     return t.sort_values(["robust_z"], ascending=False).reset_index(drop=True)
 
 
+def gpu_ranks(devices: pd.DataFrame, *, hosts: pd.DataFrame) -> pd.DataFrame:
+    """Per-GPU figures given to the ranks that ran on them (host and GPU index = local rank), as
+    ``dashboard.data.gpu_by_rank`` computes in SQL. ``devices``: ``host``, ``gpu`` and figures;
+    ``hosts``: ``rank``, ``host``, ``local_rank``. Ranks without a matching GPU are left out."""
+    d = devices.dropna(subset=["host", "gpu"])
+    m = hosts.merge(d, how="inner", left_on=["host", "local_rank"], right_on=["host", "gpu"])
+    return m.drop(columns=["host", "local_rank", "gpu"]).sort_values("rank", kind="stable").reset_index(drop=True)
+
+
 def _cause(r, *, peers: dict, threshold: float, min_drop: float) -> str:
     throttled = not pd.isna(r.throttle_share) and r.throttle_share - peers["share"] >= 0.25
     slow_clock = not pd.isna(r.clock_ratio) and not pd.isna(peers["clock"]) and r.clock_ratio < 0.92 * peers["clock"]
@@ -248,9 +257,18 @@ def collective_instances(rows: pd.DataFrame) -> pd.DataFrame:
     first = r.loc[~key.duplicated(), ["group", "seq", "op", "dim"]].set_index(key[~key.duplicated()])
     g = by.agg(group_size=("group_size", "max"), bytes=("bytes", "max"), members=("rank", "size"),
                t_last=("t_start", "max"), t_end=("t_end", "min"))
-    g = first.join(g).reset_index(drop=True)
+    return instance_busbw(first.join(g).reset_index(drop=True))
+
+
+def instance_busbw(g: pd.DataFrame) -> pd.DataFrame:
+    """Adds ``net_s`` and ``busbw`` (see ``collective_instances``) to per-instance aggregates with ``op``,
+    ``group_size``, ``bytes``, ``t_last`` (latest member start) and ``t_end`` (earliest member end), e.g.
+    ``dashboard.data.collective_links``' instances, computed in SQL."""
+    g = g.copy()
     g["net_s"] = g["t_end"] - g["t_last"]
-    factor = np.array([busbw_factor(op, int(n)) for op, n in zip(g["op"], g["group_size"])])
+    # One factor per distinct (op, size): a few, where instances number in the thousands.
+    factors = {k: busbw_factor(k[0], int(k[1])) for k in set(zip(g["op"], g["group_size"]))}
+    factor = np.array([factors[k] for k in zip(g["op"], g["group_size"])], dtype=float)
     g["busbw"] = np.where(g["net_s"] > 0, g["bytes"] * factor / g["net_s"].where(g["net_s"] > 0), np.nan)
     return g
 

@@ -5,7 +5,13 @@ Shape of the cost: the store holds one small file per rank and kind, so at 1,024
 dominated by opening 1,024 files (~0.2-0.3 s here), and the collective and span tables grow with
 ranks x steps x ops. So each function reads a kind once (materialising the filtered rows when several
 aggregates need them), and the heavy tables are read over a step window that fits ``ROW_BUDGET``
-(``budget_window``; the pages say which steps they used).
+(``budget_window``; the pages say which steps they used). Decoding dominates once the files are open:
+a file's columns are decoded whole whatever the step filter keeps (each file is one row group), about
+0.1-0.2 s per column of the collective table at 1,024 ranks, so a function reads only the columns it
+needs and a kind it can get elsewhere is not read at all (the Overview maps ranks to GPUs through the
+runs table's ``rank_hosts`` rather than every rank's ``run`` file). Aggregating in SQL keeps the rows
+that cross into pandas few (``collective_links``: a few hundred collective instances, not 200,000
+records).
 
 Every function takes the ``Store`` first and the rest keyword-only, returns DataFrames (or a dict of
 them) and has no Streamlit in it; ``dashboard.ui`` caches them. ``steps`` is an inclusive (first, last)
@@ -64,21 +70,45 @@ def _skipped(target: pd.DataFrame, *sources: pd.DataFrame) -> pd.DataFrame:
 def runs_table(store: Store) -> pd.DataFrame:
     """One row per run in the store: metadata from the ``run`` records (the latest attempt, lowest
     rank), ranks that reported, step range, collectives recorded per step (all ranks), start and end.
-    Runs with no ``run`` records (partial) still appear, with empty metadata."""
+    Runs with no ``run`` records (partial) still appear, with empty metadata.
+
+    ``rank_hosts``: each rank's host and local rank (latest attempt) as JSON, read with ``rank_hosts``:
+    the GPU join of the Overview takes it from here (the app caches this table) instead of opening every
+    rank's ``run`` file again."""
     names = store.runs()
     cols = ", ".join(f"first({c} ORDER BY attempt DESC, rank) AS {c}" for c in _META_COLS)
-    meta, steps = store.query_all([
+    meta, hosts, steps = store.query_all([
         (f"SELECT run, {cols}, count(DISTINCT rank) AS ranks_started, max(attempt) AS attempts, "
          "min(t_start) AS t_start FROM run GROUP BY run", None),
+        ("""WITH r AS (SELECT run, rank, first(host ORDER BY attempt DESC) AS host,
+                              first(local_rank ORDER BY attempt DESC) AS local_rank FROM run GROUP BY run, rank)
+            SELECT run, CAST(to_json({'rank': list(rank ORDER BY rank), 'host': list(host ORDER BY rank),
+                                      'local_rank': list(local_rank ORDER BY rank)}) AS VARCHAR) AS rank_hosts
+            FROM r GROUP BY run""", None),
         ("SELECT run, min(step) AS first_step, max(step) AS last_step, count(DISTINCT step) AS steps, "
          "count(DISTINCT rank) AS ranks_stepping, max(t_end) AS t_end, "
          "sum(n_collectives) / count(DISTINCT step) AS collectives_per_step FROM step GROUP BY run", None),
-    ], kinds=("run", "step"), runs=names)
+    ], kinds=("run", "step"), runs=names,
+        # The run kind is one row per rank and attempt: read it once for both statements.
+        materialize={"run": ("true", [], ("run", "rank", "attempt", "t_start", "host", "local_rank", *_META_COLS))})
     out = (pd.DataFrame({"run": pd.Series(names, dtype=object)})
-           .merge(meta, how="left", on="run").merge(steps, how="left", on="run"))
+           .merge(meta, how="left", on="run").merge(steps, how="left", on="run")
+           .merge(hosts, how="left", on="run"))
     out["t_start"] = out["t_start"].fillna(out["t_end"])
     out = out.sort_values("t_start", ascending=False, na_position="last").reset_index(drop=True)
     return _skipped(out, meta, steps)
+
+
+def rank_hosts(text: str | None) -> pd.DataFrame:
+    """The ``rank_hosts`` JSON of a runs-table row as ``rank``, ``host``, ``local_rank`` (ranks whose
+    host or local rank is unknown left out); empty when absent."""
+    try:
+        d = json.loads(text) if isinstance(text, str) else {}
+        t = pd.DataFrame({k: d.get(k, []) for k in ("rank", "host", "local_rank")})
+    except (json.JSONDecodeError, TypeError, ValueError):
+        t = pd.DataFrame({k: [] for k in ("rank", "host", "local_rank")})
+    t = t.dropna()
+    return t.astype({"rank": "int32", "host": object, "local_rank": "int32"}).reset_index(drop=True)
 
 
 def events(store: Store, *, run: str, limit: int = 200) -> pd.DataFrame:
@@ -132,6 +162,19 @@ _OVERVIEW_COLS = ("run", "rank", "step", "t_start", "t_end", "wall_s", "compute_
                   "other_s", "tokens", "mfu", "loss")
 
 
+def gpu_by_device(store: Store, *, run: str, window: tuple[float, float] | None) -> pd.DataFrame:
+    """``gpu_by_rank`` before the join: per ``host`` and ``gpu`` (index), from the GPU samples only (a few
+    files per host rather than one ``run`` file per rank). Join with ``runs_table``'s ``rank_hosts``
+    through ``analysis.gpu_ranks``."""
+    a, b = window or (-1e300, 1e300)
+    return store.query(
+        f"""SELECT host, gpu, avg(sm_clock_hz / nullif(sm_clock_max_hz, 0)) AS clock_ratio,
+                   avg(CASE WHEN (throttle_reasons & {THROTTLE_MASK}) != 0 THEN 1.0 ELSE 0.0 END) AS throttle_share,
+                   bit_or(throttle_reasons & {THROTTLE_MASK}) AS reasons
+            FROM gpu WHERE t BETWEEN ? AND ? GROUP BY host, gpu ORDER BY host, gpu""",
+        kinds=("gpu",), runs=[run], params=[float(a), float(b)])
+
+
 def gpu_by_rank(store: Store, *, run: str, window: tuple[float, float] | None) -> pd.DataFrame:
     """Per rank (joined on host and GPU index = local rank, samples within ``window`` seconds):
     ``clock_ratio`` (mean SM clock / max clock), ``throttle_share`` (samples with a slowdown reason),
@@ -160,6 +203,31 @@ def collective_rows(store: Store, *, run: str, steps: tuple[int, int] | None) ->
         "FROM collective WHERE step BETWEEN ? AND ?", kinds=("collective",), runs=[run], params=_range(steps))
 
 
+_INSTANCES = ('SELECT "group", seq, any_value(op) AS op, any_value(dim) AS dim, max(group_size) AS group_size, '
+              'max(bytes) AS bytes, count(*) AS members, max(t_start) AS t_last, min(t_end) AS t_end '
+              'FROM collective GROUP BY "group", seq ORDER BY "group", seq')
+_MEMBERS = 'SELECT rank, dim, "group" FROM collective GROUP BY ALL ORDER BY ALL'
+
+
+def collective_links(store: Store, *, run: str, steps: tuple[int, int] | None) -> dict[str, pd.DataFrame]:
+    """What ``analysis.link_ratios`` needs, aggregated in SQL from one read of the collective records of
+    a step window (P2P left out), so a few hundred instances cross into pandas instead of every record:
+
+    - ``instances``: per (group, seq): ``group``, ``seq``, ``op``, ``dim``, ``group_size`` and ``bytes``
+      (max over members), ``members``, ``t_last`` (latest start), ``t_end`` (earliest end); add the bus
+      bandwidth with ``analysis.instance_busbw``. Same rows as ``analysis.collective_instances`` on
+      ``collective_rows`` of the window.
+    - ``members``: distinct (``rank``, ``dim``, ``group``), ordered by them. The order matters only
+      where two groups of a rank have exactly the same ratio: ``link_ratios`` then names the first (on the
+      raw rows, the first in the rank's records). Keeping the records' order would cost ~0.2-0.4 s of
+      the ~1.5 s read at 1,024 ranks, for a tie between floating-point medians."""
+    instances, members = store.query_all(
+        [(_INSTANCES, None), (_MEMBERS, None)], kinds=("collective",), runs=[run],
+        materialize={"collective": ("step BETWEEN ? AND ? AND peer < 0", _range(steps),
+                                    ("rank", "op", "dim", "group", "group_size", "bytes", "seq", "t_start", "t_end"))})
+    return {"instances": instances, "members": _skipped(members, instances)}
+
+
 # ------------------------------------------------------------------------------------ pipeline
 def pipeline_data(store: Store, *, run: str, steps: tuple[int, int] | None,
                   gantt_step: int | None) -> dict[str, pd.DataFrame]:
@@ -186,7 +254,7 @@ def pipeline_data(store: Store, *, run: str, steps: tuple[int, int] | None,
                rep AS (SELECT min(rank) AS rank FROM pos GROUP BY pos)
             SELECT step, rank, stage, microbatch, kind, t_start, t_end FROM span
             WHERE step = $g AND rank IN (SELECT rank FROM rep) ORDER BY rank, t_start""", {"g": g}),
-        ("SELECT rank, step, t_start, t_end, wall_s FROM step WHERE step = $g", {"g": g}),
+        ("SELECT rank, step, t_start, t_end, wall_s FROM step WHERE step = $g ORDER BY rank", {"g": g}),
     ], kinds=("span", "step"), runs=[run],
         materialize={"step": (*keep, ("rank", "step", "t_start", "t_end", "wall_s")),
                      "span": (*keep, ("rank", "step", "stage", "microbatch", "kind", "t_start", "t_end"))})
@@ -236,8 +304,11 @@ def gpu_data(store: Store, *, run: str, bins: int = 120) -> dict[str, pd.DataFra
          "min(t) AS t, avg(util_ratio) AS util, avg(power_watts) AS power_w, avg(temperature_celsius) AS temp_c, "
          "avg(sm_clock_hz / nullif(sm_clock_max_hz, 0)) AS clock_ratio FROM gpu, w GROUP BY ALL "
          "ORDER BY gpu, bin", [bins, bins]),
-    ], kinds=("gpu",), runs=[run], materialize={"gpu": ("true", [], [f.name for f in SCHEMAS["gpu"]])})
+    ], kinds=("gpu",), runs=[run], materialize={"gpu": ("true", [], _GPU_COLS)})
     return {"summary": summary, "series": series}
+
+
+_GPU_COLS = tuple(f.name for f in SCHEMAS["gpu"] if f.name not in ("uuid", "mem_util_ratio"))  # the columns used
 
 
 # ------------------------------------------------------------------------------------- scaling

@@ -5,12 +5,14 @@ stores. Pages stay thin: they ask this module for a ``Context`` and for data, an
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
+from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ctx
 
 from dashboard import data, views
 from dashboard.config import AppConfig, ConfigError, parse_app_args
@@ -25,7 +27,7 @@ CACHE_TTL_S = 30  # the agent appends while a run is live; a short TTL keeps pag
 
 # The data functions the pages may load through the cache (the name is the cache key's first part).
 LOADERS: dict[str, Callable] = {name: getattr(data, name) for name in (
-    "runs_table", "events", "overview_data", "gpu_by_rank", "collective_rows",
+    "runs_table", "events", "overview_data", "gpu_by_rank", "gpu_by_device", "collective_rows", "collective_links",
     "pipeline_data", "memory_data", "gpu_data", "run_summaries")}
 
 
@@ -53,9 +55,25 @@ def load(name: str, store: Store, **kwargs):
     return _cached(name, tuple(map(str, store.roots)), frozen)
 
 
+class _Loader:
+    """The cached loader the page views take. Views may run a load on a thread of their own
+    (``views.background``): ``bind_thread`` gives that thread this script run's context, so the cache's
+    spinner and messages land on the page as from the script thread."""
+
+    def __init__(self, ctx: Context) -> None:
+        self._ctx, self._script = ctx, get_script_run_ctx()
+
+    def __call__(self, name: str, **kwargs):
+        return load(name, self._ctx.store, **kwargs)
+
+    def bind_thread(self, thread: threading.Thread) -> None:
+        if self._script is not None:
+            add_script_run_ctx(thread, self._script)
+
+
 def loader(ctx: Context) -> views.Loader:
     """The cached loader the page views take."""
-    return lambda name, **kw: load(name, ctx.store, **kw)
+    return _Loader(ctx)
 
 
 @st.cache_resource(max_entries=4)

@@ -3,11 +3,13 @@ figures, returned as one small object per page. The pages only lay these out; th
 tests call the same functions, so what they time and check is what the pages run.
 
 ``load(name, **kwargs)`` calls ``dashboard.data.<name>(store, **kwargs)``: the pages pass a cached
-loader (``dashboard.ui.loader``), the benchmark ``direct_loader(store)``.
+loader (``dashboard.ui.loader``), the benchmark ``direct_loader(store)``. A view may start a load that
+does not depend on the others on a thread (``background``) and wait for it where it needs the result.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +51,43 @@ def _dp(meta: dict, *, fallback: int) -> int:
     return analysis.parallel_degrees(meta["mesh"], world_size=int(meta.get("world_size", fallback)))["dp"]
 
 
+class Pending:
+    """A load running on a thread of its own (see ``background``)."""
+
+    def __init__(self, load: Loader, name: str, kwargs: dict) -> None:
+        self._box: dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._work, args=(load, name, kwargs), daemon=True,
+                                        name=f"meshscope-load-{name}")
+        bind = getattr(load, "bind_thread", None)
+        if bind is not None:
+            bind(self._thread)
+        self._thread.start()
+
+    def _work(self, load: Loader, name: str, kwargs: dict) -> None:
+        try:
+            self._box["value"] = load(name, **kwargs)
+        except BaseException as e:  # re-raised in the caller's thread by result()
+            self._box["error"] = e
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    def result(self) -> Any:
+        """Its result, once it is done; its exception, if it raised one."""
+        self._thread.join()
+        if "error" in self._box:
+            raise self._box["error"]
+        return self._box["value"]
+
+
+def background(load: Loader, name: str, **kwargs) -> Pending:
+    """Start ``load(name, **kwargs)`` on a thread now; ``.result()`` waits for it. DuckDB releases the GIL
+    while it reads, so a page's independent reads overlap. A loader with a ``bind_thread(thread)`` method
+    (the Streamlit one) prepares the thread before it starts. A view waits for every load it started
+    before it returns, whatever path it returns by."""
+    return Pending(load, name, kwargs)
+
+
 # -------------------------------------------------------------------------------------- overview
 @dataclass(slots=True, kw_only=True)
 class Overview:
@@ -77,11 +116,38 @@ def collective_window(meta: dict, steps, *, budget: int) -> tuple[int, int] | No
 
 def overview(load: Loader, *, run: str, runs: list[str], steps, threshold: float = 3.5) -> Overview:
     table = load("runs_table")
+    meta = meta_of(table, run)
+    # The collective read does not depend on the step records: it runs beside them, and is waited for
+    # once the straggler table needs it.
+    links = background(load, "collective_links", run=run, steps=collective_window(meta, steps, budget=data.RAW_BUDGET))
+    try:
+        return _overview(load, links, table=table, meta=meta, run=run, runs=runs, steps=steps, threshold=threshold)
+    finally:
+        links.wait()
+
+
+def _overview(load: Loader, links: Pending, *, table: pd.DataFrame, meta: dict, run: str, runs: list[str], steps,
+              threshold: float) -> Overview:
     d = load("overview_data", run=run, runs=runs, steps=steps)
     series = d["series"]
     view = Overview(series=series, frames=list(d.values()))
     if series.empty:
         return view
+    gpu_later = None
+    if not d["breakdown"].empty:
+        w = d["window"].iloc[0]
+        # GPU figures per (host, GPU), given to ranks through the runs table's host map (no run files read).
+        gpu_later = background(load, "gpu_by_device", run=run, window=(float(w["t_start"]), float(w["t_end"])))
+    try:
+        return _overview_figures(view, d, gpu_later, links, table=table, meta=meta, run=run, threshold=threshold)
+    finally:
+        if gpu_later is not None:
+            gpu_later.wait()
+
+
+def _overview_figures(view: Overview, d: dict, gpu_later: Pending | None, links: Pending, *, table: pd.DataFrame,
+                      meta: dict, run: str, threshold: float) -> Overview:
+    series = d["series"]
     parts = [analysis.step_throughput(g, dp=_dp(meta_of(table, r), fallback=int(g["ranks"].max())))
              for r, g in series.groupby("run", sort=False)]
     view.series = series = pd.concat(parts, ignore_index=True)
@@ -94,7 +160,7 @@ def overview(load: Loader, *, run: str, runs: list[str], steps, threshold: float
     f["tokens"] = figures.step_lines(series, y="tokens_per_s", title="Throughput", y_title="tokens/s")
     f["mfu"] = figures.step_lines(series, y="mfu", title="MFU (mean of per-rank MFU)", y_title="MFU", percent=True)
     f["loss"] = figures.step_lines(series, y="loss", title="Loss (mean over ranks that report it)", y_title="loss")
-    if d["breakdown"].empty:  # the focus run has no step records in the range (others may)
+    if gpu_later is None:  # the focus run has no step records in the range (others may)
         return view
     bd = analysis.breakdown(d["breakdown"])
     f["breakdown"] = figures.breakdown_bars(bd)
@@ -102,19 +168,19 @@ def overview(load: Loader, *, run: str, runs: list[str], steps, threshold: float
     hm = d["heatmap"]
     f["heatmap"] = figures.compute_heatmap(hm, rank_width=int(hm["rank_width"].iloc[0]),
                                            step_width=int(hm["step_width"].iloc[0]))
-
-    w = d["window"].iloc[0]
-    gpu = load("gpu_by_rank", run=run, window=(float(w["t_start"]), float(w["t_end"])))
-    meta = meta_of(table, run)
-    rows = load("collective_rows", run=run, steps=collective_window(meta, steps, budget=data.RAW_BUDGET))
-    link, _ = analysis.link_ratios(analysis.collective_instances(rows), members=rows[rows["peer"] < 0])
-    view.stragglers = analysis.straggler_table(d["per_rank"], per_step=d["per_step"], gpu=gpu, link=link,
-                                               threshold=threshold)
     cost = analysis.step_cost(d["per_step"])
     view.metrics["cost_s"] = float(cost["cost_s"].mean())
     view.metrics["cost_share"] = view.metrics["cost_s"] / step_time if step_time > 0 else np.nan
     f["cost"] = figures.straggler_cost(cost)
-    view.frames += [gpu, rows]
+
+    devices = gpu_later.result()
+    gpu = analysis.gpu_ranks(devices, hosts=data.rank_hosts(meta.get("rank_hosts")))
+    # Link ratios need collective instances, aggregated in SQL: no raw records cross into pandas.
+    lk = links.result()
+    link, _ = analysis.link_ratios(analysis.instance_busbw(lk["instances"]), members=lk["members"])
+    view.stragglers = analysis.straggler_table(d["per_rank"], per_step=d["per_step"], gpu=gpu, link=link,
+                                               threshold=threshold)
+    view.frames += [devices, lk["members"]]
     return view
 
 
