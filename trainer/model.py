@@ -31,7 +31,7 @@ FLAVORS: dict[str, Flavor] = {
     "tiny": Flavor(n_layers=4, d_model=64, n_heads=4, vocab_size=256, max_seq_len=64),
     # Wide enough that the blocks dominate (embedding and head are a few % of a stage): balanced pipeline
     # stages for bubble measurements on CPU.
-    "tiny-wide": Flavor(n_layers=4, d_model=256, n_heads=4, vocab_size=256, max_seq_len=64),
+    "tiny-wide": Flavor(n_layers=4, d_model=512, n_heads=8, vocab_size=256, max_seq_len=64),
     # ~123M parameters (GPT-2 small's shape, untied head, 24k vocabulary).
     "small": Flavor(n_layers=12, d_model=768, n_heads=12, vocab_size=24576, max_seq_len=1024),
     # ~1.04B parameters (GPU).
