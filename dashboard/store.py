@@ -110,8 +110,10 @@ class Store:
         """run name -> its directories of this kind, one per root that has it."""
         out: dict[str, list[Path]] = {}
         for root in self.roots:
-            base = root / "tables" / kind
-            if not base.is_dir() or base.is_symlink():
+            tables = root / "tables"
+            base = tables / kind
+            # Neither <root>/tables nor <root>/tables/<kind> may be a link: nothing below a root is followed.
+            if tables.is_symlink() or not base.is_dir() or base.is_symlink():
                 continue
             for name, path in _entries(base, prefix="run=", want_dir=True):
                 out.setdefault(name[len("run="):], []).append(path)

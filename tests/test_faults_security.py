@@ -322,11 +322,6 @@ def test_dashboard_store_access_stays_under_the_root(planted):
         store.files("../step", runs=["good"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "dashboard/store.py Store._run_dirs only refuses a symlinked <root>/tables/<kind>; a symlinked "
-    "<root>/tables itself is followed, so a store whose 'tables' links elsewhere serves files from outside "
-    "the root (the docstring promises no symlink is followed below the root). Fix: refuse "
-    "(self.root / 'tables').is_symlink() too, or list from the root with _entries at every level."))
 def test_dashboard_ignores_a_symlinked_tables_directory(tmp_path):
     from dashboard.store import Store
 
