@@ -7,10 +7,10 @@ enter step 10 and block in its first all-reduce. What the telemetry shows, and w
   fires on this), while the job is alive and has not ended;
 - the last completed collective per rank and group: ``meshscope_rank_collective_last_seq{dim}`` in
   /metrics equals the highest ``seq`` per (rank, group) in the store;
-- which rank is missing: NOT identifiable today (strict xfail below). In synchronous training the hung
-  rank's last step and last completed collective are the same as its peers' (they finished step 9 and
-  its all-reduces together, and an op is only recorded when it completes), so neither the last-step
-  timestamps nor the completed sequence numbers differ.
+- which rank is missing: the hung rank's last step and last completed collective are the same as its
+  peers' (they finished step 9 together, and an op is only recorded when it completes), so the telemetry's
+  hang watchdog says where each training thread is stuck: the peers "in a collective" (or in backward,
+  where DDP's reducer waits), the missing rank "not in a collective".
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def hung():
 def _hang(store):
     agent = AgentProcess(store, "--part-age", "0.5")
     job = Job(WORLD, "--steps", 100, "--batch-size", 12, "--log-every", 1, "--store", store, "--run-name", RUN,
-              "--hang-rank", HANG_RANK, "--hang-step", HANG_STEP, log=store / "job.log")
+              "--hang-rank", HANG_RANK, "--hang-step", HANG_STEP, "--set", "telemetry.hang_after_s=2",
+              log=store / "job.log")
     try:
         def stuck():
             m = agent.scrape()
@@ -78,18 +79,13 @@ def test_hang_progress_stops_and_last_collective_per_rank_and_group_is_visible(h
           f"last step age {hung['now'] - max(stamps.values()):.1f} s")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Nothing records an op that was issued but has not completed, and nothing emits the schema's 'hang' "
-    "event, so the hung rank looks exactly like the ranks waiting for it. Proposed fix in "
-    "agent/instrument/telemetry.py (+ collectives.py): a watchdog in the flusher thread that, when the "
-    "training thread has been inside one step for longer than max(30 s, 10 x the median step time), emits "
-    "one event kind='hang' per step with what the thread is doing: 'in <op> dim=<dim> group=<g> seq=<n> "
-    "since <t>' (the tracer knows the op from begin()) or 'not in a collective (phase <p>)'. The rank whose "
-    "hang event is 'not in a collective', or whose issued seq is the lowest, is the one missing; the agent "
-    "can export the issued seq as meshscope_rank_collective_issued_seq{dim}."))
 def test_hang_the_missing_rank_is_identifiable(hung):
-    events = read_table(hung["store"], "event", run=RUN)
-    hang = events[events["kind"] == "hang"]
-    assert set(hang["rank"]) == set(range(WORLD))
+    # The telemetry watchdog (hang_after_s=2 here) reports where each rank's training thread is stuck.
+    def all_reported():
+        events = read_table(hung["store"], "event", run=RUN)
+        hang = events[events["kind"] == "hang"]
+        return [hang] if set(hang["rank"]) == set(range(WORLD)) else None
+
+    (hang,) = poll_until(all_reported, timeout_s=30, what="a hang event from every rank")
     idle = hang[hang["message"].str.startswith("not in a collective")]
     assert set(idle["rank"]) == {HANG_RANK}

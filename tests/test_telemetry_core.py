@@ -126,3 +126,16 @@ def test_null_telemetry_has_the_same_api():
 def test_config_names_bad_values():
     with pytest.raises(ValueError, match=r"run='../x'.*flush_interval_s=0"):
         TelemetryConfig(store="s", run="../x", flush_interval_s=0)
+
+
+def test_hang_watchdog_says_where_the_training_thread_is_stuck():
+    tel, w = make(hang_after_s=0.3, flush_interval_s=0.05)
+    with tel.step(0), tel.phase("forward"):
+        time.sleep(0.6)  # no progress: the watchdog fires once, from the flusher thread
+    time.sleep(0.1)
+    tel.close()
+    hangs = [e for e in w.table("event") if e["kind"] == "hang"]
+    assert len(hangs) == 1, hangs
+    msg = hangs[0]["message"]
+    assert msg.startswith("not in a collective: test_hang_watchdog_says_where"), msg
+    assert "step 0 phase forward" in msg and hangs[0]["step"] == 0

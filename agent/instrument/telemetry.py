@@ -58,6 +58,7 @@ class TelemetryConfig:
     max_rows_per_kind: int = 200_000  # bound on buffered rows per kind between flushes
     flush_interval_s: float = 0.25  # how often the flusher drains (hang visibility bound)
     memory_every: int = 1  # memory sample every N steps
+    hang_after_s: float = 60.0  # no progress for this long: one 'hang' event saying where the thread is; 0: off
 
     def __post_init__(self) -> None:
         bad = []
@@ -71,6 +72,8 @@ class TelemetryConfig:
             bad.append(f"flush_interval_s={self.flush_interval_s}")
         if self.memory_every < 1:
             bad.append(f"memory_every={self.memory_every}")
+        if self.hang_after_s < 0:
+            bad.append(f"hang_after_s={self.hang_after_s}")
         if bad:
             raise ValueError(f"invalid TelemetryConfig: {', '.join(bad)}")
 
@@ -129,6 +132,12 @@ class Telemetry:
         self._last_step = -1
         self._tracers: list[Any] = []
         self._writer = writer if writer is not None else self._open_writer()
+        # Hang watchdog state: the training thread (the one that builds the Telemetry), the last time it
+        # made progress (a step boundary or a completed collective), and whether this stall was reported.
+        self._train_thread = threading.get_ident()
+        self._progress_t = self.clock.now()
+        self._hang_reported = False
+        self._last_coll: tuple[str, str, int] | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._flusher = threading.Thread(target=self._flush_loop, name="meshscope-flush", daemon=True)
@@ -205,6 +214,7 @@ class Telemetry:
     def step(self, step: int) -> Iterator[StepContext]:
         state = _StepState(step, self.clock.now())
         self._cur = state
+        self._progress(state.t_start)
         try:
             yield StepContext(state)
         except BaseException as exc:
@@ -249,8 +259,11 @@ class Telemetry:
             bus = alg * bandwidth.busbw_factor(op, max(1, group_size))
         except ValueError:  # an op outside the nccl-tests table: no bus-bandwidth figure
             alg = bus = float("nan")
-        self._push("collective", (step, op, dim, group, group_size, seq or self._next_seq(group), nbytes, t_start,
-                                  t_end, duration, wait_s, alg, bus, peer, source))
+        seq = seq or self._next_seq(group)
+        self._push("collective", (step, op, dim, group, group_size, seq, nbytes, t_start, t_end, duration, wait_s,
+                                  alg, bus, peer, source))
+        self._last_coll = (op, dim, seq)
+        self._progress(t_end)
         if state is None:
             return
         state.n_collectives += 1
@@ -343,6 +356,7 @@ class Telemetry:
         finally:
             self._last_step = state.step
             self._cur = None
+            self._progress(self.clock.now())
             self._wake.set()
 
     def _device_or_cpu(self):
@@ -356,7 +370,32 @@ class Telemetry:
         while not self._stop.is_set():
             self._wake.wait(self.config.flush_interval_s)
             self._wake.clear()
+            self._check_hang()
             self._drain()
+
+    def _progress(self, t: float) -> None:
+        self._progress_t = t
+        self._hang_reported = False
+
+    def _check_hang(self) -> None:
+        """Runs on the flusher thread. After ``hang_after_s`` without progress, one ``hang`` event per
+        stall that says where the training thread is: blocked in a collective (a torch.distributed frame
+        is on its stack, or the autograd engine, where DDP's reducer waits) or not in a collective. In
+        synchronous training the rank that is NOT in a collective is the one the others wait for."""
+        limit = self.config.hang_after_s
+        if not limit or self._hang_reported or self.clock.now() - self._progress_t < limit:
+            return
+        self._hang_reported = True
+        try:
+            where = _where(sys._current_frames().get(self._train_thread))
+            state = self._cur
+            context = f"step {state.step} phase {state.phase or '-'}" if state else f"between steps after {self._last_step}"
+            last = self._last_coll
+            done = f"; last completed collective {last[0]} dim={last[1]} seq={last[2]}" if last else ""
+            self.event("hang", f"{where} ({context}; no progress for {self.clock.now() - self._progress_t:.0f}s{done})"[:500],
+                       step=state.step if state else self._last_step)
+        except Exception as exc:
+            self.record_error("hang_watchdog", exc)
 
     def _drain(self) -> None:
         for kind, buf in self._bufs.items():
@@ -406,6 +445,22 @@ class NullTelemetry:
 
     def close(self, timeout_s: float = 5.0) -> None:
         pass
+
+
+def _where(frame: Any) -> str:
+    """'in a collective: <function> (<file>:<line>)' or 'not in a collective: ...' from a thread's stack."""
+    top = frame
+    f = frame
+    while f is not None:
+        path = f.f_code.co_filename.replace("\\", "/")
+        if "torch/distributed/" in path:
+            return f"in a collective: {f.f_code.co_name} ({path.rsplit('/', 1)[-1]}:{f.f_lineno})"
+        if "torch/autograd/" in path:  # the C++ engine, where DDP's reducer waits for its all-reduces
+            return f"in backward: {f.f_code.co_name} ({path.rsplit('/', 1)[-1]}:{f.f_lineno})"
+        f = f.f_back
+    if top is None:
+        return "not in a collective: training thread not found"
+    return f"not in a collective: {top.f_code.co_name} ({top.f_code.co_filename.rsplit('/', 1)[-1]}:{top.f_lineno})"
 
 
 def _as_float(value: Any, default: float = float("nan")) -> float:
