@@ -250,5 +250,13 @@ def test_collective_time_per_op_agrees_with_the_profiler(profiled_run):
         # 5-20 % after gloo's own range ends (the waiting thread's wake-up); the profiler has no event for
         # that wake-up, so TP is held to 25 % (known gap, see the closing note), every other path to 10 %.
         tolerance = 0.25 if strategy == "tp" else 0.10
+        compared = 0
         for name, values in ratios.items():
-            assert abs(statistics.median(values) - 1) <= tolerance, (rank, name, sorted(values))
+            # A step whose issue events and gloo ranges the profiler cannot pair one-to-one (an async
+            # all-gather issued in one step window and completed in the next) has no reference (NaN).
+            paired = [v for v in values if v == v]
+            if len(paired) < 2:
+                continue
+            compared += 1
+            assert abs(statistics.median(paired) - 1) <= tolerance, (rank, name, sorted(paired))
+        assert compared >= 1, (rank, ratios)
