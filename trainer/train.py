@@ -8,6 +8,7 @@ training loop would, and owns none of the instrumentation.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import time
@@ -26,6 +27,10 @@ from trainer.parallel import (
 )
 from trainer.profiling import Profiler
 from trainer.progress import StepPrinter
+
+
+def _terminate(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _is_rank0() -> bool:
@@ -201,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         if _is_rank0():
             print(f"meshscope train: error: {e}", file=sys.stderr)
         return 2
+    # torchrun stops the surviving ranks with SIGTERM when one fails: turn it into SystemExit so the
+    # `finally` below closes the telemetry and the last steps' buffered records reach the spool.
+    signal.signal(signal.SIGTERM, _terminate)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=timedelta(minutes=10),
                             device_id=device if device.type == "cuda" else None)
