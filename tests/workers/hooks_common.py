@@ -118,6 +118,25 @@ def tracer_as_fr(records: list[dict]) -> dict[str, dict[str, int]]:
 
 
 # ---------------------------------------------------------------------------------------- profiler
+def profiled_steps(step: Callable[[], Any], rec: Any, *, warmup: int, steps: int) -> tuple:
+    """Run ``warmup`` steps, then ``steps`` steps under the profiler, each in a ``hooks_step_<i>`` window.
+    Returns (per-step tracer records, all measured records, flight-recorder summary, the profiler)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    for _ in range(warmup):
+        step()
+    fr_before = fr_last_id()
+    n_before = len(rec.collectives)
+    per_step: list[list[dict]] = []
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(steps):
+            n0 = len(rec.collectives)
+            with record_function(f"hooks_step_{i}"):
+                step()
+            per_step.append(rec.collectives[n0:])
+    return per_step, rec.collectives[n_before:], fr_summary(fr_before), prof
+
+
 def profiler_step_totals(prof: Any, n_steps: int, *, window_prefix: str = "hooks_step_",
                          events: list | None = None, first_step: int = 0) -> list[dict[str, dict[str, float]]]:
     """Per step (``record_function(f"{window_prefix}<i>")`` windows): per gloo range name, count,

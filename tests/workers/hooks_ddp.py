@@ -16,7 +16,6 @@ def run(rank: int, world_size: int, port: int, out: str) -> None:
     import torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.profiler import ProfilerActivity, profile, record_function
 
     from agent.instrument.collectives import CollectiveTracer
     from agent.instrument.comm_ddp import traced_allreduce_hook
@@ -49,19 +48,7 @@ def run(rank: int, world_size: int, port: int, out: str) -> None:
         tracer.flush()
         return avg.item() / world_size
 
-    for _ in range(WARMUP):
-        step()
-    fr_before = hc.fr_last_id()
-    n_before = len(rec.collectives)
-    per_step: list[list[dict]] = []
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for i in range(STEPS):
-            n0 = len(rec.collectives)
-            with record_function(f"hooks_step_{i}"):
-                step()
-            per_step.append(rec.collectives[n0:])
-    measured = rec.collectives[n_before:]
-    fr = hc.fr_summary(fr_before)
+    per_step, measured, fr, prof = hc.profiled_steps(step, rec, warmup=WARMUP, steps=STEPS)
     logging = model._get_ddp_logging_data()
 
     # Ground truth for the exposed time: rank 1 starts its backward DELAY_S late, so rank 0's buckets cannot

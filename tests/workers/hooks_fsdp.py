@@ -17,7 +17,6 @@ def run(rank: int, world_size: int, port: int, out: str) -> None:
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.profiler import ProfilerActivity, profile, record_function
 
     from agent.instrument.collectives import CollectiveTracer
     from agent.instrument.comm_fsdp import TracedAllGather
@@ -51,19 +50,7 @@ def run(rank: int, world_size: int, port: int, out: str) -> None:
         tracer.flush()
         return loss.item()
 
-    for _ in range(WARMUP):
-        step()
-    fr_before = hc.fr_last_id()
-    n_before = len(rec.collectives)
-    per_step: list[list[dict]] = []
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for i in range(STEPS):
-            n0 = len(rec.collectives)
-            with record_function(f"hooks_step_{i}"):
-                step()
-            per_step.append(rec.collectives[n0:])
-    measured = rec.collectives[n_before:]
-    fr = hc.fr_summary(fr_before)
+    per_step, measured, fr, prof = hc.profiled_steps(step, rec, warmup=WARMUP, steps=STEPS)
 
     tracer.detach()
     n_after_detach = len(rec.collectives)
