@@ -6,9 +6,12 @@ Layout (written by the node agent, see ``agent.collector.store``)::
 
 Several stores read as one: a multi-node job has one agent per node, each writing the ranks of its node
 into that node's store, so ``Store.open_many([A, B])`` lists and queries the union. A run present in
-several stores is one run with the ranks of all of them (rows are not deduplicated: a rank in two stores,
-e.g. moved to another node by a torchrun restart, contributes the records of each attempt where it was
-written).
+several stores is one run with the ranks of all of them.
+
+Restarts: a torchrun restart resumes from the last checkpoint, so the steps after it run again and a
+rank's records of those steps exist once per attempt (one spool stream per attempt, in the part names).
+The step-indexed kinds (step, collective, span, memory) then keep, per (run, rank, step), the newest
+attempt's rows only (``_view_sql``), in one store or across several (a rank moved to another node).
 
 Confinement, per root: each root is resolved once; run names come only from listing ``run=*``
 directories; kinds come only from ``agent.schema.KINDS``; below a root no symlink is followed (a link
@@ -37,6 +40,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from agent.collector.parts import PART_RE
 from agent.schema import KINDS, SCHEMAS
 
 SKIPPED = "skipped_files"  # key in DataFrame.attrs
@@ -211,7 +215,7 @@ class Store:
         with duckdb.connect(config={"threads": min(4, os.cpu_count() or 1)}) as con:
             for kind, paths in sources.items():
                 assert _VIEW_NAME.match(kind)
-                select = _view_sql(con, kind, paths, union=union)
+                select = _view_sql(con, kind, paths, union=union, newest_attempt=_restarted(kind, paths))
                 if kind in materialize:
                     cond, params, columns = materialize[kind]
                     cols = ", ".join(f'"{c}"' for c in columns)
@@ -252,7 +256,49 @@ def _entries(directory: Path, *, prefix: str, want_dir: bool) -> list[tuple[str,
     return out
 
 
-def _view_sql(con: duckdb.DuckDBPyConnection, kind: str, paths: list[Path], *, union: bool) -> str:
+# Kinds whose rows belong to a step, and the column that orders a rank's records in time.
+_STEP_KINDS = {"step": "t_start", "collective": "t_start", "span": "t_start", "memory": "t"}
+_STREAM_SQL = r"regexp_extract(filename, 'part-([0-9a-z]+)-[0-9]+-[0-9]+\.parquet$', 1)"
+
+
+def _restarted(kind: str, paths: list[Path]) -> bool:
+    """Whether some rank of these files wrote more than one spool stream (a torchrun restart: one spool,
+    hence one stream, per attempt). Part names carry the stream (``agent.collector.parts``), so this costs
+    a regex per file name, and runs that never restarted pay nothing more."""
+    if kind not in _STEP_KINDS:
+        return False
+    streams: dict[tuple[str, str], str] = {}
+    for p in paths:
+        m = PART_RE.match(p.name)
+        if m is None:
+            continue
+        key = (p.parent.parent.name, p.parent.name)  # (run=<run>, rank=<rank>), across roots
+        if streams.setdefault(key, m["stream"]) != m["stream"]:
+            return True
+    return False
+
+
+def _view_sql(con: duckdb.DuckDBPyConnection, kind: str, paths: list[Path], *, union: bool,
+              newest_attempt: bool = False) -> str:
+    """The SELECT that exposes one kind's files as the schema's columns plus ``run`` and ``rank``.
+
+    ``newest_attempt``: a restarted job re-executes the steps after its last checkpoint, so a rank's
+    records of those steps exist once per attempt. Keep, per (run, rank, step), only the rows of the
+    newest stream that has the step (streams ordered by their first record), as the job's final history
+    does: every page then counts each step once, and a step's collectives, spans and memory samples come
+    from the same attempt as its step record. The old attempt's other rows (steps that were never
+    re-executed, e.g. a crashed attempt's last steps before the checkpoint) stay."""
+    inner = _plain_view_sql(con, kind, paths, union=union, filename=newest_attempt)
+    if not newest_attempt:
+        return inner
+    t = _STEP_KINDS[kind]
+    return (f"SELECT * EXCLUDE (_stream, _stream_t0) FROM ("
+            f"SELECT *, min(\"{t}\") OVER (PARTITION BY run, rank, _stream) AS _stream_t0 FROM ({inner})) "
+            f"QUALIFY _stream_t0 = max(_stream_t0) OVER (PARTITION BY run, rank, step)")
+
+
+def _plain_view_sql(con: duckdb.DuckDBPyConnection, kind: str, paths: list[Path], *, union: bool,
+                    filename: bool) -> str:
     # ``run`` and ``rank`` come from the path (the agent drops them from the files, e.g. the run kind's
     # ``rank``), so they are appended once at the end.
     schema = [f for f in SCHEMAS[kind] if f.name not in PARTITION_KEYS]
@@ -264,7 +310,7 @@ def _view_sql(con: duckdb.DuckDBPyConnection, kind: str, paths: list[Path], *, u
 
     def source(by_name: bool) -> str:
         return (f"read_parquet([{listing}], hive_partitioning = true, union_by_name = {str(by_name).lower()}, "
-                f"hive_types = {_HIVE_TYPES})")
+                f"hive_types = {_HIVE_TYPES}, filename = {str(filename).lower()})")
 
     # Without union_by_name DuckDB binds to the first file's schema (cheap: one footer); union_by_name
     # reads every footer first, which costs ~0.2 s at 1,024 files, so it is the fallback. The first
@@ -282,7 +328,8 @@ def _view_sql(con: duckdb.DuckDBPyConnection, kind: str, paths: list[Path], *, u
         # Quoted: "group" is a column name and an SQL keyword. A column no file has becomes a typed NULL.
         cols.append(f'CAST("{f.name}" AS {duck}) AS "{f.name}"' if f.name in present
                     else f'CAST(NULL AS {duck}) AS "{f.name}"')
-    return f"SELECT {', '.join(cols)}, run, rank FROM {source(union)}"
+    stream = f", {_STREAM_SQL} AS _stream" if filename else ""
+    return f"SELECT {', '.join(cols)}, run, rank{stream} FROM {source(union)}"
 
 
 def _columns(path: Path) -> set[str] | None:

@@ -327,3 +327,64 @@ def test_skipped_files_name_their_store(tmp_path, nodes):
                                         kinds=("step",), runs=["r"])
     assert df["rank"].tolist() == [0, 1, 2]
     assert df.attrs[SKIPPED] == [f"{b2.resolve()}/tables/step/run=r/rank=3/part-00000.parquet"]
+
+
+# ------------------------------------------------------------------------------------- restarts
+
+def _write_kind(root, kind: str, *, run: str, rank: int, stream: str, start: int, rows: list[dict]) -> None:
+    """One part file as the agent names it (``part-<stream>-<start>-<end>``), schema defaults elsewhere."""
+    schema = pa.schema([f for f in SCHEMAS[kind] if f.name not in ("run", "rank")])
+    default = {pa.string(): "", pa.bool_(): False}
+    cols = {f.name: [r.get(f.name, default.get(f.type, 0)) for r in rows] for f in schema}
+    d = root / "tables" / kind / f"run={run}" / f"rank={rank}"
+    d.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(cols, schema=schema), d / f"part-{stream}-{start:016d}-{start + 1:016d}.parquet")
+
+
+def _attempt(root, *, rank: int, stream: str, steps: range, t0: float, aborted: int | None = None) -> None:
+    """One attempt of rank ``rank``: a step record per step (``wall_s`` tags the attempt) and two
+    collectives per step, plus the collectives of an ``aborted`` step that has no step record."""
+    step_rows = [{"step": s, "t_start": t0 + s, "t_end": t0 + s + 0.5, "wall_s": 0.5, "compute_s": t0 / 1e3,
+                  "n_collectives": 2} for s in steps]
+    coll = [{"step": s, "op": "all_reduce", "dim": "dp", "group": "g", "group_size": 2, "bytes": 8, "seq": i,
+             "t_start": t0 + s + 0.1 * (i + 1), "t_end": t0 + s + 0.1 * (i + 1) + 0.05, "peer": -1}
+            for s in [*steps, *([aborted] if aborted is not None else [])] for i in range(2)]
+    _write_kind(root, "step", run="r", rank=rank, stream=stream, start=0, rows=step_rows)
+    _write_kind(root, "collective", run="r", rank=rank, stream=stream, start=0, rows=coll)
+
+
+def test_restarted_ranks_count_each_reexecuted_step_once(tmp_path):
+    # Attempt 0 ran steps 0-11 and aborted in step 12; attempt 1 resumed at the step-10 checkpoint.
+    for rank in range(2):
+        _attempt(tmp_path, rank=rank, stream="a0a0", steps=range(12), t0=100.0, aborted=12)
+        _attempt(tmp_path, rank=rank, stream="b1b1", steps=range(10, 15), t0=200.0)
+    store = Store.open(tmp_path)
+    frames = data.overview_data(store, run="r", runs=["r"], steps=None)
+    assert frames["breakdown"].set_index("rank")["steps"].to_dict() == {0: 15, 1: 15}
+    series = frames["series"].set_index("step")
+    assert list(series.index) == list(range(15)) and (series["ranks"] == 2).all()
+    kept = store.query("SELECT step, rank, t_start, compute_s FROM step ORDER BY rank, step", kinds=("step",),
+                       runs=["r"])
+    # Steps 0-9 from attempt 0 (never re-executed), 10-14 from attempt 1.
+    assert (kept["compute_s"] == np.where(kept["step"] < 10, 0.1, 0.2)).all()
+    coll = data.collective_rows(store, run="r", steps=None)
+    assert len(coll) == 2 * 15 * 2  # ranks x steps x collectives, the aborted step's from attempt 1 only
+    assert (coll[coll["step"] >= 10]["t_start"] > 200).all() and (coll[coll["step"] < 10]["t_start"] < 200).all()
+    runs = data.runs_table(store).set_index("run").loc["r"]
+    assert (runs["steps"], runs["collectives_per_step"]) == (15, 4)
+
+
+def test_one_stream_per_rank_is_read_as_is(tmp_path):
+    # Compaction leaves several parts of one stream: not a restart, nothing is dropped (even equal steps).
+    _attempt(tmp_path, rank=0, stream="a0a0", steps=range(3), t0=100.0)
+    _write_kind(tmp_path, "step", run="r", rank=0, stream="a0a0", start=5, rows=[{"step": 2, "t_start": 150.0}])
+    store = Store.open(tmp_path)
+    assert len(store.query("SELECT * FROM step", kinds=("step",), runs=["r"])) == 4
+
+
+def test_a_rank_restarted_on_another_node_is_counted_once(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    _attempt(a, rank=0, stream="a0a0", steps=range(6), t0=100.0)
+    _attempt(b, rank=0, stream="b1b1", steps=range(4, 8), t0=200.0)
+    frames = data.overview_data(Store.open_many([a, b]), run="r", runs=["r"], steps=None)
+    assert frames["breakdown"]["steps"].tolist() == [8]

@@ -63,7 +63,8 @@ def private_dir(prefix: str = "meshscope-faults-") -> Iterator[Path]:
     try:
         yield d
     finally:
-        shutil.rmtree(d, ignore_errors=True)
+        if not os.environ.get("MESHSCOPE_KEEP_DIRS"):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def poll_until(predicate: Callable[[], T], *, timeout_s: float, interval_s: float = 0.1, what: str = "") -> T:
