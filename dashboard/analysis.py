@@ -192,7 +192,13 @@ def measured_bubble(spans: pd.DataFrame, *, windows: pd.DataFrame | None = None)
     ``wall_s`` (the rank's step wall time, as the formula defines the window). Without windows, the
     window is the pipeline's extent in that step (first span start to last span end, all ranks).
     Returns ``step``, ``rank``, ``stage`` (the rank's lowest stage: its position in the pipeline),
-    ``busy_s``, ``window_s``, ``bubble``."""
+    ``busy_s``, ``window_s``, ``bubble``, and its split into
+
+    - ``imbalance``: (the step's largest busy time over ranks - the rank's own) / window: idle that comes
+      from this stage being lighter than the slowest one, not from the schedule;
+    - ``schedule_bubble`` = ``bubble`` - ``imbalance``: the fill-and-drain idle that (p-1)/(m+p-1)
+      describes, which the theory derives for balanced stages. With the extent window it is the same
+      for every rank of a step, 1 - max busy / extent; on the slowest stage it equals ``bubble``."""
     s = spans.assign(d=spans["t_end"] - spans["t_start"])
     g = s.groupby(["step", "rank"]).agg(stage=("stage", "min"), busy_s=("d", "sum")).reset_index()
     if windows is not None and len(windows):
@@ -203,6 +209,8 @@ def measured_bubble(spans: pd.DataFrame, *, windows: pd.DataFrame | None = None)
     extent = s.groupby("step").agg(a=("t_start", "min"), b=("t_end", "max"))
     g["window_s"] = g["window_s"].fillna(g["step"].map(extent["b"] - extent["a"]))
     g["bubble"] = 1.0 - g["busy_s"] / g["window_s"]
+    g["imbalance"] = (g.groupby("step")["busy_s"].transform("max") - g["busy_s"]) / g["window_s"]
+    g["schedule_bubble"] = g["bubble"] - g["imbalance"]
     return g
 
 

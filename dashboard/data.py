@@ -235,7 +235,8 @@ def pipeline_data(store: Store, *, run: str, steps: tuple[int, int] | None,
 
     - ``bubble``: per step and stage, the mean over the stage's ranks of 1 - (sum of span durations) /
       (the rank's step wall time); without step records the window is the step's span extent. Stage is
-      the rank's lowest stage (its position in the pipeline, also under interleaving).
+      the rank's lowest stage (its position in the pipeline, also under interleaving). ``imbalance``:
+      the part of it that is stage imbalance (``analysis.measured_bubble``).
     - ``spans`` / ``windows``: the spans of ``gantt_step`` for one representative rank per pipeline
       position (the lowest rank), and those ranks' step records (``t_start``, ``t_end``, ``wall_s``)."""
     lo, hi = _range(steps)
@@ -245,8 +246,9 @@ def pipeline_data(store: Store, *, run: str, steps: tuple[int, int] | None,
         ("""WITH s AS (SELECT rank, step, min(stage) AS stage, sum(t_end - t_start) AS busy,
                              min(t_start) AS a, max(t_end) AS b
                       FROM span WHERE step BETWEEN $lo AND $hi GROUP BY rank, step),
-           e AS (SELECT step, max(b) - min(a) AS extent FROM s GROUP BY step)
+           e AS (SELECT step, max(b) - min(a) AS extent, max(busy) AS max_busy FROM s GROUP BY step)
         SELECT s.step, s.stage, avg(1 - s.busy / coalesce(w.wall_s, e.extent)) AS bubble,
+               avg((e.max_busy - s.busy) / coalesce(w.wall_s, e.extent)) AS imbalance,
                avg(s.busy) AS busy_s, avg(coalesce(w.wall_s, e.extent)) AS window_s, count(*) AS ranks
         FROM s JOIN e USING (step) LEFT JOIN step w USING (rank, step)
         GROUP BY s.step, s.stage ORDER BY s.step, s.stage""", {"lo": lo, "hi": hi}),

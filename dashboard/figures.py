@@ -114,9 +114,18 @@ def gantt(spans: pd.DataFrame, *, gaps: pd.DataFrame, t0: float, labels: dict[in
 
 
 def bubble_by_stage(per_stage: pd.DataFrame, *, theory: float | None) -> go.Figure:
-    """Measured bubble fraction per stage with the theoretical reference."""
-    fig = go.Figure(go.Bar(x=per_stage["stage"].astype(str), y=per_stage["bubble"], name="measured",
-                           marker_color="#616161"))
+    """Measured bubble fraction per stage with the theoretical reference, split (when ``imbalance`` is
+    given) into the schedule's fill and drain and the idle that comes from the stage being lighter than
+    the slowest one (the theory assumes balanced stages)."""
+    x = per_stage["stage"].astype(str)
+    if "imbalance" in per_stage:
+        fig = go.Figure([
+            go.Bar(x=x, y=per_stage["bubble"] - per_stage["imbalance"], name="schedule", marker_color="#616161"),
+            go.Bar(x=x, y=per_stage["imbalance"], name="stage imbalance", marker_color="#ef6c00"),
+        ])
+        fig.update_layout(barmode="stack")
+    else:
+        fig = go.Figure(go.Bar(x=x, y=per_stage["bubble"], name="measured", marker_color="#616161"))
     if theory is not None:
         fig.add_hline(y=theory, line_dash="dash", line_color="#c62828",
                       annotation_text=f"theory {theory:.1%}", annotation_position="top left")

@@ -222,7 +222,7 @@ def pipeline(load: Loader, *, run: str, steps, gantt_step: int | None = None) ->
     if view.m:
         view.theory = analysis.bubble_theory(schedule=view.schedule, p=view.p, m=view.m, v=view.v)
     if len(per):
-        by_stage = per.groupby("stage", as_index=False)["bubble"].mean()
+        by_stage = per.groupby("stage", as_index=False)[["bubble", "imbalance"]].mean()
         view.figures["by_stage"] = figures.bubble_by_stage(by_stage, theory=view.theory)
         view.figures["trend"] = figures.bubble_trend(per, theory=view.theory)
     spans, windows = d["spans"], d["windows"]

@@ -131,6 +131,22 @@ def test_measured_bubble_against_wall_and_span_extent():
     assert A.measured_bubble(spans)["bubble"].tolist() == pytest.approx([0.5, 0.5])
 
 
+def test_measured_bubble_splits_stage_imbalance_from_the_schedule():
+    # GPipe, p=2, m=2, stage 1 twice as slow (F=B=2 against 1): stage 0 runs F F ... B B, stage 1 F F B B.
+    f0, f1 = 1.0, 2.0
+    rows = [(0, 0, 0.0, f0), (0, 0, f0, 2 * f0),                                # stage 0 forwards
+            (1, 1, f0, f0 + f1), (1, 1, f0 + f1, f0 + 2 * f1),                  # stage 1 forwards
+            (1, 1, f0 + 2 * f1, f0 + 3 * f1), (1, 1, f0 + 3 * f1, f0 + 4 * f1),  # stage 1 backwards
+            (0, 0, f0 + 3 * f1, 2 * f0 + 3 * f1), (0, 0, f0 + 4 * f1, 2 * f0 + 4 * f1)]
+    spans = pd.DataFrame(rows, columns=["rank", "stage", "t_start", "t_end"]).assign(step=0)
+    m = A.measured_bubble(spans).set_index("rank")
+    extent = 2 * f0 + 4 * f1  # 10
+    assert m["bubble"].tolist() == pytest.approx([1 - 4 * f0 / extent, 1 - 4 * f1 / extent])  # 0.6, 0.2
+    assert m["imbalance"].tolist() == pytest.approx([4 * (f1 - f0) / extent, 0.0])
+    # The schedule's share is the same for both stages: the slowest stage's idle, 2·f0 of 10.
+    assert m["schedule_bubble"].tolist() == pytest.approx([0.2, 0.2])
+
+
 def test_idle_gaps_complement_spans():
     spans = pd.DataFrame({"rank": [0, 0, 0], "t_start": [1.0, 3.0, 3.5], "t_end": [2.0, 4.0, 3.8]})
     gaps = A.idle_gaps(spans, t0=0.0, t1=5.0)

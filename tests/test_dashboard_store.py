@@ -180,9 +180,10 @@ def test_gpu_by_rank_joins_host_and_local_rank(store):
 def test_pipeline_data_matches_pandas(store):
     d = data.pipeline_data(store, run="pp", steps=(0, 9), gantt_step=4)
     spans, steps = _raw(store, "span", "pp"), _raw(store, "step", "pp")
-    want = analysis.measured_bubble(spans, windows=steps).groupby(["step", "stage"])["bubble"].mean()
-    got = d["bubble"].set_index(["step", "stage"])["bubble"]
+    want = analysis.measured_bubble(spans, windows=steps).groupby(["step", "stage"])[["bubble", "imbalance"]].mean()
+    got = d["bubble"].set_index(["step", "stage"])[["bubble", "imbalance"]]
     assert np.allclose(got.sort_index(), want.sort_index())
+    assert (got["imbalance"] > 0).any()  # the synthetic stages are not equally loaded
     # The Gantt step: one rank per pipeline position (lowest rank), all its spans, and its step window.
     assert sorted(d["spans"]["rank"].unique()) == [0, 4] and set(d["spans"]["step"]) == {4}
     assert len(d["spans"]) == 2 * 2 * 4 and sorted(d["windows"]["rank"]) == [0, 4]

@@ -135,7 +135,7 @@ def _bubble(tmp_path, run: str, *args: str):
     run_job(tmp_path, run, 2, "--model", "tiny-wide", "--steps", "7", "--pp", "2", "--batch-size", "32", *args)
     spans = read_table(tmp_path, "span", run=run)
     measured = measured_bubble(spans[spans["step"] >= 2])  # warm-up steps excluded
-    return measured.groupby("rank")["bubble"].median()
+    return measured.groupby("rank")[["bubble", "schedule_bubble", "imbalance", "busy_s"]].median()
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -143,19 +143,25 @@ def test_bubble_fraction_matches_theory(tmp_path, schedule):
     p, m = 2, 4
     frac = _bubble(tmp_path, schedule, "--schedule", schedule, "--microbatches", str(m))
     theory = (p - 1) / (m + p - 1)
-    # Measured on this 2-core VM: 21.5-23.9 % against 20 %. The systematic excess (+1.5 to +4 pp) is what
-    # the theory leaves out: each P2P hop's fixed cost and the schedule's per-microbatch work outside the
-    # compute spans (the last stage's loss, bookkeeping), all on the critical path of the fill and drain.
-    # The issue asks for ±3 pp; this test allows 5 pp so that it does not flake on that excess (see the
-    # closing note: the ±3 pp figure is met only in some runs here).
-    for rank, value in frac.items():
-        assert abs(value - theory) <= 0.05, (rank, value, theory)
+    # The theory is for balanced stages. The last stage also runs the final norm, the head and the loss:
+    # measured 3-5 % more busy time than stage 0 here, so the extent follows the last stage and stage 0
+    # idles that much longer (raw 21.5-23.9 % against 20 % on stage 0, 19.8-20.5 % on the last stage).
+    # measured_bubble splits that imbalance off: what is left is the schedule's fill and drain.
+    slowest = frac["busy_s"].idxmax()
+    assert abs(frac.loc[slowest, "bubble"] - theory) <= 0.03, frac
+    for rank, row in frac.iterrows():
+        assert abs(row["schedule_bubble"] - theory) <= 0.03, (rank, row.to_dict(), theory)
+        assert abs(row["bubble"] - theory) <= 0.03 + row["imbalance"], (rank, row.to_dict(), theory)
+    print(f"\n{schedule}: theory {theory:.4f}\n{frac.round(4).to_string()}")
 
 
 def test_interleaved_bubble_is_reported_against_its_theory(tmp_path):
     p, m, v = 2, 4, 2
-    frac = _bubble(tmp_path, "il", "--schedule", "interleaved", "--microbatches", str(m))
+    both = _bubble(tmp_path, "il", "--schedule", "interleaved", "--microbatches", str(m))
+    frac = both["bubble"]
     theory = (p - 1) / (v * m + p - 1)
+    print(f"\ninterleaved: theory {theory:.4f}\n{both.round(4).to_string()}")
+    assert ((both["schedule_bubble"] - theory).abs() <= 0.03).all(), both
     # Interleaving trades bubble for more P2P hops (2·v per microbatch instead of 2); each hop has a fixed
     # cost the theory treats as free, so the measured idle sits a little above (p-1)/(v·m+p-1) (measured
     # +1.5 to +3 pp here), and well below the non-interleaved (p-1)/(m+p-1).

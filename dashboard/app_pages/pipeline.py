@@ -9,7 +9,10 @@ DEFINITION = ("Bubble shown = idle fraction of the step: 1 − (Σ the stage's F
               "time). Theory: (p−1)/(m+p−1) for GPipe and 1F1B, (p−1)/(v·m+p−1) interleaved, for balanced "
               "stages with equal F and B cost. (p−1)/m, found in some texts, is bubble relative to ideal "
               "compute and is not what these charts show. The measured value also counts exposed "
-              "communication, data loading and the optimizer as idle, so it sits above the theory.")
+              "communication, data loading and the optimizer as idle, so it sits above the theory. Per "
+              "stage it splits into stage imbalance (orange: the slowest stage's busy time minus this "
+              "stage's, over the window; balance the stages to remove it) and the rest (grey), which is "
+              "what to compare with the theory.")
 
 
 def main(ctx: ui.Context) -> None:
