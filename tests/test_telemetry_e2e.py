@@ -262,6 +262,8 @@ def test_collective_time_per_op_agrees_with_the_profiler(profiled_run):
         # 10 % is the issue's figure; on this 2-vCPU VM the median of 4 steps reached 1.10-1.16 in some
         # fresh-clone runs (scheduler slices in either clock), so the suite holds 20 % (see the note).
         tolerance = 0.25 if strategy == "tp" else 0.20
+        print(f"\n{strategy} rank {rank}: " + ", ".join(
+            f"{name} {[round(v, 3) for v in values]}" for name, values in sorted(ratios.items())))
         compared = 0
         for name, values in ratios.items():
             # A step whose issue events and gloo ranges the profiler cannot pair one-to-one (an async
