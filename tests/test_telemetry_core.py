@@ -139,3 +139,35 @@ def test_hang_watchdog_says_where_the_training_thread_is_stuck():
     msg = hangs[0]["message"]
     assert msg.startswith("not in a collective: test_hang_watchdog_says_where"), msg
     assert "step 0 phase forward" in msg and hangs[0]["step"] == 0
+
+
+def test_sigterm_during_close_is_held_until_the_records_are_written():
+    """torchrun SIGTERMs the surviving ranks when one fails, often while a survivor's own error is
+    already closing its telemetry: the trainer holds the signal back until close has written everything,
+    then exits as the signal asks."""
+    import os
+    import signal
+
+    from trainer.train import _sigterm_deferred
+
+    class SlowWriter(MemoryWriter):
+        def close(self, timeout_s: float = 5.0) -> None:  # the signal lands in the middle of close
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # Python runs the handler here: a plain SystemExit would end close now
+            self.closed = True
+
+    writer = SlowWriter()
+    tel, _ = make(writer)
+    tel.start({"strategy": "ddp", "mesh": {"dp": 1}})
+    with tel.step(0):
+        pass
+    before = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))
+    try:
+        with pytest.raises(SystemExit) as exc:
+            with _sigterm_deferred():
+                tel.close()
+        assert exc.value.code == 128 + signal.SIGTERM
+        assert getattr(writer, "closed", False) and len(writer.rows["step"]) == 1
+        assert signal.getsignal(signal.SIGTERM) is not None and signal.getsignal(signal.SIGTERM) != signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, before)

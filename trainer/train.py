@@ -8,6 +8,7 @@ training loop would, and owns none of the instrumentation.
 from __future__ import annotations
 
 import os
+import contextlib
 import signal
 import socket
 import sys
@@ -31,6 +32,23 @@ from trainer.progress import StepPrinter
 
 def _terminate(signum, frame) -> None:
     raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def _sigterm_deferred():
+    """Hold SIGTERM back while telemetry closes: torchrun signals every surviving rank when one fails,
+    often just as the survivor's own collective error is already closing the telemetry, and a SystemExit
+    raised inside ``close`` would cut it short: the rank's queued records, possibly all of them when the
+    failure comes early, would never reach the spool (seen: a restarted job's attempt-0 spool of rank 0
+    missing). ``close`` is bounded by its own timeouts; a SIGTERM that came meanwhile is raised after it."""
+    got: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if got:
+            raise SystemExit(128 + got[0])
 
 
 def _is_rank0() -> bool:
@@ -238,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
             code = trainer.run(tel)
             tel.event("end", f"finished {cfg.steps} steps")
         finally:
-            tel.close()
+            with _sigterm_deferred():
+                tel.close()
         return code
     finally:
         if dist.is_initialized():
