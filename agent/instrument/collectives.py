@@ -235,17 +235,21 @@ class CollectiveTracer:
         self.emit(p, t_end=t_end, wait_s=t_end - p.t_start)
 
     def complete_blocking(self, p: _Op, work: Any) -> None:
-        """Wait for ``work`` (issued async on behalf of a blocking call) and record ``p``: completion from
-        the future's callback when there is one, ``wait_s`` = the whole call. Errors of the wait itself
-        propagate, as they would from the blocking call."""
+        """Wait for ``work`` (issued async on behalf of a blocking call) and record ``p``: completion is
+        the return of the wait, ``wait_s`` the whole call. Errors of the wait itself propagate, as they
+        would from the blocking call.
+
+        No future callback here: a Python callback runs on the gloo worker thread and must take the GIL,
+        which the caller, woken by the same completion, usually holds by then; the worker thread (and
+        the next op in its queue) then waits up to the interpreter's switch interval (5 ms). That delayed
+        gloo and stretched the profiler's own ``gloo:*`` ranges (traced/profiler 0.67-0.76 for small
+        blocking all-reduces), while the caller's wake-up it would have saved is microseconds."""
         if work is None:
             self.finish_sync(p)
             return
-        self._stamp_on_future(work, [p])
         work.wait()
         t1 = self.now()
-        # Both are upper bounds of the completion (the callback waits for the GIL, the caller for a wake-up).
-        self.emit(p, t_end=min(p.t_done, t1) if p.t_done is not None else t1, wait_s=t1 - p.t_start)
+        self.emit(p, t_end=t1, wait_s=t1 - p.t_start)
 
     def track_work(self, work: Any, ops: list[_Op], *, use_future: bool) -> None:
         """Remember an async op until ``Work.wait`` (or ``flush``). ``use_future``: stamp completion from

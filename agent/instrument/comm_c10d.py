@@ -11,9 +11,9 @@ are seen as the broadcast / all-gather they are built from).
 
 Timing on CPU (gloo):
 - blocking call (``async_op=False``): issued async and waited by the wrapper (exactly c10d's blocking
-  path: issue, then ``work.wait()``), so completion is stamped by the work's future on the gloo thread
-  rather than after the caller wakes up (milliseconds apart on a loaded machine); the whole call is
-  ``wait_s``. ``send`` / ``recv`` / ``_broadcast_coalesced``: completion = return.
+  path: issue, then ``work.wait()``); completion is the wait's return, the whole call is ``wait_s``
+  (no future callback: see ``CollectiveTracer.complete_blocking``). ``send`` / ``recv`` /
+  ``_broadcast_coalesced``: completion = return.
 - asynchronous collective: completion is stamped by a callback on the work's future (runs on the gloo
   worker thread when the op finishes); ``wait_s`` is the time spent inside ``Work.wait``. The record is
   made at ``Work.wait``, or by ``CollectiveTracer.flush`` when nothing waits in Python.
@@ -108,9 +108,8 @@ def install(tracer: CollectiveTracer) -> None:
                 nbytes, group, async_op, tensor = extract(args, kwargs)
                 cuda = tensor is not None and tensor.is_cuda
                 p = tracer.begin(op, group, nbytes, "c10d", cuda=cuda)
-                # A blocking call on CPU is issued async and waited here: the future's callback then stamps
-                # the completion on the gloo thread, not after the caller's wake-up (what c10d's sync path
-                # does: issue, then work.wait()).
+                # A blocking call on CPU is issued async and waited here (what c10d's sync path does:
+                # issue, then work.wait()), so the wait is timed where it happens.
                 blocking = not async_op and async_index is not None and not cuda
                 call_args, call_kwargs = _as_async(args, kwargs, async_index) if blocking else (args, kwargs)
             except Exception as exc:

@@ -30,7 +30,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 def _run(tracer: Any, op: str, group: Any, nbytes: int, tensor: Any, async_op: bool,
          call: Callable[[bool], Any]) -> Any:
     """Time ``call(async_op)``. A blocking call on CPU is issued async and waited here (as c10d's own
-    blocking path does), so completion is stamped by the work's future on the gloo thread."""
+    blocking path does); completion is the wait's return."""
     if not tracer.enabled or tracer.busy():
         return call(async_op)
     try:
