@@ -63,7 +63,7 @@ def private_dir(prefix: str = "meshscope-faults-") -> Iterator[Path]:
     try:
         yield d
     finally:
-        if not os.environ.get("MESHSCOPE_KEEP_DIRS"):
+        if not os.environ.get("MESHSCOPE_KEEP_DIRS"):  # set it to keep a failed run's store for a post-mortem
             shutil.rmtree(d, ignore_errors=True)
 
 
