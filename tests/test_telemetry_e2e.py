@@ -164,16 +164,16 @@ def test_bubble_fraction_matches_theory(tmp_path, schedule):
 def test_interleaved_bubble_is_reported_against_its_theory(tmp_path):
     p, m, v = 2, 4, 2
     both = _bubble(tmp_path, "il", "--schedule", "interleaved", "--microbatches", str(m))
-    frac = both["bubble"]
     theory = (p - 1) / (v * m + p - 1)
     print(f"\ninterleaved: theory {theory:.4f}\n{both.round(4).to_string()}")
-    assert ((both["schedule_bubble"] - theory).abs() <= 0.03).all(), both
     # Interleaving trades bubble for more P2P hops (2·v per microbatch instead of 2); each hop has a fixed
-    # cost the theory treats as free, so the measured idle sits a little above (p-1)/(v·m+p-1) (measured
-    # +1.5 to +3 pp here), and well below the non-interleaved (p-1)/(m+p-1).
-    for rank, value in frac.items():
-        assert theory - 0.01 <= value <= theory + 0.05, (rank, value, theory)
-        assert value < (p - 1) / (m + p - 1) - 0.03, (rank, value)
+    # cost the theory treats as free, so the schedule's share sits a little above (p-1)/(v·m+p-1)
+    # (measured +1.1 to +1.4 pp here), and well below the non-interleaved (p-1)/(m+p-1). The raw idle of
+    # the lighter stage adds the stage imbalance (up to 4 pp seen), as in the non-interleaved test.
+    for rank, row in both.iterrows():
+        assert abs(row["schedule_bubble"] - theory) <= 0.03, (rank, row.to_dict(), theory)
+        assert row["schedule_bubble"] < (p - 1) / (m + p - 1) - 0.03, (rank, row.to_dict())
+        assert theory - 0.01 <= row["bubble"] <= theory + 0.05 + row["imbalance"], (rank, row.to_dict(), theory)
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (make install-servers)")

@@ -264,5 +264,23 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
 
 
+def exit_without_finalization(code: int) -> None:
+    """Leave the rank process after a clean shutdown without running interpreter finalization.
+
+    torch's gloo teardown race (pytorch/pytorch#179291): a gloo worker thread can still hold the last
+    reference to a finished op's Python-owned tensors when the interpreter starts finalizing; dropping
+    it then takes the GIL, Python answers with ``pthread_exit`` and the C++ unwinding ends in
+    ``std::terminate`` ("terminate called without an active exception", exit -6), after the run has
+    finished and every record is written. Seen here on a 2-rank PP-1F1B job after its last step, so
+    torchrun reported a finished job as failed. Everything that needs an orderly close is closed by then
+    (telemetry, the process group, the profiler); flush the streams and logging and leave."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code or 0))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_finalization(main())

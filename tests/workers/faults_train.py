@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from trainer.train import main
+from trainer.train import exit_without_finalization, main
 
 FIRST_ATTEMPT_ONLY = ("--crash-rank", "--crash-step")
 
@@ -35,4 +35,5 @@ def argv_for_attempt(argv: list[str], attempt: int) -> list[str]:
 
 
 if __name__ == "__main__":
-    sys.exit(main(argv_for_attempt(sys.argv[1:], int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))))
+    exit_without_finalization(
+        main(argv_for_attempt(sys.argv[1:], int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))))
