@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import os
 import resource
+import signal
 import subprocess
 from pathlib import Path
 
@@ -131,7 +132,17 @@ def test_full_disk_training_continues_losses_counted_agent_recovers(disk, tmp_pa
         poll_until(lambda: (agent.scrape().value("meshscope_rank_last_step", run=RUN, rank="0") or 0) >= 30,
                    timeout_s=120, what="30 steps ingested")
         pids = [agent.pid] + [p.pid for p in job.ranks()]
-        disk.fill(pids)
+        # The agent must hold records it has not written yet when the disk fills, or it has nothing to
+        # fail on (both CI failures of this test: the fill came just after the agent had written
+        # everything, and the ranks could no longer add to their spools). Pause it while the spools grow.
+        agent.signal(signal.SIGSTOP)
+        try:
+            grown = spool_sizes_of(store, RUN)
+            poll_until(lambda: all(spool_sizes_of(store, RUN)[k] > v for k, v in grown.items()), timeout_s=30,
+                       what="every rank's spool grew while the agent was paused")
+            disk.fill(pids)
+        finally:
+            agent.signal(signal.SIGCONT)
         full_at_step = max(job.printed_steps())
 
         # The outage bites on both sides: the agent fails to write the store, the ranks' spools stop

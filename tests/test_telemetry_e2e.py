@@ -153,11 +153,12 @@ def test_bubble_fraction_matches_theory(tmp_path, schedule):
     # measured 3-5 % more busy time than stage 0 here, so the extent follows the last stage and stage 0
     # idles that much longer (raw 21.5-23.9 % against 20 % on stage 0, 19.8-20.5 % on the last stage).
     # measured_bubble splits that imbalance off: what is left is the schedule's fill and drain.
-    slowest = frac["busy_s"].idxmax()
-    assert abs(frac.loc[slowest, "bubble"] - theory) <= 0.03, frac
+    # Per step, the schedule share is exactly the raw bubble of that step's slowest stage (and raw =
+    # schedule + imbalance on every stage); medians over steps are taken per column. Which stage is the
+    # slowest can change from step to step when the stages are this close (1F1B), so the check is on the
+    # schedule share, not on the raw bubble of one fixed rank.
     for rank, row in frac.iterrows():
         assert abs(row["schedule_bubble"] - theory) <= 0.03, (rank, row.to_dict(), theory)
-        assert abs(row["bubble"] - theory) <= 0.03 + row["imbalance"], (rank, row.to_dict(), theory)
     print(f"\n{schedule}: theory {theory:.4f}\n{frac.round(4).to_string()}")
 
 
@@ -173,7 +174,7 @@ def test_interleaved_bubble_is_reported_against_its_theory(tmp_path):
     for rank, row in both.iterrows():
         assert abs(row["schedule_bubble"] - theory) <= 0.03, (rank, row.to_dict(), theory)
         assert row["schedule_bubble"] < (p - 1) / (m + p - 1) - 0.03, (rank, row.to_dict())
-        assert theory - 0.01 <= row["bubble"] <= theory + 0.05 + row["imbalance"], (rank, row.to_dict(), theory)
+        assert row["bubble"] >= theory - 0.01, (rank, row.to_dict(), theory)
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (make install-servers)")
