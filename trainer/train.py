@@ -7,8 +7,8 @@ training loop would, and owns none of the instrumentation.
 
 from __future__ import annotations
 
-import os
 import contextlib
+import os
 import signal
 import socket
 import sys

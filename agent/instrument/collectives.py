@@ -241,9 +241,9 @@ class CollectiveTracer:
 
         No future callback here: a Python callback runs on the gloo worker thread and must take the GIL,
         which the caller, woken by the same completion, usually holds by then; the worker thread (and
-        the next op in its queue) then waits up to the interpreter's switch interval (5 ms). That delayed
-        gloo and stretched the profiler's own ``gloo:*`` ranges (traced/profiler 0.67-0.76 for small
-        blocking all-reduces), while the caller's wake-up it would have saved is microseconds."""
+        the next op in its queue) then waits up to the interpreter's switch interval (5 ms). That can hold
+        gloo up, and it stretched the profiler's own ``gloo:*`` ranges (traced/profiler 0.67-0.76 for
+        small blocking all-reduces), while the caller's wake-up it would have saved is microseconds."""
         if work is None:
             self.finish_sync(p)
             return

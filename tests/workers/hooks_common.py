@@ -65,18 +65,13 @@ def spawn(fn: Callable, *, world_size: int = 2, args: tuple = ()) -> None:
 
 
 def _run_then_exit(rank: int, fn: Callable, *args: Any) -> None:
-    """Run one rank, then leave without interpreter finalization.
+    """Run one rank, then leave without interpreter finalization, as the trainer's ranks do: torch's gloo
+    teardown race (``trainer.train.exit_without_finalization``) aborted hooks_c10d with SIGABRT after
+    every result was written (3 of 8 runs here, and in CI). An exception still propagates to mp.spawn."""
+    from trainer.train import exit_without_finalization
 
-    A gloo worker thread can still hold the last reference to a finished op's work (and the Python-owned
-    tensors in it) when the rank returns. Dropping it during finalization makes that thread take the GIL,
-    which Python answers with pthread_exit, and the C++ unwinding ends in std::terminate: "terminate called
-    without an active exception" and SIGABRT after every result was written (seen 3 times in 8 runs of
-    hooks_c10d here, and in CI; see pytorch/pytorch#179291). It is torch's teardown race, not the code under
-    test, so the workers skip it; an exception still propagates to mp.spawn as before."""
     fn(rank, *args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_finalization(0)
 
 
 def init(rank: int, world_size: int, port: int) -> None:
