@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import signal
 import statistics
 import sys
@@ -32,13 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from agent.collector.store import read_table  # noqa: E402
+from bench.telemetry_overhead import bootstrap_ci  # noqa: E402
 from tests.workers.faults_harness import AgentProcess, Job, poll_until  # noqa: E402
-
-
-def bootstrap_ci(values: list[float], *, n: int = 2000, seed: int = 0) -> tuple[float, float]:
-    rng = random.Random(seed)
-    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(n))
-    return means[int(0.025 * n)], means[int(0.975 * n) - 1]
 
 
 def main(argv: list[str] | None = None) -> int:
