@@ -158,9 +158,13 @@ def job(tmp_path_factory):
                    what=lambda: f"the two nodes to finish {STEPS} steps\n{logs()}")
         assert [n.returncode for n in nodes] == [0, 0], logs()
         # The agents ingest the last steps and Prometheus scrapes them (first scrape ~5 s after start).
+        # The "end" event is each rank's last record (written when its telemetry closes, after the last
+        # step), so it can reach Prometheus a scrape later than the last step: wait for both.
         done = f'meshscope_rank_last_step{{run="{RUN}"}} == {STEPS - 1}'
-        wait_until(lambda: len(query(prom_port, done)) == 2, timeout=30,
-                   what=lambda: f"both ranks' last step in Prometheus\n{logs()}")
+        ended = f'meshscope_run_events_total{{run="{RUN}", kind="end"}}'
+        wait_until(lambda: len(query(prom_port, done)) == 2
+                   and sum(float(s["value"][1]) for s in query(prom_port, ended)) == 2, timeout=30,
+                   what=lambda: f"both ranks' last step and end in Prometheus\n{logs()}")
         both = Store.open_many(stores)
 
         def stored() -> bool:
