@@ -102,17 +102,23 @@ def closed_by_server(s: socket.socket, *, within_s: float) -> bool:
 # -------------------------------------------------------------------------------- the server in-process
 
 def test_stuck_clients_do_not_block_scrapes_and_are_dropped_after_the_timeout():
-    srv = serve_metrics(registry(big=True), host="127.0.0.1", port=0, web=WebConfig(connection_timeout_s=1.0))
+    """A scrape served while 14 connections are stuck takes far less than the connection timeout: it
+    never waited for a stuck one to time out. (Not a latency bound: the four non-readers each render the
+    600 kB exposition at the same moment, so on a loaded 2-core CI machine the first scrape, competing
+    with them for the GIL, once took 1.1 s against 0.12 s for the next two.)"""
+    timeout_s = 4.0
+    srv = serve_metrics(registry(big=True), host="127.0.0.1", port=0,
+                        web=WebConfig(connection_timeout_s=timeout_s))
     url = f"http://127.0.0.1:{srv.port}/metrics"
     try:
         with ExitStack() as stack:
             held = [stack.enter_context(idle(srv.port)) for _ in range(10)]
             held += [stack.enter_context(non_reader(srv.port)) for _ in range(4)]
             time.sleep(0.3)
-            took = [scrape(url, timeout=5) for _ in range(3)]
-            assert max(took) < 1.0, took  # a 600 kB scrape, while 14 connections are stuck
+            took = [scrape(url, timeout=2 * timeout_s) for _ in range(3)]
+            assert max(took) < timeout_s / 2, took  # a 600 kB scrape, while 14 connections are stuck
             # The timeout frees the idle connections (and their threads).
-            assert all(closed_by_server(s, within_s=3.0) for s in held[:10])
+            assert all(closed_by_server(s, within_s=timeout_s + 2.0) for s in held[:10])
     finally:
         srv.close()
 
@@ -176,16 +182,17 @@ def _ok(url: str) -> bool:
 
 def test_tls_client_that_never_says_hello_does_not_block_scrapes(tmp_path):
     cert, key = self_signed(tmp_path)
+    timeout_s = 3.0  # a scrape that waited for a silent client would take at least this long
     srv = serve_metrics(registry(), host="127.0.0.1", port=0,
-                        web=WebConfig(tls_cert=cert, tls_key=key, connection_timeout_s=1.0))
+                        web=WebConfig(tls_cert=cert, tls_key=key, connection_timeout_s=timeout_s))
     ctx = ssl.create_default_context(cafile=str(cert))
     url = f"https://127.0.0.1:{srv.port}/metrics"
     try:
         with ExitStack() as stack:
             silent = [stack.enter_context(idle(srv.port)) for _ in range(5)]  # TCP only, no ClientHello
             time.sleep(0.2)
-            assert scrape(url, context=ctx) < 1.0
-            assert all(closed_by_server(s, within_s=3.0) for s in silent)
+            assert scrape(url, context=ctx, timeout=2 * timeout_s) < timeout_s / 2
+            assert all(closed_by_server(s, within_s=timeout_s + 2.0) for s in silent)
     finally:
         srv.close()
 
@@ -238,7 +245,9 @@ def test_abusive_scrapers_during_a_run_leave_training_and_ingest_alone(tmp_path)
           f"median step {during.median() * 1e3:.2f} ms during vs {before.median() * 1e3:.2f} before and "
           f"{after.median() * 1e3:.2f} after "
           f"(ratio {ratio:.3f}, resolution {100 * resolution:.1f} %); store vs spool {report}")
-    assert max(latencies) < 1.0
+    # Far below the agent's 10 s connection timeout: no scrape waited on a stuck client. (Not a latency
+    # bound: the training job and the five non-readers' renders share this machine's two cores.)
+    assert max(latencies) < 3.0
     assert cpu < 0.05  # stuck connections cost threads blocked in recv, not CPU
     assert progress == sorted(progress) and progress[-1] > progress[0] + 15  # ingest went on
     # The wall-clock ratio is a figure, not the proof (see test_faults_agent_stall): on this shared machine
