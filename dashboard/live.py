@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import pandas as pd
 
+from agent.security import promql_label_value
+
 # Logical name -> Prometheus metric name (the type the queries assume in the comment).
 METRICS: dict[str, str] = {
     "step": "meshscope_rank_last_step",  # gauge: last optimizer step the rank completed
@@ -36,8 +38,8 @@ def _selector(run: str | None, **labels: str) -> str:
     pairs = ({RUN_LABEL: run} if run else {}) | labels
     if not pairs:
         return ""
-    quote = lambda v: v.replace("\\", "\\\\").replace('"', '\\"')  # noqa: E731
-    return "{" + ", ".join(f'{k}="{quote(v)}"' for k, v in pairs.items()) + "}"
+    # The one escaper (control characters too): a run name is user input and ends up inside PromQL.
+    return "{" + ", ".join(f"{k}={promql_label_value(v)}" for k, v in pairs.items()) + "}"
 
 
 def queries(*, run: str | None, window: str = "1m") -> dict[str, str]:

@@ -24,6 +24,8 @@ def test_queries_use_the_metric_mapping():
     assert 'phase="exposed_comm"' in q["exposed_comm_ratio"]
     assert q["mfu"] == "avg by (rank) (meshscope_rank_mfu_ratio)"
     assert live.queries(run='a"b')["mfu"] == 'avg by (rank) (meshscope_rank_mfu_ratio{run="a\\"b"})'
+    # A newline or a backslash in a run name cannot end the string literal or the query early.
+    assert live.queries(run="a\nb\\")["mfu"] == 'avg by (rank) (meshscope_rank_mfu_ratio{run="a\\nb\\\\"})'
 
 
 def test_metric_names_and_types_are_the_agents_catalog():
