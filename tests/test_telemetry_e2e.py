@@ -176,7 +176,9 @@ def test_interleaved_bubble_is_reported_against_its_theory(tmp_path):
     for rank, row in both.iterrows():
         assert abs(row["schedule_bubble"] - theory) <= 0.03, (rank, row.to_dict(), theory)
         assert row["schedule_bubble"] < (p - 1) / (m + p - 1) - 0.03, (rank, row.to_dict())
-        assert row["bubble"] >= theory - 0.01, (rank, row.to_dict(), theory)
+        # Below the theory only by the issue's ±3 pp: a core shared with another process stretches the
+        # spans' wall time, and so shrinks the idle share (9.4 % on stage 0 with a busy loop on one core).
+        assert row["bubble"] >= theory - 0.03, (rank, row.to_dict(), theory)
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (make install-servers)")
