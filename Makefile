@@ -31,6 +31,7 @@ bench: install
 	$(PY) bench/telemetry_overhead.py
 	$(PY) bench/agent_ingest.py
 	$(PY) bench/hooks_overhead.py
+	$(PY) bench/profiler_agreement.py
 	$(PY) bench/dashboard_pages.py
 
 clean:

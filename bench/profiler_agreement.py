@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from agent.collector.store import read_table  # noqa: E402
+from trainer.model import FLAVORS  # noqa: E402
 from tests.workers.hooks_common import (  # noqa: E402  (the profiler mapping lives with the tests)
     OP_TO_GLOO, chrome_trace_events, profiler_step_totals, tracer_step_totals,
 )
@@ -91,11 +92,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--profile-steps", default="2:10", help="A:B, the profiled steps (default 2:10)")
     args = ap.parse_args()
-    first, last = (int(x) for x in args.profile_steps.split(":"))
-    for strategy in args.strategies.split(","):
-        if strategy not in STRATEGIES:
-            ap.error(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
-        for model in args.models.split(","):
+    try:
+        first, last = (int(x) for x in args.profile_steps.split(":"))
+    except ValueError:
+        ap.error(f"--profile-steps {args.profile_steps!r} must look like A:B")
+    if not 0 <= first < last - 1 or last > args.steps:
+        ap.error(f"--profile-steps {args.profile_steps!r} needs 0 <= A < B - 1 and B <= --steps ({args.steps})")
+    strategies, models = args.strategies.split(","), args.models.split(",")
+    for bad, known, what in ((set(strategies) - set(STRATEGIES), STRATEGIES, "strategy"),
+                             (set(models) - set(FLAVORS), FLAVORS, "model")):
+        if bad:
+            ap.error(f"unknown {what} {', '.join(sorted(bad))}; choose from {', '.join(known)}")
+    for strategy in strategies:
+        for model in models:
             for line in run(strategy, model=model, steps=args.steps, first=first, last=last):
                 print(line, flush=True)
 
