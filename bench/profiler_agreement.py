@@ -28,18 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from agent.collector.store import read_table  # noqa: E402
+from bench.telemetry_overhead import STRATEGIES  # noqa: E402  (the same jobs as the overhead A/B)
 from trainer.model import FLAVORS  # noqa: E402
 from tests.workers.hooks_common import (  # noqa: E402  (the profiler mapping lives with the tests)
     OP_TO_GLOO, chrome_trace_events, profiler_step_totals, tracer_step_totals,
 )
-
-STRATEGIES = {
-    "ddp": [],
-    "fsdp": ["--fsdp"],
-    "tp": ["--tp", "2"],
-    "pp-1f1b": ["--pp", "2", "--schedule", "1f1b", "--microbatches", "4"],
-    "pp-gpipe": ["--pp", "2", "--schedule", "gpipe", "--microbatches", "4"],
-}
 
 
 def run(strategy: str, *, model: str, steps: int, first: int, last: int) -> list[str]:

@@ -258,7 +258,10 @@ def _entries(directory: Path, *, prefix: str, want_dir: bool) -> list[tuple[str,
 
 # Kinds whose rows belong to a step, and the column that orders a rank's records in time.
 _STEP_KINDS = {"step": "t_start", "collective": "t_start", "span": "t_start", "memory": "t"}
-_STREAM_SQL = r"regexp_extract(filename, 'part-([0-9a-z]+)-[0-9]+-[0-9]+\.parquet$', 1)"
+# The stream of a row's part file, from the agent's own part-name pattern (DuckDB's RE2 reads the same
+# syntax), matched on the path's last component.
+_STREAM_SQL = (f"regexp_extract(filename, '(?:^|/){PART_RE.pattern.removeprefix('^')}', "
+               f"{PART_RE.groupindex['stream']})")
 
 
 def _restarted(kind: str, paths: list[Path]) -> bool:
