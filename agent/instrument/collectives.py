@@ -55,7 +55,7 @@ class _Op:
     """One issued op until it is recorded."""
 
     __slots__ = ("op", "info", "nbytes", "peer", "source", "seq", "t_start", "t_done", "wait_s", "waited",
-                 "cuda")
+                 "cuda", "issued")
 
     def __init__(self, op: str, info: GroupInfo, nbytes: int, peer: int, source: str, seq: int) -> None:
         self.op, self.info, self.nbytes, self.peer, self.source, self.seq = op, info, nbytes, peer, source, seq
@@ -64,6 +64,7 @@ class _Op:
         self.wait_s = 0.0  # blocked time already attributed (waits nested inside the issuing call)
         self.waited = False
         self.cuda: Any = None  # CUDA events (comm_nccl), None on CPU
+        self.issued = False  # t_start moved to the ProcessGroup call (comm_c10d.install_issue_stamp)
 
     def mark_done(self, _fut: Any = None, *, now: Callable[[], float]) -> None:
         # Runs on the backend's worker thread: one attribute store, atomic under the GIL.
@@ -334,13 +335,13 @@ class CollectiveTracer:
         """Replace ``name`` by ``make(original)`` in every owner that holds the same original object
         (``torch.distributed`` re-exports ``distributed_c10d``'s functions and code compares their
         identity, e.g. ``P2POp.op is isend``, so both names must point at one wrapper)."""
-        original = getattr(owners[0], name)
+        original = _raw(owners[0], name)
         if getattr(original, "__meshscope_tracer__", None) is not None:
             raise RuntimeError(f"{name} is already patched by another CollectiveTracer")
         wrapper = functools.wraps(original)(make(original))
         wrapper.__meshscope_tracer__ = self
         for owner in owners:
-            if getattr(owner, name, None) is original:
+            if _raw(owner, name) is original:
                 setattr(owner, name, wrapper)
                 self._patches.append(_Patch(owner, name, original, wrapper))
         return wrapper
@@ -352,6 +353,15 @@ class CollectiveTracer:
             else:  # someone patched on top of us: leave theirs; ours is a pass-through now (enabled=False)
                 self.stats["detach_conflicts"] += 1
         self._patches.clear()
+
+
+def _raw(owner: Any, name: str) -> Any:
+    """The attribute as stored: on a class, its own ``__dict__`` entry (a pybind11 method is stored as an
+    ``instancemethod`` descriptor but ``getattr`` on the class returns the bare builtin, which would not
+    bind ``self`` if put back)."""
+    if isinstance(owner, type) and name in vars(owner):
+        return vars(owner)[name]
+    return getattr(owner, name, None)
 
 
 def nbytes_of(tensors: Iterable[Any]) -> int:

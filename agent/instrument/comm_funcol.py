@@ -49,7 +49,9 @@ def install(tracer: CollectiveTracer) -> None:
             if p.cuda is not None:
                 tracer.cuda_timer().queue(p)
             else:
-                tracer.emit(p, t_end=tracer.now(), wait_s=p.wait_s)
+                # Completion is the inner wait's return, not the call's: all_gather_single with
+                # gather_dim != 0 still concatenates the chunks after its wait (compute, not comm).
+                tracer.emit(p, t_end=p.t_done if p.t_done is not None else tracer.now(), wait_s=p.wait_s)
         else:
             tracer.track_tensor(_storage_key(out.elem), p)
 
@@ -137,6 +139,7 @@ def install(tracer: CollectiveTracer) -> None:
                 if cur is not None:  # a wait inside the issuing call (e.g. all_gather_single, dim != 0)
                     cur.wait_s += t1 - t0
                     cur.waited = True
+                    cur.t_done = t1
                 elif p is not None:
                     tracer.emit(p, t_end=t1, wait_s=t1 - t0 + p.wait_s)
                 else:

@@ -38,7 +38,7 @@ if str(ROOT) not in sys.path:
 # gloo range name → (issue event names, the tracer op(s) it corresponds to)
 GLOO_TO_ISSUE = {
     "gloo:all_reduce": ("c10d::allreduce_", "c10d::_reduce_scatter_base_"),
-    "gloo:all_gather": ("c10d::_allgather_base_", "c10d::allgather_"),
+    "gloo:all_gather": ("c10d::_allgather_base_", "c10d::allgather_", "c10d::allgather_into_tensor_coalesced_"),
     "gloo:broadcast": ("c10d::broadcast_", "c10d::_broadcast_coalesced"),
     "gloo:barrier": ("c10d::barrier",),
     "gloo:send": ("c10d::send",),
@@ -226,6 +226,84 @@ def tracer_step_totals(records: list[dict]) -> dict[str, dict[str, float]]:
     return dict(out)
 
 
+# Functional collective (issue event) → the gloo range it runs as.
+FUNCOL_TO_GLOO = {"_c10d_functional::all_reduce": "gloo:all_reduce",
+                  "_c10d_functional::reduce_scatter_tensor": "gloo:all_reduce",
+                  "_c10d_functional::all_gather_into_tensor": "gloo:all_gather",
+                  "_c10d_functional::broadcast": "gloo:broadcast"}
+
+
+def op_path(source: str) -> str:
+    """The tracer's record source → the profiler path it is compared on: ``funcol`` (completion observed at
+    ``wait_tensor``) or ``c10d`` (every other path: hooks, FSDP comms, ``torch.distributed`` calls)."""
+    return "funcol" if source == "funcol" else "c10d"
+
+
+def profiler_op_refs(events: list, *, window_prefix: str, first_step: int,
+                     n_steps: int) -> list[dict[tuple[str, str], dict[str, float]]]:
+    """Per step (``record_function(f"{window_prefix}<i>")`` windows), per (gloo range name, path): count and
+    ``issue_to_done_s``, Σ over the step's ops of issue → observed completion as the profiler sees it:
+      - path ``c10d``: c10d issue event start → its ``gloo:*`` range end (issues and ranges of one name
+        paired in order: gloo's queue is FIFO), for every issue not made inside a functional collective;
+      - path ``funcol``: ``_c10d_functional::<op>`` start → the end of the ``wait_tensor`` that waited for
+        it (paired in order), the op's lifetime as the program sees it: a functional collective has no
+        completion callback, so the return of its wait is the earliest a Python observer (the tracer) can
+        see completion. The gloo range it contains ends 35 µs earlier in the median on this VM, more where
+        the program waits late (see bench/profiler_agreement.py).
+    NaN where a step's events do not pair one-to-one (an op issued in one step window, completed in the
+    next)."""
+    windows = {int(e.name.rsplit("_", 1)[1]): (e.time_range.start, e.time_range.end)
+               for e in events if e.name.startswith(window_prefix)}
+    result = []
+    for i in range(first_step, first_step + n_steps):
+        lo, hi = windows[i]
+        inside = sorted((e for e in events if lo <= e.time_range.start <= hi), key=lambda e: e.time_range.start)
+        f_issues = [e for e in inside if e.name in FUNCOL_TO_GLOO]
+        f_waits = [e for e in inside if e.name == "_c10d_functional::wait_tensor"]
+        step: dict[tuple[str, str], dict[str, float]] = {}
+
+        def add(key: tuple[str, str], seconds: float) -> None:
+            row = step.setdefault(key, {"count": 0, "issue_to_done_s": 0.0})
+            row["count"] += 1
+            row["issue_to_done_s"] += seconds
+
+        def within_funcol(e: Any) -> bool:
+            return any(f.time_range.start <= e.time_range.start and e.time_range.end <= f.time_range.end
+                       for f in f_issues)
+
+        for gloo_name, issue_names in GLOO_TO_ISSUE.items():
+            ranges = [e for e in inside if e.name == gloo_name]
+            issues = [e for e in inside if e.name in issue_names]
+            if not ranges:
+                continue
+            if len(issues) != len(ranges):
+                step[(gloo_name, "c10d")] = {"count": sum(not within_funcol(e) for e in issues),
+                                             "issue_to_done_s": float("nan")}
+                continue
+            for issue, rng in zip(issues, ranges):
+                if not within_funcol(issue):
+                    add((gloo_name, "c10d"), (rng.time_range.end - issue.time_range.start) / 1e6)
+        if len(f_issues) == len(f_waits):
+            for issue, wait in zip(f_issues, f_waits):
+                add((FUNCOL_TO_GLOO[issue.name], "funcol"), (wait.time_range.end - issue.time_range.start) / 1e6)
+        else:
+            for issue in f_issues:
+                step.setdefault((FUNCOL_TO_GLOO[issue.name], "funcol"), {"count": 0, "issue_to_done_s": float("nan")})
+                step[(FUNCOL_TO_GLOO[issue.name], "funcol")]["count"] += 1
+        result.append(step)
+    return result
+
+
+def tracer_op_refs(records: list[dict]) -> dict[tuple[str, str], dict[str, float]]:
+    """The tracer's records of one step keyed as ``profiler_op_refs``: count and Σ(t_end − t_start)."""
+    out: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: {"count": 0, "duration_s": 0.0})
+    for r in records:
+        row = out[(OP_TO_GLOO[r["op"]], op_path(r["source"]))]
+        row["count"] += 1
+        row["duration_s"] += r["t_end"] - r["t_start"]
+    return dict(out)
+
+
 # ------------------------------------------------------------------------------------ detach check
 def patch_targets() -> dict[str, Any]:
     """Every attribute the collective tracer patches, by name → current object."""
@@ -248,6 +326,11 @@ def patch_targets() -> dict[str, Any]:
               "wait_tensor"]:
         out[f"funcol.{n}"] = getattr(funcol, n)
     out["Work.wait"] = torch._C._distributed_c10d.Work.__dict__["wait"]
+    from agent.instrument.comm_c10d import _PG_ISSUE
+
+    for n in _PG_ISSUE:
+        if n in vars(dist.ProcessGroup):
+            out[f"ProcessGroup.{n}"] = vars(dist.ProcessGroup)[n]
     return out
 
 
