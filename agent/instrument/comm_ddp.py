@@ -4,8 +4,9 @@ DDP's C++ reducer calls the ProcessGroup directly, so no patch of ``torch.distri
 all-reduces. ``DistributedDataParallel.register_comm_hook`` does: the hook registered here is exactly
 ``default_hooks.allreduce_hook`` (divide the bucket by the group size, async all-reduce, return the
 future), which DDP documents as equivalent to no hook, plus timestamps. Per bucket it sees the bucket
-index and bytes, the issue time (when the bucket became ready) and the completion (a done-callback on the
-all-reduce's future, run by the gloo worker thread when the op finishes).
+index and bytes, the issue time (when the bucket's all-reduce reaches the ProcessGroup) and the completion
+(stamped in the one Python callback the default hook already has, the ``then`` that unwraps the result,
+run by the gloo worker thread when the op finishes).
 
 Exposed time (``wait_s``): the reducer blocks the training thread at the end of backward in C++
 (``finalize_backward`` waits for every bucket's future), which Python cannot time directly. When the last
