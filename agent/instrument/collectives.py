@@ -65,7 +65,7 @@ class _Op:
         self.wait_s = 0.0  # blocked time already attributed (waits nested inside the issuing call)
         self.waited = False
         self.cuda: Any = None  # CUDA events (comm_nccl), None on CPU
-        self.issued = False  # t_start moved to the ProcessGroup call (comm_c10d.install_issue_stamp)
+        self.issued = False  # t_start re-stamped at the ProcessGroup call (comm_c10d's ProcessGroup wrappers)
 
     def mark_done(self, _fut: Any = None, *, now: Callable[[], float]) -> None:
         # Runs on the backend's worker thread: one attribute store, atomic under the GIL.

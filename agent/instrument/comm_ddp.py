@@ -93,10 +93,8 @@ def _allreduce(buffer: Any, group: Any, stamp: tuple[Any, Any] | None = None) ->
     """``default_hooks._allreduce_fut`` after its division, keeping the work. With ``stamp`` (op, clock),
     the one Python callback the default hook already has (unwrapping the result list: DDP's Python hook
     result must be a Python object, not the work's list future) also stamps completion. One callback, not
-    two: each one runs on the gloo worker thread and has to take the GIL, and a second one waited up to
-    the switch interval (5 ms) behind the training thread, delaying the bucket's future (DDP's finalize
-    waits for it) and stretching the profiler's ``gloo:all_reduce`` range past the stamp (traced/profiler
-    read 0.47-0.67 on some steps)."""
+    two: each one runs on the gloo worker thread and has to take the GIL, so a second one is a second
+    wait behind the training thread (up to the 5 ms switch interval) before gloo's worker can go on."""
     import torch.distributed as dist
 
     work = dist.all_reduce(buffer, group=group, async_op=True)
