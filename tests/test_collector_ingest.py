@@ -222,7 +222,7 @@ def test_store_write_failure_is_counted_and_retried_on_the_same_range(tmp_path):
     w.flush()
     (tmp_path / "tables").mkdir()
     (tmp_path / "tables" / "step").write_text("in the way")  # the step part fails, the collective one not
-    ing = ingestor(tmp_path, clock, retry_interval_s=5)
+    ing = ingestor(tmp_path, clock, retry_first_s=5, retry_max_s=5)
     ing.poll(final=True)
     assert ing.state.store_write_errors == 1 and ing.state.ingested["collective"] == 10
     w.submit("collective", coll_rows(0, 10, start=10))

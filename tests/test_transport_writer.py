@@ -90,32 +90,99 @@ def test_submit_never_raises_on_nonsense(tmp_path):
     assert w.submit("event", [ev(6)]) is False and w.dropped_records == 4  # closed
 
 
-def test_unwritable_directory_is_counted_and_recovered(tmp_path):
+def test_outage_within_the_hold_loses_nothing_and_recovers_at_the_first_retry(tmp_path):
     clock = FakeClock()
     blocker = tmp_path / "spool"
     blocker.write_text("a file where the spool directory should be")
-    w = make(tmp_path, start=False, clock=clock, retry_interval_s=2.0)
+    w = make(tmp_path, start=False, clock=clock, retry_first_s=0.05, retry_max_s=1.0)
     w.submit("event", [ev(1)])
     w.flush()
-    assert w.write_errors == 1 and w.dropped_records == 1 and "open" in w.last_error
+    assert w.write_errors == 1 and w.dropped_records == 0 and w.held_records == 1 and "open" in w.last_error
     w.submit("event", [ev(2)])
-    w.flush()  # within the back-off: dropped without another attempt
-    assert w.write_errors == 1 and w.dropped_records == 2
+    w.flush()  # within the back-off: held, no other attempt
+    assert w.write_errors == 1 and w.dropped_records == 0 and w.held_records == 2
     blocker.unlink()
-    clock.t += 3
+    clock.t += 0.05  # the first retry comes one short interval later
     w.submit("event", [ev(3)])
     w.flush()
-    assert w.write_errors == 1 and read_events(w.path) == [3] and w.close()
+    assert w.write_errors == 1 and w.held_records == 0 and w.held_bytes == 0 and w.dropped_records == 0
+    assert read_events(w.path) == [1, 2, 3] and w.written_records == 3 and w.close()
 
 
-def test_disk_full_is_counted_and_never_raises(tmp_path):
+def test_retries_back_off_from_a_short_interval_to_the_cap_and_reset_on_success(tmp_path):
+    clock = FakeClock()
+    blocker = tmp_path / "spool"
+    blocker.write_text("in the way")
+    w = make(tmp_path, start=False, clock=clock, retry_first_s=0.05, retry_max_s=0.3)
+    attempts_at = []
+    t0 = clock.t
+    while clock.t - t0 < 2.0:  # a 2 s outage, flushed every 10 ms
+        before = w.write_errors
+        w.submit("event", [ev(len(attempts_at))])
+        w.flush()
+        if w.write_errors > before:
+            attempts_at.append(round(clock.t - t0, 3))
+        clock.t += 0.01
+    gaps = [b - a for a, b in zip(attempts_at, attempts_at[1:])]
+    want = [min(0.05 * 2 ** i, 0.3) for i in range(len(gaps))]  # doubling to the cap
+    assert len(gaps) >= 6 and all(0 <= g - e < 0.0101 for g, e in zip(gaps, want)), (gaps, want)  # one 10 ms tick
+    blocker.unlink()
+    clock.t += 0.3
+    w.flush()
+    assert w.held_records == 0 and w.dropped_records == 0
+    blocker_file = tmp_path / "other"  # after a success the next failure starts from the short interval
+    w.path = blocker_file / "x.spool"
+    blocker_file.write_text("in the way")
+    errors = w.write_errors
+    w.submit("event", [ev(99)])
+    w.flush()
+    clock.t += 0.05
+    w.flush()
+    assert w.write_errors == errors + 2
+    assert w.close()
+
+
+def test_an_outage_past_the_hold_drops_the_newest_and_counts_them_exactly(tmp_path):
+    clock = FakeClock()
+    blocker = tmp_path / "spool"
+    blocker.write_text("in the way")
+    w = make(tmp_path, start=False, clock=clock, max_hold_bytes=4096, retry_first_s=0.05, retry_max_s=0.05)
+    for i in range(200):
+        w.submit("event", [ev(i)])
+        w.flush()
+        assert w.held_bytes <= 4096
+        clock.t += 0.01
+    held, dropped = w.held_records, w.dropped_records
+    assert 0 < held < 200 and held + dropped == 200
+    blocker.unlink()
+    clock.t += 0.05
+    w.submit("event", [ev(1000)])
+    w.flush()
+    # The onset of the outage is kept (the oldest rows), then what came after the space returned.
+    assert read_events(w.path) == list(range(held)) + [1000]
+    assert w.dropped_records == dropped and w.written_records + w.dropped_records == 201 and w.close()
+
+
+def test_disk_full_is_held_then_counted_at_close_and_never_raises(tmp_path):
     w = SpoolWriter(path="/dev/full", run="r", rank=0, attempt=0, host="h", start=False)
     for i in range(3):
         w.submit("event", [ev(i)])
         w.flush()
-    assert w.write_errors >= 1 and w.dropped_records == 3 and w.written_records == 0
+    assert w.write_errors >= 1 and w.dropped_records == 0 and w.held_records == 3 and w.written_records == 0
     assert "No space" in w.last_error or "ENOSPC" in w.last_error or "28" in w.last_error
-    assert w.close()
+    assert w.close() and w.dropped_records == 3 and w.held_records == 0
+
+
+def test_close_on_a_full_disk_retries_for_a_bounded_time_then_counts(tmp_path):
+    w = SpoolWriter(path="/dev/full", run="r", rank=0, attempt=0, host="h", flush_interval_s=0.01)
+    for i in range(10):
+        w.submit("event", [ev(i)])
+    wait_for(lambda: w.write_errors >= 1)
+    t0 = time.monotonic()
+    assert w.close(timeout_s=1.0)
+    took = time.monotonic() - t0
+    assert 0.4 <= took < 1.0, took  # retried for half the timeout, not for ever
+    assert w.write_errors >= 3 and w.dropped_records == 10 and w.written_records == 0
 
 
 def test_deleted_spool_directory_is_recreated_with_a_new_stream(tmp_path):

@@ -176,10 +176,12 @@ class TelemetryConfig:
     run: str = ""  # run name; empty: derived from the strategy and a timestamp
     peak_flops: float = 0.0  # override the per-device peak (FLOP/s); 0: table (GPU) or calibrated (CPU)
     hang_after_s: float = 60.0  # telemetry's hang watchdog: report where a rank is stuck after this long
+    spool_hold_bytes: int = 8 * 1024 * 1024  # per rank: records kept in memory while the spool disk is full
 
     def __post_init__(self) -> None:
         _check(self.peak_flops >= 0, f"peak_flops={self.peak_flops} must be >= 0")
         _check(self.hang_after_s >= 0, f"hang_after_s={self.hang_after_s} must be >= 0 (0 disables)")
+        _check(self.spool_hold_bytes >= 0, f"spool_hold_bytes={self.spool_hold_bytes} must be >= 0")
         if self.run:
             _check(
                 all(c.isalnum() or c in "-_." for c in self.run) and not self.run.startswith("."),

@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
             dist.broadcast_object_list(names, src=0)
             run = names[0]
             tel = Telemetry(
-                config=TelemetryConfig(store=tcfg.store, run=run, hang_after_s=tcfg.hang_after_s), rank=rank,
+                config=TelemetryConfig(store=tcfg.store, run=run, hang_after_s=tcfg.hang_after_s,
+                                       spool_hold_bytes=tcfg.spool_hold_bytes), rank=rank,
                 world_size=dist.get_world_size(),
                 local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                 attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), device=device,

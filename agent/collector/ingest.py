@@ -27,6 +27,7 @@ from agent.collector.state import MetricsState
 from agent.collector.store import partition_dir, tables_dir
 from agent.instrument.recorder import Clock
 from agent.schema import KINDS
+from agent.transport.backoff import Backoff
 from agent.transport.frame import HEADER_KIND, SPOOL_NAME, rows_to_batch
 from agent.transport.reader import SpoolReader
 
@@ -45,7 +46,9 @@ class IngestConfig:
     compact_interval_s: float = 60.0
     compact_min_parts: int = 16
     compact_small_bytes: int = 4 * 1024 * 1024
-    retry_interval_s: float = 5.0
+    # After a failed store write: retry after retry_first_s, doubling to retry_max_s (agent.transport.backoff).
+    retry_first_s: float = 0.1
+    retry_max_s: float = 5.0
     gpu_active_window_s: float = 120.0  # GPU samples go to runs with a record this recent
     max_gpu_rows: int = 100_000  # GPU rows held while the store cannot be written
 
@@ -54,9 +57,15 @@ class IngestConfig:
                      "compact_small_bytes", "max_gpu_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be >= 1")
-        for name in ("max_part_age_s", "compact_interval_s", "retry_interval_s", "gpu_active_window_s"):
+        for name in ("max_part_age_s", "compact_interval_s", "gpu_active_window_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be >= 0")
+        if not 0 < self.retry_first_s <= self.retry_max_s:
+            raise ValueError(f"retry delays must satisfy 0 < retry_first_s ({self.retry_first_s}) <= retry_max_s "
+                             f"({self.retry_max_s})")
+
+    def backoff(self) -> Backoff:
+        return Backoff(first_s=self.retry_first_s, max_s=self.retry_max_s)
 
 
 @dataclass(slots=True)
@@ -75,7 +84,7 @@ class Cursor:
     buffers: dict[str, list[pa.Table]] = field(default_factory=dict)
     buffered_bytes: int = 0
     since: float = 0.0  # when the oldest buffered record was read
-    retry_at: float = 0.0  # after a failed flush: retry then
+    backoff: Backoff | None = None  # after a failed flush: when to retry
     pending: bool = False  # a flush failed: it must complete, same byte range, before reading more
     bad: bool = False  # no valid file header: ignored until the file changes
     bad_size: int = -1
@@ -98,7 +107,7 @@ class Ingestor:
         self._gpu_rows: list[tuple] = []
         self._gpu_seq = 0
         self._gpu_since = 0.0
-        self._gpu_retry_at = 0.0
+        self._gpu_backoff = self.config.backoff()
         self._gpu_pending: tuple[pa.Table, int, int, list[str]] | None = None
         self.load_error = self.offsets.load_error
         self._cleanup()
@@ -293,7 +302,7 @@ class Ingestor:
         """Write the cursor's buffer as the parts of [committed, read_pos); True when done."""
         if cursor.read_pos <= cursor.committed:
             return True
-        if now < cursor.retry_at:
+        if cursor.backoff is not None and not cursor.backoff.due(now):
             return False
         start, end = cursor.committed, cursor.read_pos
         for kind in sorted(cursor.buffers):
@@ -306,7 +315,9 @@ class Ingestor:
             except OSError:
                 with self.state.lock:
                     self.state.store_write_errors += 1
-                cursor.retry_at = now + self.config.retry_interval_s
+                if cursor.backoff is None:
+                    cursor.backoff = self.config.backoff()
+                cursor.backoff.failed(now)
                 cursor.pending = True
                 return False
             if written:
@@ -316,7 +327,7 @@ class Ingestor:
         cursor.buffers.clear()
         cursor.buffered_bytes = 0
         cursor.committed = end
-        cursor.retry_at, cursor.pending = 0.0, False
+        cursor.backoff, cursor.pending = None, False
         self._dirty_offsets = True
         return True
 
@@ -331,7 +342,7 @@ class Ingestor:
             table = pa.Table.from_batches([rows_to_batch("gpu", self._gpu_rows)])
             self._gpu_pending = (table, start, end, runs)
             self._gpu_rows, self._gpu_seq = [], end
-        if now < self._gpu_retry_at:
+        if not self._gpu_backoff.due(now):
             return
         table, start, end, runs = self._gpu_pending
         for run in runs:
@@ -342,13 +353,14 @@ class Ingestor:
             except OSError:
                 with self.state.lock:
                     self.state.store_write_errors += 1
-                self._gpu_retry_at = now + self.config.retry_interval_s
+                self._gpu_backoff.failed(now)
                 return
             if written:
                 with self.state.lock:
                     self.state.parts_written += 1
                 self._touched.add(("gpu", directory))
         self._gpu_pending = None
+        self._gpu_backoff.succeeded()
 
     def _save_offsets(self) -> None:
         if not self._dirty_offsets:

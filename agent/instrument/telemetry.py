@@ -59,6 +59,7 @@ class TelemetryConfig:
     flush_interval_s: float = 0.25  # how often the flusher drains (hang visibility bound)
     memory_every: int = 1  # memory sample every N steps
     hang_after_s: float = 60.0  # no progress for this long: one 'hang' event saying where the thread is; 0: off
+    spool_hold_bytes: int = 8 * 1024 * 1024  # records held in memory while the spool cannot be written
 
     def __post_init__(self) -> None:
         bad = []
@@ -74,6 +75,8 @@ class TelemetryConfig:
             bad.append(f"memory_every={self.memory_every}")
         if self.hang_after_s < 0:
             bad.append(f"hang_after_s={self.hang_after_s}")
+        if self.spool_hold_bytes < 0:
+            bad.append(f"spool_hold_bytes={self.spool_hold_bytes}")
         if bad:
             raise ValueError(f"invalid TelemetryConfig: {', '.join(bad)}")
 
@@ -150,6 +153,7 @@ class Telemetry:
         path = Path(self.config.store) / "spool" / self.config.run / f"rank-{self.rank}.a{self.attempt}.spool"
         return SpoolWriter(
             path=path, run=self.config.run, rank=self.rank, attempt=self.attempt, host=socket.gethostname(),
+            max_hold_bytes=self.config.spool_hold_bytes,
         )
 
     def start(self, info: dict[str, Any]) -> None:
