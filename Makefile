@@ -33,6 +33,7 @@ bench: install
 	$(PY) bench/hooks_overhead.py
 	$(PY) bench/profiler_agreement.py
 	$(PY) bench/dashboard_pages.py
+	$(PY) bench/spool_outage.py
 
 clean:
 	rm -rf .runs artifacts .pytest_cache

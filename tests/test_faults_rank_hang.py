@@ -83,7 +83,10 @@ def test_hang_the_missing_rank_is_identifiable(hung):
     # The telemetry watchdog (hang_after_s=2 here) reports where each rank's training thread is stuck.
     def all_reported():
         events = read_table(hung["store"], "event", run=RUN)
-        hang = events[events["kind"] == "hang"]
+        # The stall's own reports: at the hang step (the hung rank) or between steps after the one before
+        # it. A healthy rank descheduled for hang_after_s earlier (start-up on a loaded machine) would
+        # report an earlier step, and is not what this test is about.
+        hang = events[(events["kind"] == "hang") & (events["step"] >= HANG_STEP - 1)]
         return [hang] if set(hang["rank"]) == set(range(WORLD)) else None
 
     (hang,) = poll_until(all_reported, timeout_s=30, what="a hang event from every rank")

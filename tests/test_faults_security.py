@@ -192,9 +192,15 @@ def test_prometheus_scrapes_the_agent_over_tls_with_basic_auth(secured, tmp_path
             except OSError:
                 return None
             health = {t["labels"]["job"]: (t["health"], t["lastError"]) for t in active}
-            return health if len(health) == 2 and all(h != "unknown" for h, _ in health.values()) else None
+            seen["health"] = health
+            # A first scrape slower than the 1 s scrape timeout (TLS handshake, PBKDF2) is "not yet".
+            settled = len(health) == 2 and all(h != "unknown" and "deadline exceeded" not in e
+                                               for h, e in health.values())
+            return health if settled and health["meshscope"][0] == "up" else None
 
-        health = poll_until(targets, timeout_s=40, interval_s=0.5, what="Prometheus scraped both jobs")
+        seen: dict = {}
+        health = poll_until(targets, timeout_s=40, interval_s=0.5,
+                            what=lambda: f"Prometheus scraped both jobs: {seen.get('health')}")
         assert health["meshscope"] == ("up", ""), health
         assert health["meshscope-wrong-password"][0] == "down" and "401" in health["meshscope-wrong-password"][1]
         q = urllib.parse.quote('meshscope_agent_info{job="meshscope"}')

@@ -184,8 +184,9 @@ def job(tmp_path_factory):
 
 def test_prometheus_sees_both_ranks_from_two_agents(job):
     port = job.prom_port
-    assert len(query(port, 'up{job="meshscope"} == 1')) == 2
-    series = query(port, f'meshscope_rank_last_step{{run="{RUN}"}}')
+    series = wait_until(lambda: len(query(port, 'up{job="meshscope"} == 1')) == 2
+                        and len(s := query(port, f'meshscope_rank_last_step{{run="{RUN}"}}')) == 2 and s,
+                        timeout=30, what="both agents up and both ranks' series")
     by_rank = {s["metric"]["rank"]: s["metric"]["instance"] for s in series}
     assert by_rank == {"0": f"127.0.0.1:{job.agent_ports[0]}", "1": f"127.0.0.1:{job.agent_ports[1]}"}
     assert {float(s["value"][1]) for s in series} == {STEPS - 1}

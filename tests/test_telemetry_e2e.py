@@ -235,6 +235,9 @@ def test_metrics_of_a_running_job_pass_promtool_and_stay_in_budget(tmp_path):
         agent.wait(timeout=20)
 
 
+WAKEUP_FLOOR_S = 250e-6  # see test_collective_time_per_op_agrees_with_the_profiler
+
+
 def test_collective_time_per_op_agrees_with_the_profiler(profiled_run):
     """Ground truth: a torch.profiler trace of the same steps of the same job. Per rank, step, op and path,
     the telemetry's Σ(issue → observed completion) against the profiler's: c10d issue event start → gloo
@@ -246,7 +249,12 @@ def test_collective_time_per_op_agrees_with_the_profiler(profiled_run):
     the waiting training thread, and on a 2-core machine running 2 ranks the OS often runs the woken thread
     first; the range end then lands up to a scheduler slice (~4 ms) after the op completed. That happens
     with no telemetry at all (DDP's C++ all-reduce: gloo range end after backward's return by up to 4.3 ms
-    in 4-5 of 30 steps, bench/profiler_agreement.py --reference-check), so single steps read 0.35-0.6."""
+    in 4-5 of 30 steps, bench/profiler_agreement.py --reference-check), so single steps read 0.35-0.6.
+
+    Ops shorter than 2.5 ms agree within ``WAKEUP_FLOOR_S`` (0.25 ms) per op rather than 10 %: a blocking
+    call's completion is the return of its wait, so the waiting thread's wake-up is in it. That costs
+    12-62 us per op on a quiet 2-core machine (PP's ~1.4 ms all-reduces: ratio 1.03-1.05), and ~0.15 ms
+    in a fresh-clone `make test` run (1.10, the strict 10 % failed there)."""
     from tests.workers.hooks_common import OP_TO_GLOO, chrome_trace_events, profiler_op_refs, tracer_op_refs
 
     strategy, tmp_path, _, _ = profiled_run
@@ -257,6 +265,8 @@ def test_collective_time_per_op_agrees_with_the_profiler(profiled_run):
         refs = profiler_op_refs(events, window_prefix="train_step_", first_step=first, n_steps=last - first)
         mine = coll[coll["rank"] == rank]
         ratios: dict[tuple[str, str], list[float]] = {}
+        diffs: dict[tuple[str, str], list[float]] = {}
+        refs_s: dict[tuple[str, str], list[float]] = {}
         for i, step in enumerate(range(first, last)):
             recs = mine[mine["step"] == step][["op", "source", "t_start", "t_end"]].to_dict("records")
             for key, t in tracer_op_refs(recs).items():
@@ -264,14 +274,23 @@ def test_collective_time_per_op_agrees_with_the_profiler(profiled_run):
                 assert p is not None and p["count"] == t["count"], (rank, step, key, t, p)
                 # NaN: the profiler's events of this step do not pair one-to-one (no reference).
                 ratios.setdefault(key, []).append(t["duration_s"] / p["issue_to_done_s"])
+                diffs.setdefault(key, []).append((t["duration_s"] - p["issue_to_done_s"]) / t["count"])
+                refs_s.setdefault(key, []).append(p["issue_to_done_s"] / t["count"])
         assert {OP_TO_GLOO[op] for op in set(mine["op"])} == {name for name, _ in ratios}
         print(f"\n{strategy} rank {rank}: " + ", ".join(
             f"{name}/{path} {[round(v, 3) for v in values]}" for (name, path), values in sorted(ratios.items())))
+        print("  per op, median: " + ", ".join(
+            f"{n}/{pth} ref {statistics.median(refs_s[(n, pth)]) * 1e6:.0f} us, diff {statistics.median(d) * 1e6:+.0f} us"
+            for (n, pth), d in sorted(diffs.items()) if all(x == x for x in d)))
         compared = 0
         for key, values in ratios.items():
             paired = [v for v in values if v == v]
             if len(paired) < 4:
                 continue
             compared += 1
-            assert abs(statistics.median(paired) - 1) <= 0.10, (rank, key, sorted(paired))
+            # 10 %, or the wake-up floor for short ops (see the docstring): the median op's reference time
+            # sets which applies.
+            ref_s = statistics.median(x for x, v in zip(refs_s[key], values) if v == v)
+            tolerance = max(0.10, WAKEUP_FLOOR_S / ref_s)
+            assert abs(statistics.median(paired) - 1) <= tolerance, (rank, key, ref_s, tolerance, sorted(paired))
         assert compared >= 1, (rank, ratios)

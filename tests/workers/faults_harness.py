@@ -67,15 +67,17 @@ def private_dir(prefix: str = "meshscope-faults-") -> Iterator[Path]:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def poll_until(predicate: Callable[[], T], *, timeout_s: float, interval_s: float = 0.1, what: str = "") -> T:
-    """Call ``predicate`` until it returns something truthy (returned), failing after ``timeout_s``."""
+def poll_until(predicate: Callable[[], T], *, timeout_s: float, interval_s: float = 0.1,
+               what: str | Callable[[], str] = "") -> T:
+    """Call ``predicate`` until it returns something truthy (returned), failing after ``timeout_s``
+    (``what``, or what it returns, says what was awaited)."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"not reached within {timeout_s:.0f} s: {what or predicate}")
+            raise AssertionError(f"not reached within {timeout_s:.0f} s: {(what() if callable(what) else what) or predicate}")
         time.sleep(interval_s)
 
 
@@ -264,6 +266,25 @@ class Job:
         self.proc.wait(timeout=30)
         psutil.wait_procs(tree, timeout=30)
         self._copier.join(timeout=10)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """SIGSTOP every rank (and torchrun) for the block, SIGCONT after: time spent in the block is not
+        spent in training steps."""
+        tree = [psutil.Process(self.proc.pid), *self.ranks()] if self.running() else []
+        for p in tree:
+            try:
+                p.suspend()
+            except psutil.NoSuchProcess:
+                pass
+        try:
+            yield
+        finally:
+            for p in tree:
+                try:
+                    p.resume()
+                except psutil.NoSuchProcess:
+                    pass
 
     def ranks(self) -> list[psutil.Process]:
         try:
