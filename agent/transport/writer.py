@@ -203,6 +203,7 @@ class SpoolWriter:
         except Exception as exc:  # noqa: BLE001 - the thread must survive anything
             self.write_errors += 1
             self.last_error = f"flush: {type(exc).__name__}: {exc}"
+            self._backoff.failed(self._clock.now())  # never spin on what held rows keep failing at
 
     def _hold(self, items: list[tuple[str, list[tuple]]]) -> None:
         """Encode queued rows, per kind, into whole frames appended to the hold."""
