@@ -44,7 +44,8 @@ def breakdown(rows: pd.DataFrame) -> pd.DataFrame:
     return g.reset_index()
 
 
-# -------------------------------------------------------------------------------------- stragglers
+# ------------------------------------------------------------------- robust scores, GPU slowdowns
+# (The straggler and warm-up verdicts are in dashboard.stragglers.)
 MAD_SCALE = 1.4826  # makes MAD a consistent estimator of the standard deviation for normal data
 
 
@@ -62,16 +63,6 @@ def robust_z(values: pd.Series) -> pd.Series:
     return (x - med) / scale
 
 
-def step_cost(per_step: pd.DataFrame) -> pd.DataFrame:
-    """Straggler cost per step: in synchronous training the job waits for the slowest rank, so the time
-    lost is max over ranks of compute - median over ranks of compute.
-
-    ``per_step``: ``step``, ``max_compute_s``, ``median_compute_s`` (and optionally ``slowest_rank``)."""
-    out = per_step.copy()
-    out["cost_s"] = (out["max_compute_s"] - out["median_compute_s"]).clip(lower=0.0)
-    return out.sort_values("step").reset_index(drop=True)
-
-
 # NVML clocks-event ("throttle") reason bits. Idle, application-clock setting, sync boost and display
 # clock are not slowdowns, so only the others count as throttling.
 THROTTLE_REASONS = {
@@ -86,58 +77,6 @@ def decode_throttle(bits: int) -> list[str]:
     return [name for bit, name in THROTTLE_REASONS.items() if bits & bit & THROTTLE_MASK]
 
 
-def straggler_table(per_rank: pd.DataFrame, *, per_step: pd.DataFrame,
-                    gpu: pd.DataFrame | None = None, link: pd.DataFrame | None = None,
-                    threshold: float = 3.5, min_excess: float = 0.05, min_drop: float = 0.10) -> pd.DataFrame:
-    """Ranks that stand out, with a robust score, the delay they cost, and a cause hint.
-
-    - ``per_rank``: ``rank``, ``compute_s`` (mean compute per step over the range).
-    - ``per_step``: ``step``, ``max_compute_s``, ``median_compute_s``, ``slowest_rank``.
-    - ``gpu`` (optional): ``rank``, ``clock_ratio`` (SM clock / max clock), ``throttle_share`` (share of
-      samples with a slowdown reason), ``reasons`` (OR of reason bits).
-    - ``link`` (optional): ``rank``, ``busbw_ratio`` (its worst group's busbw against peer groups, see
-      ``link_ratios``), optionally ``link_group``.
-
-    A rank is listed when its compute robust z > threshold and it is at least ``min_excess`` above the
-    median (slow compute), or its busbw robust z < -threshold and it is at least ``min_drop`` below its
-    peers (slow link). The ratio floor matters when ranks are nearly identical: the MAD is then tiny and
-    a 0.1 % difference would score a large z. ``cost_s_per_step`` attributes the job's straggler cost to
-    the rank that was slowest in each step (sum over ranks = mean step cost). Cause hint, relative to
-    peers (busy GPUs often show a power cap now and then): GPU throttling when its GPU reports slowdown
-    reasons in at least a quarter more of its samples than the median GPU, or runs its SM clock below 92 %
-    of the median; link when its busbw is low; else compute.
-    """
-    t = per_rank[["rank", "compute_s"]].copy()
-    med = t["compute_s"].median()
-    t["ratio_to_median"] = t["compute_s"] / med if med > 0 else np.nan
-    t["robust_z"] = robust_z(t["compute_s"])
-    cost = step_cost(per_step)
-    n_steps = max(len(cost), 1)
-    if "slowest_rank" in cost:
-        by_rank = cost.groupby("slowest_rank").agg(slowest_steps=("step", "size"), cost=("cost_s", "sum"))
-        t = t.merge(by_rank, how="left", left_on="rank", right_index=True)
-    else:
-        t["slowest_steps"], t["cost"] = np.nan, np.nan
-    t["slowest_share"] = t.pop("slowest_steps").fillna(0) / n_steps
-    t["cost_s_per_step"] = t.pop("cost").fillna(0.0) / n_steps
-    for frame, cols in ((gpu, ["clock_ratio", "throttle_share", "reasons"]), (link, ["busbw_ratio", "link_group"])):
-        if frame is not None and len(frame):
-            t = t.merge(frame[["rank", *[c for c in cols if c in frame]]], how="left", on="rank")
-            for c in cols:
-                if c not in t:
-                    t[c] = np.nan
-        else:
-            for c in cols:
-                t[c] = np.nan
-    t["link_z"] = robust_z(t["busbw_ratio"]) if t["busbw_ratio"].notna().any() else np.nan
-    peers = {"clock": t["clock_ratio"].median(), "share": t["throttle_share"].median()}
-    flagged = (((t["robust_z"] > threshold) & (t["ratio_to_median"] >= 1 + min_excess))
-               | ((t["link_z"] < -threshold) & (t["busbw_ratio"] <= 1 - min_drop)))
-    t = t[flagged].copy()
-    t["cause"] = [_cause(r, peers=peers, threshold=threshold, min_drop=min_drop) for r in t.itertuples()]
-    return t.sort_values(["robust_z"], ascending=False).reset_index(drop=True)
-
-
 def gpu_ranks(devices: pd.DataFrame, *, hosts: pd.DataFrame) -> pd.DataFrame:
     """Per-GPU figures given to the ranks that ran on them (host and GPU index = local rank), as
     ``dashboard.data.gpu_by_rank`` computes in SQL. ``devices``: ``host``, ``gpu`` and figures;
@@ -145,19 +84,6 @@ def gpu_ranks(devices: pd.DataFrame, *, hosts: pd.DataFrame) -> pd.DataFrame:
     d = devices.dropna(subset=["host", "gpu"])
     m = hosts.merge(d, how="inner", left_on=["host", "local_rank"], right_on=["host", "gpu"])
     return m.drop(columns=["host", "local_rank", "gpu"]).sort_values("rank", kind="stable").reset_index(drop=True)
-
-
-def _cause(r, *, peers: dict, threshold: float, min_drop: float) -> str:
-    throttled = not pd.isna(r.throttle_share) and r.throttle_share - peers["share"] >= 0.25
-    slow_clock = not pd.isna(r.clock_ratio) and not pd.isna(peers["clock"]) and r.clock_ratio < 0.92 * peers["clock"]
-    if throttled or slow_clock:
-        names = decode_throttle(int(r.reasons)) if not pd.isna(r.reasons) else []
-        detail = ", ".join(names) if names else "no reason bits"
-        return f"GPU throttling ({detail}; SM clock {r.clock_ratio:.0%} of max)"
-    if not pd.isna(r.link_z) and r.link_z < -threshold and r.busbw_ratio <= 1 - min_drop:
-        where = f"group {r.link_group} " if isinstance(r.link_group, str) else ""
-        return f"link ({where}busbw {r.busbw_ratio:.0%} of peer groups)"
-    return "compute (no throttling or link signal: kernels, host, data or imbalance)"
 
 
 # -------------------------------------------------------------------------------------- pipeline

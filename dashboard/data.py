@@ -81,16 +81,21 @@ def runs_table(store: Store) -> pd.DataFrame:
         (f"SELECT run, {cols}, count(DISTINCT rank) AS ranks_started, max(attempt) AS attempts, "
          "min(t_start) AS t_start FROM run GROUP BY run", None),
         ("""WITH r AS (SELECT run, rank, first(host ORDER BY attempt DESC) AS host,
-                              first(local_rank ORDER BY attempt DESC) AS local_rank FROM run GROUP BY run, rank)
+                              first(local_rank ORDER BY attempt DESC) AS local_rank,
+                              coalesce(first(try_cast(json_extract_string(coords, '$.pp') AS INTEGER)
+                                             ORDER BY attempt DESC), 0) AS stage
+                       FROM run GROUP BY run, rank)
             SELECT run, CAST(to_json({'rank': list(rank ORDER BY rank), 'host': list(host ORDER BY rank),
-                                      'local_rank': list(local_rank ORDER BY rank)}) AS VARCHAR) AS rank_hosts
+                                      'local_rank': list(local_rank ORDER BY rank),
+                                      'stage': list(stage ORDER BY rank)}) AS VARCHAR) AS rank_hosts
             FROM r GROUP BY run""", None),
         ("SELECT run, min(step) AS first_step, max(step) AS last_step, count(DISTINCT step) AS steps, "
          "count(DISTINCT rank) AS ranks_stepping, max(t_end) AS t_end, "
          "sum(n_collectives) / count(DISTINCT step) AS collectives_per_step FROM step GROUP BY run", None),
     ], kinds=("run", "step"), runs=names,
         # The run kind is one row per rank and attempt: read it once for both statements.
-        materialize={"run": ("true", [], ("run", "rank", "attempt", "t_start", "host", "local_rank", *_META_COLS))})
+        materialize={"run": ("true", [], ("run", "rank", "attempt", "t_start", "host", "local_rank", "coords",
+                                          *_META_COLS))})
     out = (pd.DataFrame({"run": pd.Series(names, dtype=object)})
            .merge(meta, how="left", on="run").merge(steps, how="left", on="run")
            .merge(hosts, how="left", on="run"))
@@ -99,16 +104,28 @@ def runs_table(store: Store) -> pd.DataFrame:
     return _skipped(out, meta, steps)
 
 
+def _rank_lists(text: str | None, columns: dict[str, str]) -> pd.DataFrame:
+    """Columns of the ``rank_hosts`` JSON (``columns``: JSON key -> column name) as a frame; rows with
+    an unknown value left out; empty when absent or unreadable."""
+    try:
+        d = json.loads(text) if isinstance(text, str) else {}
+        t = pd.DataFrame({name: d.get(key, []) for key, name in columns.items()})
+    except (json.JSONDecodeError, TypeError, ValueError):
+        t = pd.DataFrame({name: [] for name in columns.values()})
+    return t.dropna().reset_index(drop=True)
+
+
 def rank_hosts(text: str | None) -> pd.DataFrame:
     """The ``rank_hosts`` JSON of a runs-table row as ``rank``, ``host``, ``local_rank`` (ranks whose
     host or local rank is unknown left out); empty when absent."""
-    try:
-        d = json.loads(text) if isinstance(text, str) else {}
-        t = pd.DataFrame({k: d.get(k, []) for k in ("rank", "host", "local_rank")})
-    except (json.JSONDecodeError, TypeError, ValueError):
-        t = pd.DataFrame({k: [] for k in ("rank", "host", "local_rank")})
-    t = t.dropna()
-    return t.astype({"rank": "int32", "host": object, "local_rank": "int32"}).reset_index(drop=True)
+    t = _rank_lists(text, {"rank": "rank", "host": "host", "local_rank": "local_rank"})
+    return t.astype({"rank": "int32", "host": object, "local_rank": "int32"})
+
+
+def rank_stages(text: str | None) -> pd.DataFrame:
+    """The ``rank_hosts`` JSON of a runs-table row as ``rank``, ``peer_group`` (the rank's pipeline stage:
+    the ranks that do the same work, the straggler rule's peers); empty when absent (all ranks peers)."""
+    return _rank_lists(text, {"rank": "rank", "stage": "peer_group"}).astype({"rank": "int64", "peer_group": "int64"})
 
 
 def events(store: Store, *, run: str, limit: int = 200) -> pd.DataFrame:
@@ -119,7 +136,7 @@ def events(store: Store, *, run: str, limit: int = 200) -> pd.DataFrame:
 
 # ------------------------------------------------------------------------------------ overview
 def overview_data(store: Store, *, run: str, runs: list[str], steps: tuple[int, int] | None,
-                  max_ranks: int = 128, max_steps: int = 200) -> dict[str, pd.DataFrame]:
+                  max_ranks: int = 128, max_steps: int = 200, budget: int = RAW_BUDGET) -> dict[str, pd.DataFrame]:
     """Everything the Overview takes from the step records, in one read of them:
 
     - ``series``: per run (all ``runs``) and step: ``step_time_s`` (max wall over ranks), ``tokens_mean``
@@ -128,8 +145,8 @@ def overview_data(store: Store, *, run: str, runs: list[str], steps: tuple[int, 
     - ``heatmap``: compute seconds on a grid of at most max_ranks x max_steps cells (mean over a cell's
       steps, then max over its ranks, so a slow rank is not averaged away); ``rank_bin``/``step_bin``
       are a cell's first rank/step, ``rank_width``/``step_width`` its size.
-    - ``per_rank``: mean compute per rank; ``per_step``: max and median compute over ranks and the
-      slowest rank (inputs of ``analysis.straggler_table``).
+    - ``rank_steps``: per rank and step of ``run``: ``compute_s``, ``exposed_comm_s`` (the input of
+      ``stragglers.rank_step_verdicts``), for the latest steps of the range whose rows fit ``budget``.
     - ``window``: the step range's first start and last end time (for the GPU join)."""
     r = _range(steps)
     focus = "run = $run"
@@ -148,14 +165,13 @@ def overview_data(store: Store, *, run: str, runs: list[str], steps: tuple[int, 
         SELECT rbin * b.rw AS rank_bin, sbin * b.sw + b.s0 AS step_bin, max(v) AS compute_s,
                any_value(b.rw) AS rank_width, any_value(b.sw) AS step_width
         FROM c, b GROUP BY ALL ORDER BY rank_bin, step_bin""", {"run": run, "mr": max_ranks, "ms": max_steps}),
-        (f"SELECT step, max(compute_s) AS max_compute_s, median(compute_s) AS median_compute_s, "
-         f"arg_max(rank, compute_s) AS slowest_rank FROM step WHERE {focus} GROUP BY step ORDER BY step",
-         {"run": run}),
+        (f"""WITH w AS (SELECT max(step) AS hi, greatest(1, count(DISTINCT rank)) AS n FROM step WHERE {focus})
+            SELECT rank, step, compute_s, exposed_comm_s FROM step, w
+            WHERE {focus} AND step > w.hi - greatest(1, $budget // w.n) ORDER BY step, rank""",
+         {"run": run, "budget": budget}),
         (f"SELECT min(t_start) AS t_start, max(t_end) AS t_end FROM step WHERE {focus}", {"run": run}),
     ], kinds=("step",), runs=runs, materialize={"step": ("step BETWEEN ? AND ?", r, _OVERVIEW_COLS)})
-    out = dict(zip(("series", "breakdown", "heatmap", "per_step", "window"), frames))
-    out["per_rank"] = out["breakdown"][["rank", "compute_s"]]
-    return out
+    return dict(zip(("series", "breakdown", "heatmap", "rank_steps", "window"), frames))
 
 
 _OVERVIEW_COLS = ("run", "rank", "step", "t_start", "t_end", "wall_s", "compute_s", "exposed_comm_s", "bubble_s",

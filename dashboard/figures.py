@@ -79,11 +79,15 @@ def compute_heatmap(hm: pd.DataFrame, *, rank_width: int, step_width: int) -> go
 
 
 def straggler_cost(cost: pd.DataFrame) -> go.Figure:
-    """Per-step straggler cost (max - median compute over ranks), seconds."""
+    """Per-step wait cost (``stragglers.step_cost``): the longest any rank made its peers wait, seconds."""
     fig = go.Figure(go.Scatter(x=cost["step"], y=cost["cost_s"], mode="lines", fill="tozeroy",
-                               name="max - median compute", line_color="#c62828"))
-    return _layout(fig, title="Straggler cost per step: max - median compute over ranks", x="step",
-                   y="seconds lost", height=260)
+                               customdata=cost["rank"], name="peers' wait",
+                               hovertemplate="step %{x}: %{y:.3f} s, waiting for rank %{customdata}<extra></extra>",
+                               line_color="#c62828"))
+    fig = _layout(fig, title="Straggler cost per step: how long peers waited for the slowest rank", x="step",
+                  y="seconds lost", height=260)
+    fig.update_yaxes(rangemode="tozero")
+    return fig
 
 
 # -------------------------------------------------------------------------------------- pipeline

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from dashboard import analysis, data, figures
+from dashboard import analysis, data, figures, stragglers
 from dashboard.memory_model import memory_model, spec_from_meta
 from dashboard.scaling import AmdahlFit, amdahl_fit, scaling_table
 from dashboard.store import Store
@@ -95,6 +95,8 @@ class Overview:
     figures: dict[str, go.Figure] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     stragglers: pd.DataFrame | None = None
+    first_steady_step: int | None = None  # verdicts use the steps from here (stragglers.first_steady_step)
+    verdict_steps: int = 0  # steady steps the straggler verdict judged
     unattributed_s: float = 0.0
     frames: list[pd.DataFrame] = field(default_factory=list)  # for the skipped-files warning
 
@@ -114,7 +116,8 @@ def collective_window(meta: dict, steps, *, budget: int) -> tuple[int, int] | No
     return rng and data.budget_window(rng, rows_per_step=meta.get("collectives_per_step"), budget=budget)
 
 
-def overview(load: Loader, *, run: str, runs: list[str], steps, threshold: float = 3.5) -> Overview:
+def overview(load: Loader, *, run: str, runs: list[str], steps, threshold: float = stragglers.STRAGGLER_REL) -> Overview:
+    """``threshold``: the straggler rule's relative excess over the peers' median compute."""
     table = load("runs_table")
     meta = meta_of(table, run)
     # The collective read does not depend on the step records: it runs beside them, and is waited for
@@ -168,18 +171,25 @@ def _overview_figures(view: Overview, d: dict, gpu_later: Pending | None, links:
     hm = d["heatmap"]
     f["heatmap"] = figures.compute_heatmap(hm, rank_width=int(hm["rank_width"].iloc[0]),
                                            step_width=int(hm["step_width"].iloc[0]))
-    cost = analysis.step_cost(d["per_step"])
-    view.metrics["cost_s"] = float(cost["cost_s"].mean())
-    view.metrics["cost_share"] = view.metrics["cost_s"] / step_time if step_time > 0 else np.nan
-    f["cost"] = figures.straggler_cost(cost)
+    view.first_steady_step = stragglers.first_steady_step(mine)
+    rs = d["rank_steps"]
+    steady = rs[rs["step"] >= view.first_steady_step] if view.first_steady_step is not None else rs
+    view.verdict_steps = int(steady["step"].nunique())
+    verdicts = stragglers.rank_step_verdicts(steady, peers=data.rank_stages(meta.get("rank_hosts")), rel=threshold)
+    cost = stragglers.step_cost(verdicts)
+    if len(cost):  # empty: every rank is alone in its pipeline stage (no peers, no verdict)
+        f["cost"] = figures.straggler_cost(cost)
 
     devices = gpu_later.result()
     gpu = analysis.gpu_ranks(devices, hosts=data.rank_hosts(meta.get("rank_hosts")))
     # Link ratios need collective instances, aggregated in SQL: no raw records cross into pandas.
     lk = links.result()
     link, _ = analysis.link_ratios(analysis.instance_busbw(lk["instances"]), members=lk["members"])
-    view.stragglers = analysis.straggler_table(d["per_rank"], per_step=d["per_step"], gpu=gpu, link=link,
-                                               threshold=threshold)
+    view.stragglers = stragglers.straggler_table(verdicts, gpu=gpu, link=link)
+    # The job's cost: per step, the largest wait a flagged rank caused (none flagged: nothing to blame).
+    flagged = cost[cost["rank"].isin(view.stragglers["rank"])]
+    view.metrics["cost_s"] = float(flagged["cost_s"].sum() / max(len(cost), 1))
+    view.metrics["cost_share"] = view.metrics["cost_s"] / step_time if step_time > 0 else np.nan
     view.frames += [devices, lk["members"]]
     return view
 

@@ -50,56 +50,6 @@ def test_robust_z_falls_back_when_mad_is_zero():
     assert (A.robust_z(pd.Series([2.0, 2.0, 2.0])) == 0).all()
 
 
-def test_step_cost_is_max_minus_median_and_never_negative():
-    cost = A.step_cost(pd.DataFrame({"step": [1, 0], "max_compute_s": [1.3, 1.0], "median_compute_s": [1.0, 1.1]}))
-    assert cost["step"].tolist() == [0, 1]
-    assert cost["cost_s"].tolist() == pytest.approx([0.0, 0.3])
-
-
-def _spread(compute: list[float], *, slowest: list[int]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    per_rank = pd.DataFrame({"rank": range(len(compute)), "compute_s": compute})
-    med = float(np.median(compute))
-    per_step = pd.DataFrame({"step": range(len(slowest)), "max_compute_s": [max(compute)] * len(slowest),
-                             "median_compute_s": [med] * len(slowest), "slowest_rank": slowest})
-    return per_rank, per_step
-
-
-def test_straggler_table_scores_costs_and_compute_cause():
-    per_rank, per_step = _spread([1.0, 1.01, 0.99, 1.0, 1.3], slowest=[4, 4, 4, 1])
-    t = A.straggler_table(per_rank, per_step=per_step)
-    assert t["rank"].tolist() == [4]
-    row = t.iloc[0]
-    assert row["ratio_to_median"] == pytest.approx(1.3)
-    assert row["robust_z"] == pytest.approx(0.3 / (1.4826 * 0.01))
-    assert row["slowest_share"] == pytest.approx(0.75)
-    # Each step costs max - median = 0.3 s; rank 4 was slowest in 3 of 4 steps.
-    assert row["cost_s_per_step"] == pytest.approx(0.3 * 3 / 4)
-    assert row["cause"].startswith("compute")
-
-
-def test_straggler_cause_throttling_from_gpu_reasons_and_clocks():
-    per_rank, per_step = _spread([1.0, 1.01, 0.99, 1.0, 1.3], slowest=[4, 4])
-    gpu = pd.DataFrame({"rank": range(5), "clock_ratio": [0.9, 0.9, 0.9, 0.9, 0.7],
-                        "throttle_share": [0.03, 0.0, 0.05, 0.0, 0.9], "reasons": [4, 0, 4, 0, 0x20 | 0x40]})
-    t = A.straggler_table(per_rank, per_step=per_step, gpu=gpu)
-    assert t.iloc[0]["cause"].startswith("GPU throttling (SW thermal, HW thermal")
-
-
-def test_straggler_cause_link_from_low_busbw():
-    per_rank, per_step = _spread([1.0] * 10, slowest=[0])
-    link = pd.DataFrame({"rank": range(10), "busbw_ratio": [1.0] * 9 + [0.6], "link_group": ["dp:0"] * 10})
-    t = A.straggler_table(per_rank, per_step=per_step, link=link)
-    assert t["rank"].tolist() == [9]
-    assert t.iloc[0]["cause"] == "link (group dp:0 busbw 60% of peer groups)"
-
-
-def test_straggler_needs_a_real_excess_not_just_a_large_z():
-    # Nearly identical ranks: the MAD is tiny, so 0.2 % scores a large z but is not a straggler.
-    per_rank, per_step = _spread([1.0, 1.0001, 0.9999, 1.0, 1.002], slowest=[4])
-    assert A.robust_z(per_rank["compute_s"]).iloc[4] > 3.5
-    assert A.straggler_table(per_rank, per_step=per_step).empty
-
-
 def test_decode_throttle_keeps_slowdown_reasons_only():
     assert A.decode_throttle(0x1 | 0x4 | 0x40 | 0x100) == ["SW power cap", "HW thermal"]
     assert A.decode_throttle(0) == []

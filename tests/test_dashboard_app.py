@@ -60,7 +60,9 @@ def test_pages_show_what_they_found(monkeypatch, synthetic):
     assert at.sidebar.selectbox[0].value == "pp-8"
     _visit(at, "overview")
     stragglers = at.dataframe[0].value
-    assert stragglers["rank"].tolist() == [5] and stragglers["cause"].iloc[0].startswith("GPU throttling")
+    assert stragglers["Rank"].tolist() == [5] and stragglers["Cause"].iloc[0].startswith("GPU throttling")
+    assert any("Straggler: rank 5 (GPU throttling" in w.value for w in at.warning)
+    assert any(c.value.startswith("A rank is a straggler when") for c in at.caption)
     _visit(at, "pipeline")
     assert len(at.get("plotly_chart")) == 3  # Gantt, bubble per stage, bubble trend
     assert any(m.value == "20.0%" for m in at.metric)  # theory (p-1)/(m+p-1) = 1/5 for p = 2, m = 4
@@ -84,7 +86,7 @@ def test_every_page_on_a_store_written_by_the_agent(monkeypatch, tmp_path):
         _visit(at, page)
         assert not at.exception, (page, at.exception)
     _visit(at, "overview")
-    assert at.dataframe[0].value["rank"].tolist() == [3]
+    assert at.dataframe[0].value["Rank"].tolist() == [3]
 
 
 def test_run_selection_is_shared_across_pages(monkeypatch, synthetic):

@@ -100,5 +100,9 @@ def test_every_page_draws_a_chart_without_exceptions(served):
                 errors = page.locator('[data-testid="stException"]')
                 assert errors.count() == 0, f"{name}: {errors.first.inner_text()}"
                 assert page.locator(".js-plotly-plot").count() >= 1, name
+                if name == "overview":  # the verdict a user reads, as the browser shows it
+                    text = page.locator('[data-testid="stMain"]').inner_text()
+                    assert "Straggler: rank 5 (GPU throttling" in text, text[:2000]
+                    assert "A rank is a straggler when" in text
         finally:
             browser.close()

@@ -154,10 +154,12 @@ def test_overview_data_matches_pandas(store):
     bd = analysis.breakdown(raw).set_index("rank")
     got = analysis.breakdown(d["breakdown"]).set_index("rank")
     assert np.allclose(got[list(analysis.BREAKDOWN)], bd[list(analysis.BREAKDOWN)])
-    per_step = d["per_step"].set_index("step")
-    g = raw.groupby("step")["compute_s"]
-    assert np.allclose(per_step["max_compute_s"], g.max()) and np.allclose(per_step["median_compute_s"], g.median())
-    assert (per_step["slowest_rank"] == 6).all()
+    rs = d["rank_steps"].sort_values(["step", "rank"]).reset_index(drop=True)
+    want = raw.sort_values(["step", "rank"])[["rank", "step", "compute_s", "exposed_comm_s"]].reset_index(drop=True)
+    pd.testing.assert_frame_equal(rs, want, check_dtype=False)
+    # Over the budget: the latest steps whose rows fit.
+    small = data.overview_data(store, run="pp", runs=["pp"], steps=(2, 7), budget=3 * raw["rank"].nunique())
+    assert sorted(small["rank_steps"]["step"].unique()) == [5, 6, 7]
     series = d["series"]
     assert set(series["run"]) == {"pp", "ddp"} and series[series["run"] == "pp"]["step"].tolist() == list(range(2, 8))
     assert np.allclose(series[series["run"] == "pp"]["step_time_s"], raw.groupby("step")["wall_s"].max())
@@ -261,9 +263,10 @@ def test_a_run_split_over_two_stores_is_one_run_with_every_rank(nodes):
     pd.testing.assert_frame_equal(table[table["run"] == "r"].reset_index(drop=True), data.runs_table(one),
                                   check_dtype=False)
     got, want = (data.overview_data(s, run="r", runs=["r"], steps=None) for s in (both, one))
-    for key in ("series", "breakdown", "heatmap", "per_step", "window"):
+    for key in ("series", "breakdown", "heatmap", "rank_steps", "window"):
         pd.testing.assert_frame_equal(got[key], want[key], check_dtype=False)
-    assert got["per_step"]["slowest_rank"].eq(3).all()
+    rs = got["rank_steps"]
+    assert rs.loc[rs.groupby("step")["compute_s"].idxmax(), "rank"].eq(3).all()
     g = data.gpu_by_rank(both, run="r", window=None).set_index("rank")  # GPU samples of both hosts
     assert g.index.tolist() == [0, 1, 2, 3] and g["clock_ratio"].idxmin() == 3
     assert len(data.collective_rows(both, run="r", steps=None)) == len(data.collective_rows(one, run="r", steps=None))

@@ -251,13 +251,16 @@ def test_long_full_disk_loses_exactly_what_is_counted_and_nothing_after_one_retr
     for rank in range(WORLD):
         mine = step[step["rank"] == rank].sort_values("step")
         missing = sorted(set(range(STEPS)) - set(mine["step"]))
-        # One gap: the onset of the outage is kept by the hold, its newest records were dropped.
-        assert missing and missing == list(range(missing[0], missing[-1] + 1)), missing
+        # The onset of the outage is kept by the hold; its newest records were dropped. (Not always one
+        # gap: a "full" file system still takes a small write into the spool's last, partly used page,
+        # and what that frees in the hold admits newer records. Seen in a fresh-clone run: 107-123 and
+        # 135-179 lost, 124-134 kept.)
         kept_in_outage = mine[(mine["t_start"] > out["t_fill"]) & (mine["step"] < missing[0])]
         assert len(kept_in_outage) > 0, "the hold kept nothing of the outage's onset"
         after = mine[mine["t_start"] >= settled]
         assert len(after) >= 10, f"rank {rank}: too few steps after {RETRY_MAX_S} s of recovery to judge"
-        # Every step made after that is stored, and no record was dropped after it (the counter that
-        # each step record carries stops growing).
+        # Every step made after that is stored (all losses come before it), and no record was dropped
+        # after it (the counter that each step record carries stops growing).
+        assert missing[-1] < after["step"].min(), (missing[-5:], int(after["step"].min()))
         assert after["step"].tolist() == list(range(int(after["step"].min()), STEPS))
         assert set(after["dropped_records_total"]) == {lost[rank]}, (rank, set(after["dropped_records_total"]))

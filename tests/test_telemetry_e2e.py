@@ -238,6 +238,19 @@ def test_metrics_of_a_running_job_pass_promtool_and_stay_in_budget(tmp_path):
 WAKEUP_FLOOR_S = 250e-6  # see test_collective_time_per_op_agrees_with_the_profiler
 
 
+def test_clean_runs_flag_no_straggler(profiled_run):
+    """No injected delay, every strategy: the Overview's verdict names nobody (PP ranks are each alone in
+    their stage: no peers, no verdict; the rule must not mistake the last stage's head for a straggler)."""
+    from dashboard import views
+    from dashboard.store import Store
+
+    strategy, store, _, _ = profiled_run
+    ov = views.overview(views.direct_loader(Store.open(store)), run="r", runs=["r"], steps=None)
+    assert ov.verdict_steps >= 5 and ov.stragglers is not None
+    assert ov.stragglers.empty, (strategy, ov.stragglers.to_string())
+    assert ov.metrics["cost_s"] == 0.0
+
+
 def test_collective_time_per_op_agrees_with_the_profiler(profiled_run):
     """Ground truth: a torch.profiler trace of the same steps of the same job. Per rank, step, op and path,
     the telemetry's Σ(issue → observed completion) against the profiler's: c10d issue event start → gloo

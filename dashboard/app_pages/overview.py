@@ -1,9 +1,9 @@
 """Overview: throughput, MFU and loss over steps; per-rank time breakdown; rank x step compute heatmap;
-stragglers with a robust score, the delay they cost and a cause hint."""
+stragglers (each rank against its peers in the same step), what they cost their peers and a cause hint."""
 
 import streamlit as st
 
-from dashboard import ui, views
+from dashboard import stragglers, ui, views
 
 
 def _fmt(value: float, spec: str) -> str:
@@ -13,7 +13,7 @@ def _fmt(value: float, spec: str) -> str:
 def main(ctx: ui.Context) -> None:
     run = ctx.focus
     st.title(f"Overview · {run}")
-    threshold = st.session_state.get("overview.threshold", 3.5)
+    threshold = st.session_state.get("overview.threshold", stragglers.STRAGGLER_REL)
     view = views.overview(ui.loader(ctx), run=run, runs=list(ctx.selected), steps=ctx.steps, threshold=threshold)
     ui.warn_skipped(*view.frames)
     if view.series.empty:
@@ -40,23 +40,39 @@ def main(ctx: ui.Context) -> None:
     ui.chart(f["heatmap"])
 
     st.subheader("Stragglers")
-    st.slider("Robust z threshold", 2.0, 8.0, 3.5, 0.5, key="overview.threshold",
-              help="z = (x − median) / (1.4826 · MAD) across ranks of the mean compute per step; a rank is "
-                   "also listed when its bus bandwidth is that far below its peers'.")
+    st.caption(stragglers.RULE + f" Judged on {view.verdict_steps} steps from step {view.first_steady_step} "
+               f"(warm-up before it excluded).")
+    st.slider("Slower than peers by at least", 0.05, 1.0, stragglers.STRAGGLER_REL, 0.05, key="overview.threshold",
+              format="%.2f", help="Relative excess of a rank's compute over its peers' median in the same step.")
     c = st.columns(3)
     c[0].metric("straggler cost per step (mean)", _fmt(m["cost_s"] * 1e3, ".1f") + " ms",
-                help="max − median compute over ranks, per step: what synchronous training loses to the slowest rank")
+                help="What the other ranks lose per step waiting for the flagged ranks (their exposed "
+                     "communication beyond the straggler's own)")
     c[1].metric("share of step time", _fmt(m["cost_share"], ".1%"))
     c[2].metric("flagged ranks", f"{len(view.stragglers)}")
-    ui.chart(f["cost"])
-    if view.stragglers.empty:
-        st.success(f"No rank's compute or bus bandwidth stands out (|robust z| ≤ {threshold}).")
+    if "cost" in f:
+        ui.chart(f["cost"])
     else:
-        st.dataframe(view.stragglers[["rank", "compute_s", "ratio_to_median", "robust_z", "slowest_share",
-                                      "cost_s_per_step", "busbw_ratio", "clock_ratio", "throttle_share", "cause"]],
+        st.info("Every rank is alone in its pipeline stage: no peers doing the same work to compare it with, so "
+                "no straggler verdict on compute (the Pipeline page shows stage imbalance).")
+    if view.stragglers.empty:
+        st.success(f"No straggler: no rank is {threshold:.0%} slower than its peers in most steps, and no "
+                   "rank's bus bandwidth stands out.")
+    else:
+        names = ", ".join(f"rank {int(r.rank)} ({r.cause.split(' (')[0]}, {r.cost_s_per_step * 1e3:.0f} ms/step)"
+                          for r in view.stragglers.itertuples())
+        st.warning(f"Straggler{'s' if len(view.stragglers) > 1 else ''}: {names}.")
+        table = view.stragglers.rename(columns={
+            "rank": "Rank", "compute_s": "Compute (s/step)", "peers_compute_s": "Peers' compute (s/step)",
+            "excess_s": "Excess (s/step)", "slow_share": "Steps slow", "cost_s_per_step": "Cost (s/step)",
+            "busbw_ratio": "Bus bandwidth vs peers", "clock_ratio": "SM clock / max",
+            "throttle_share": "Throttled samples", "cause": "Cause"})
+        shown = table[["Rank", "Compute (s/step)", "Peers' compute (s/step)", "Excess (s/step)", "Steps slow",
+                       "Cost (s/step)", "Bus bandwidth vs peers", "SM clock / max", "Throttled samples", "Cause"]]
+        st.dataframe(shown.dropna(axis=1, how="all"),  # no GPU columns on a CPU run: absent, not "None"
                      hide_index=True,
-                     column_config={"slowest_share": st.column_config.NumberColumn(format="percent"),
-                                    "throttle_share": st.column_config.NumberColumn(format="percent")})
+                     column_config={"Steps slow": st.column_config.NumberColumn(format="percent"),
+                                    "Throttled samples": st.column_config.NumberColumn(format="percent")})
     ev = ui.load("events", ctx.store, run=run)
     if len(ev):
         st.subheader("Events")

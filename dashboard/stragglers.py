@@ -1,0 +1,148 @@
+"""Warm-up and straggler verdicts: DataFrame in, DataFrame out, no plotting, no I/O.
+
+The rules, in the words the pages use:
+
+- **Warm-up**: the run's step 0 (allocations, DDP's bucket rebuild, FSDP2's lazy init, first-call
+  kernels) and the steps after it until the first one whose step time is within ``WARMUP_FACTOR`` x the
+  range's median step time; at most a quarter of the range. Verdicts use the steps after it.
+- **Straggler**: a rank whose compute exceeds the median of its peers' compute *in the same step* by at
+  least ``STRAGGLER_REL`` of it (and ``STRAGGLER_ABS_S``), in at least ``STRAGGLER_PERSISTENCE`` of the
+  steps. Peers are the other ranks doing the same work (the same pipeline stage), so the rule holds at
+  any world size >= 2: at 2 the peers' median is the other rank. (Median/MAD z-scores across ranks
+  cannot flag one rank of two, and a pipeline's stages differ by design.)
+- **Cost**: what the other ranks lose waiting for it. In synchronous training a rank that arrives late
+  at a collective makes its peers wait there, so per step the cost of rank r is the median of its
+  peers' exposed communication minus its own (clipped at 0); the job's cost per step is the largest
+  over ranks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from dashboard.analysis import decode_throttle, robust_z
+
+WARMUP_FACTOR = 1.5
+WARMUP_MAX_SHARE = 0.25
+STRAGGLER_REL = 0.20
+STRAGGLER_ABS_S = 0.002
+STRAGGLER_PERSISTENCE = 0.5
+RULE = (f"A rank is a straggler when its compute exceeds its peers' median (same pipeline stage, same "
+        f"step) by ≥ {STRAGGLER_REL:.0%} in ≥ {STRAGGLER_PERSISTENCE:.0%} of the steps after warm-up; its cost "
+        f"is what its peers lose waiting for it (their exposed communication beyond its own).")
+
+
+def first_steady_step(series: pd.DataFrame) -> int | None:
+    """The first step after warm-up (see the module docstring). ``series``: ``step``, ``step_time_s`` for
+    one run over the selected range. None when there are no steps."""
+    s = series.dropna(subset=["step_time_s"]).sort_values("step")
+    if s.empty:
+        return None
+    steps, times = s["step"].to_numpy(), s["step_time_s"].to_numpy()
+    limit = WARMUP_FACTOR * float(np.median(times))
+    cap = int(len(s) * WARMUP_MAX_SHARE)
+    i = 1 if (steps[0] == 0 and len(s) > 1 and cap >= 1) else 0
+    while i < cap and times[i] > limit:
+        i += 1
+    return int(steps[i])
+
+
+def _others_median(values: np.ndarray) -> np.ndarray:
+    """For each element, the median of the other elements (NaN when it has none)."""
+    n = len(values)
+    if n < 2:
+        return np.full(n, np.nan)
+    order = np.argsort(values, kind="stable")
+    s = values[order]
+    pos = np.empty(n, dtype=np.int64)
+    pos[order] = np.arange(n)
+
+    def kth_of_others(k: int) -> np.ndarray:  # the k-th smallest once the element itself is left out
+        return np.where(k < pos, s[k], s[min(k + 1, n - 1)])
+
+    m = n - 1
+    if m % 2:
+        return kth_of_others(m // 2)
+    return (kth_of_others(m // 2 - 1) + kth_of_others(m // 2)) / 2
+
+
+def rank_step_verdicts(rank_steps: pd.DataFrame, *, peers: pd.DataFrame | None = None,
+                       rel: float = STRAGGLER_REL, abs_s: float = STRAGGLER_ABS_S) -> pd.DataFrame:
+    """Per (rank, step): the peers' median compute, the excess over it, whether the rank was slow, and the
+    wait cost (peers' median exposed communication - its own, >= 0).
+
+    ``rank_steps``: ``rank``, ``step``, ``compute_s``, ``exposed_comm_s`` (steady steps). ``peers``:
+    ``rank``, ``peer_group`` (ranks doing the same work); absent: every rank is a peer of every other."""
+    t = rank_steps[["rank", "step", "compute_s", "exposed_comm_s"]].copy()
+    t["peer_group"] = 0
+    if peers is not None and len(peers):
+        t["peer_group"] = t["rank"].map(peers.set_index("rank")["peer_group"]).fillna(-1)
+    by = t.groupby(["step", "peer_group"], sort=False)
+    t["peers_compute_s"] = by["compute_s"].transform(lambda x: _others_median(x.to_numpy(dtype=float)))
+    peers_exposed = by["exposed_comm_s"].transform(lambda x: _others_median(x.to_numpy(dtype=float)))
+    t["excess_s"] = t["compute_s"] - t["peers_compute_s"]
+    t["slow"] = t["excess_s"] >= np.maximum(rel * t["peers_compute_s"], abs_s)
+    t["cost_s"] = (peers_exposed - t["exposed_comm_s"]).clip(lower=0.0)
+    return t
+
+
+def step_cost(verdicts: pd.DataFrame) -> pd.DataFrame:
+    """Per step, the largest wait cost over ranks (``rank_step_verdicts``' ``cost_s``) and whose it was:
+    ``step``, ``cost_s``, ``rank``."""
+    v = verdicts.dropna(subset=["cost_s"])
+    if v.empty:
+        return pd.DataFrame({"step": pd.Series(dtype="int64"), "cost_s": pd.Series(dtype=float),
+                             "rank": pd.Series(dtype="int64")})
+    idx = v.groupby("step")["cost_s"].idxmax()
+    return v.loc[idx, ["step", "cost_s", "rank"]].sort_values("step").reset_index(drop=True)
+
+
+def straggler_table(verdicts: pd.DataFrame, *, gpu: pd.DataFrame | None = None, link: pd.DataFrame | None = None,
+                    persistence: float = STRAGGLER_PERSISTENCE, link_threshold: float = 3.5,
+                    min_drop: float = 0.10) -> pd.DataFrame:
+    """The flagged ranks with their figures and a cause hint.
+
+    - ``verdicts``: ``rank_step_verdicts`` over the steady steps.
+    - ``gpu`` (optional): ``rank``, ``clock_ratio`` (SM clock / max clock), ``throttle_share`` (share of
+      samples with a slowdown reason), ``reasons`` (OR of reason bits).
+    - ``link`` (optional): ``rank``, ``busbw_ratio`` (its worst group's busbw against peer groups, see
+      ``analysis.link_ratios``), optionally ``link_group``.
+
+    Compute stragglers follow the module's rule. A rank is also listed when its bus bandwidth is a robust
+    outlier below its peers' (z < -``link_threshold`` and at least ``min_drop`` below). Columns: ``rank``,
+    ``compute_s`` and ``peers_compute_s`` (means over the steps), ``excess_s`` (median per step),
+    ``slow_share`` (share of steps slow), ``cost_s_per_step`` (mean wait cost it caused), ``busbw_ratio``,
+    ``clock_ratio``, ``throttle_share``, ``cause``. Cause hint, relative to peers (busy GPUs often show a
+    power cap now and then): GPU throttling when its GPU reports slowdown reasons in at least a quarter
+    more of its samples than the median GPU, or runs its SM clock below 92 % of the median; link when its
+    busbw is low; else compute."""
+    g = verdicts.groupby("rank", sort=True)
+    t = pd.DataFrame({"compute_s": g["compute_s"].mean(), "peers_compute_s": g["peers_compute_s"].mean(),
+                      "excess_s": g["excess_s"].median(), "slow_share": g["slow"].mean(),
+                      "cost_s_per_step": g["cost_s"].mean()}).reset_index()
+    for frame, cols in ((gpu, ["clock_ratio", "throttle_share", "reasons"]), (link, ["busbw_ratio", "link_group"])):
+        if frame is not None and len(frame):
+            t = t.merge(frame[["rank", *[c for c in cols if c in frame]]], how="left", on="rank")
+        for c in cols:
+            if c not in t:
+                t[c] = np.nan
+    t["link_z"] = robust_z(t["busbw_ratio"]) if t["busbw_ratio"].notna().sum() >= 3 else np.nan
+    peers = {"clock": t["clock_ratio"].median(), "share": t["throttle_share"].median()}
+    slow_link = (t["link_z"] < -link_threshold) & (t["busbw_ratio"] <= 1 - min_drop)
+    t = t[(t["slow_share"] >= persistence) | slow_link].copy()
+    t["cause"] = [_cause(r, peers=peers, threshold=link_threshold, min_drop=min_drop) for r in t.itertuples()]
+    return t.sort_values(["cost_s_per_step", "excess_s"], ascending=False).reset_index(drop=True)
+
+
+def _cause(r, *, peers: dict, threshold: float, min_drop: float) -> str:
+    throttled = not pd.isna(r.throttle_share) and r.throttle_share - peers["share"] >= 0.25
+    slow_clock = not pd.isna(r.clock_ratio) and not pd.isna(peers["clock"]) and r.clock_ratio < 0.92 * peers["clock"]
+    if throttled or slow_clock:
+        names = decode_throttle(int(r.reasons)) if not pd.isna(r.reasons) else []
+        detail = ", ".join(names) if names else "no reason bits"
+        return f"GPU throttling ({detail}; SM clock {r.clock_ratio:.0%} of max)"
+    if not pd.isna(r.link_z) and r.link_z < -threshold and r.busbw_ratio <= 1 - min_drop:
+        where = f"group {r.link_group} " if isinstance(r.link_group, str) else ""
+        return f"link ({where}busbw {r.busbw_ratio:.0%} of peer groups)"
+    return "compute (no throttling or link signal: kernels, host, data or imbalance)"
