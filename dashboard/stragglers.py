@@ -7,9 +7,13 @@ The rules, in the words the pages use:
   range's median step time; at most a quarter of the range. Verdicts use the steps after it.
 - **Straggler**: a rank whose compute exceeds the median of its peers' compute *in the same step* by at
   least ``STRAGGLER_REL`` of it (and ``STRAGGLER_ABS_S``), in at least ``STRAGGLER_PERSISTENCE`` of the
-  steps. Peers are the other ranks doing the same work (the same pipeline stage), so the rule holds at
-  any world size >= 2: at 2 the peers' median is the other rank. (Median/MAD z-scores across ranks
-  cannot flag one rank of two, and a pipeline's stages differ by design.)
+  steps, and in those steps is among the last to arrive at the collectives: its exposed communication is
+  within ``STRAGGLER_REL`` of its compute of the least any rank of its group waited (the last arriver
+  waits for nobody). Peers are the other ranks doing the same work (the same pipeline stage), so the
+  rule holds at any world size >= 2: at 2 the peers' median is the other rank. (Median/MAD z-scores
+  across ranks cannot flag one rank of two, and a pipeline's stages differ by design.) The arrival
+  condition keeps noise out: with 4 ranks on 2 cores a fast rank's 11-24 ms compute varies by 50 % from
+  step to step, yet it still waits ~90 ms for the real straggler's 110 ms (tests/test_verdicts_e2e.py).
 - **Cost**: what the other ranks lose waiting for it. In synchronous training a rank that arrives late
   at a collective makes its peers wait there, so per step the cost of rank r is the median of its
   peers' exposed communication minus its own (clipped at 0); the job's cost per step is the largest
@@ -29,20 +33,24 @@ STRAGGLER_REL = 0.20
 STRAGGLER_ABS_S = 0.002
 STRAGGLER_PERSISTENCE = 0.5
 RULE = (f"A rank is a straggler when its compute exceeds its peers' median (same pipeline stage, same "
-        f"step) by ≥ {STRAGGLER_REL:.0%} in ≥ {STRAGGLER_PERSISTENCE:.0%} of the steps after warm-up; its cost "
-        f"is what its peers lose waiting for it (their exposed communication beyond its own).")
+        f"step) by ≥ {STRAGGLER_REL:.0%} and it is among the last to arrive at the collectives, in ≥ "
+        f"{STRAGGLER_PERSISTENCE:.0%} of the steps after warm-up; its cost is what its peers lose waiting for it "
+        f"(their exposed communication beyond its own).")
 
 
-def first_steady_step(series: pd.DataFrame) -> int | None:
+def first_steady_step(series: pd.DataFrame, *, run_first_step: int = 0) -> int | None:
     """The first step after warm-up (see the module docstring). ``series``: ``step``, ``step_time_s`` for
-    one run over the selected range. None when there are no steps."""
+    one run over the selected range; ``run_first_step``: the run's first recorded step (warm-up is at
+    the start of a run: a range that starts later has none). None when there are no steps."""
     s = series.dropna(subset=["step_time_s"]).sort_values("step")
     if s.empty:
         return None
     steps, times = s["step"].to_numpy(), s["step_time_s"].to_numpy()
-    limit = WARMUP_FACTOR * float(np.median(times))
     cap = int(len(s) * WARMUP_MAX_SHARE)
-    i = 1 if (steps[0] == 0 and len(s) > 1 and cap >= 1) else 0
+    if steps[0] > run_first_step or cap < 1:
+        return int(steps[0])
+    limit = WARMUP_FACTOR * float(np.median(times))
+    i = 1
     while i < cap and times[i] > limit:
         i += 1
     return int(steps[i])
@@ -69,8 +77,9 @@ def _others_median(values: np.ndarray) -> np.ndarray:
 
 def rank_step_verdicts(rank_steps: pd.DataFrame, *, peers: pd.DataFrame | None = None,
                        rel: float = STRAGGLER_REL, abs_s: float = STRAGGLER_ABS_S) -> pd.DataFrame:
-    """Per (rank, step): the peers' median compute, the excess over it, whether the rank was slow, and the
-    wait cost (peers' median exposed communication - its own, >= 0).
+    """Per (rank, step): the peers' median compute, the excess over it, whether the rank was slow (the
+    excess rule and among the last to arrive, see the module docstring), and the wait cost (peers' median
+    exposed communication - its own, >= 0).
 
     ``rank_steps``: ``rank``, ``step``, ``compute_s``, ``exposed_comm_s`` (steady steps). ``peers``:
     ``rank``, ``peer_group`` (ranks doing the same work); absent: every rank is a peer of every other."""
@@ -82,7 +91,8 @@ def rank_step_verdicts(rank_steps: pd.DataFrame, *, peers: pd.DataFrame | None =
     t["peers_compute_s"] = by["compute_s"].transform(lambda x: _others_median(x.to_numpy(dtype=float)))
     peers_exposed = by["exposed_comm_s"].transform(lambda x: _others_median(x.to_numpy(dtype=float)))
     t["excess_s"] = t["compute_s"] - t["peers_compute_s"]
-    t["slow"] = t["excess_s"] >= np.maximum(rel * t["peers_compute_s"], abs_s)
+    last_to_arrive = t["exposed_comm_s"] - by["exposed_comm_s"].transform("min") <= rel * t["compute_s"]
+    t["slow"] = (t["excess_s"] >= np.maximum(rel * t["peers_compute_s"], abs_s)) & last_to_arrive
     t["cost_s"] = (peers_exposed - t["exposed_comm_s"]).clip(lower=0.0)
     return t
 

@@ -171,7 +171,7 @@ def _overview_figures(view: Overview, d: dict, gpu_later: Pending | None, links:
     hm = d["heatmap"]
     f["heatmap"] = figures.compute_heatmap(hm, rank_width=int(hm["rank_width"].iloc[0]),
                                            step_width=int(hm["step_width"].iloc[0]))
-    view.first_steady_step = stragglers.first_steady_step(mine)
+    view.first_steady_step = stragglers.first_steady_step(mine, run_first_step=int(meta.get("first_step", 0)))
     rs = d["rank_steps"]
     steady = rs[rs["step"] >= view.first_steady_step] if view.first_steady_step is not None else rs
     view.verdict_steps = int(steady["step"].nunique())

@@ -12,12 +12,17 @@ import pytest
 from dashboard import stragglers as S
 
 
-def _steps(compute: list[list[float]], exposed: list[list[float]] | None = None) -> pd.DataFrame:
-    """``compute[step][rank]`` (and ``exposed``) as rank_steps rows."""
+def _steps(compute: list[list[float]], exposed: list[list[float]] | None = None,
+           groups: list[int] | None = None) -> pd.DataFrame:
+    """``compute[step][rank]`` (and ``exposed``) as rank_steps rows. Without ``exposed``, synchronous
+    training: each rank waits at its gradient sync for the slowest rank of its group (``groups[rank]``,
+    default one group), plus 10 ms of transfer."""
     rows = []
     for step, per_rank in enumerate(compute):
+        group = groups or [0] * len(per_rank)
         for rank, c in enumerate(per_rank):
-            e = exposed[step][rank] if exposed else 0.01
+            slowest = max(x for x, g in zip(per_rank, group) if g == group[rank])
+            e = exposed[step][rank] if exposed else slowest - c + 0.01
             rows.append({"rank": rank, "step": step, "compute_s": c, "exposed_comm_s": e})
     return pd.DataFrame(rows)
 
@@ -84,12 +89,25 @@ def test_pipeline_stages_are_compared_within_their_stage():
     peers = pd.DataFrame({"rank": [0, 1, 2, 3], "peer_group": [0, 1, 0, 1]})
     compute = [[0.10, 0.14, 0.10, 0.14]] * 6
     assert S.straggler_table(S.rank_step_verdicts(_steps(compute))).shape[0] == 2  # all peers: wrong
-    assert S.straggler_table(S.rank_step_verdicts(_steps(compute), peers=peers)).empty
+    stages = [0, 1, 0, 1]
+    assert S.straggler_table(S.rank_step_verdicts(_steps(compute, groups=stages), peers=peers)).empty
     slow = [[0.10, 0.14, 0.13, 0.14]] * 6  # rank 2 slow within stage 0
-    assert S.straggler_table(S.rank_step_verdicts(_steps(slow), peers=peers))["rank"].tolist() == [2]
+    assert S.straggler_table(S.rank_step_verdicts(_steps(slow, groups=stages), peers=peers))["rank"].tolist() == [2]
     # A rank alone in its stage has no peers: no verdict on it.
     alone = pd.DataFrame({"rank": [0, 1], "peer_group": [0, 1]})
     assert S.straggler_table(S.rank_step_verdicts(_steps([[0.1, 0.5]] * 6), peers=alone)).empty
+
+
+def test_a_slower_rank_nobody_waits_for_is_not_a_straggler():
+    # 4 ranks on 2 cores: rank 3 takes 110 ms (the straggler); rank 2's 11-24 ms is 50 % over its peers'
+    # median in most steps, but it arrives long before rank 3, so nobody waits for it.
+    compute = [[0.011, 0.012, 0.019 if s % 3 else 0.012, 0.111] for s in range(9)]
+    t = S.straggler_table(S.rank_step_verdicts(_steps(compute)))
+    assert t["rank"].tolist() == [3] and t.iloc[0]["cost_s_per_step"] == pytest.approx(0.1, abs=0.002)
+    v = S.rank_step_verdicts(_steps(compute))
+    mine = v[v["rank"] == 2]
+    assert (mine["excess_s"] >= 0.2 * mine["peers_compute_s"]).mean() > 0.5  # it was slower than its peers
+    assert not mine["slow"].any()  # but never the one they waited for
 
 
 def test_cause_throttling_from_gpu_reasons_and_clocks():
@@ -118,10 +136,12 @@ def test_warmup_rule(times, first):
     assert S.first_steady_step(series) == first
 
 
-def test_warmup_of_a_range_that_does_not_start_at_step_0():
-    series = pd.DataFrame({"step": range(10, 30), "step_time_s": [0.4] * 20})
-    assert S.first_steady_step(series) == 10
-    assert S.first_steady_step(series.iloc[0:0]) is None
+def test_warmup_is_at_the_start_of_a_run_only():
+    later = pd.DataFrame({"step": range(10, 30), "step_time_s": [0.9] + [0.4] * 19})
+    assert S.first_steady_step(later) == 10  # a slow step 10 mid-run is no warm-up
+    resumed = later.assign(step_time_s=[3.0] + [0.4] * 19)
+    assert S.first_steady_step(resumed, run_first_step=10) == 11  # a run that starts at step 10 warms up there
+    assert S.first_steady_step(later.iloc[0:0]) is None
 
 
 def test_rule_text_names_the_thresholds():
@@ -136,3 +156,9 @@ def test_every_world_size_finds_the_injected_rank():
         for step in compute:
             step[slow] = 0.1
         assert S.straggler_table(S.rank_step_verdicts(_steps(compute)))["rank"].tolist() == [slow], (n, slow)
+
+
+def test_two_equally_slow_ranks_are_both_stragglers():
+    compute = [[0.05, 0.05, 0.15, 0.15] for _ in range(6)]
+    t = S.straggler_table(S.rank_step_verdicts(_steps(compute)))
+    assert sorted(t["rank"]) == [2, 3] and t["cost_s_per_step"].tolist() == pytest.approx([0.1, 0.1])
