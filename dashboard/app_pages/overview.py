@@ -56,8 +56,8 @@ def main(ctx: ui.Context) -> None:
         st.info("Every rank is alone in its pipeline stage: no peers doing the same work to compare it with, so "
                 "no straggler verdict on compute (the Pipeline page shows stage imbalance).")
     if view.stragglers.empty:
-        st.success(f"No straggler: no rank is {threshold:.0%} slower than its peers in most steps, and no "
-                   "rank's bus bandwidth stands out.")
+        st.success(f"No straggler: no rank held its peers up (≥ {threshold:.0%} slower than them and last to "
+                   "arrive) in most steps, and no rank's bus bandwidth stands out.")
     else:
         names = ", ".join(f"rank {int(r.rank)} ({r.cause.split(' (')[0]}, {r.cost_s_per_step * 1e3:.0f} ms/step)"
                           for r in view.stragglers.itertuples())
