@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # The parallel dimensions a collective can belong to (taken from the DeviceMesh dim names).
 DIMS = ("dp", "fsdp", "tp", "pp", "world", "other")
@@ -65,6 +65,11 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("skipped", _bool),  # optimizer step skipped (non-finite gradients)
         ("n_collectives", _i32),
         ("dropped_records_total", _i64),  # telemetry records this rank could not write so far
+        # v2: the training thread's CPU time in the step, and the time it was runnable but waited for a CPU
+        # (the kernel's run-queue delay; NaN where the kernel does not report it). Beside compute_s +
+        # other_s (the time that thread was not blocked) they say whether the rank had a core to itself:
+        # see dashboard.environment.
+        ("cpu_s", _f64), ("cpu_wait_s", _f64),
     ]),
     # One per collective or P2P op. wait_s is the time the training thread was blocked on it (exposed).
     "collective": pa.schema([
@@ -102,6 +107,11 @@ SCHEMAS: dict[str, pa.Schema] = {
 }
 
 KINDS = tuple(SCHEMAS)
+
+# Version 1 had no ``step.cpu_s`` and ``step.cpu_wait_s``. Readers lift v1 batches to the current schema
+# (the columns NULL).
+SCHEMAS_V1: dict[str, pa.Schema] = {
+    **SCHEMAS, "step": pa.schema([f for f in SCHEMAS["step"] if f.name not in ("cpu_s", "cpu_wait_s")])}
 
 
 def empty_table(kind: str) -> pa.Table:

@@ -91,9 +91,14 @@ _GPIPE_LIKE = {"gpipe", "1f1b"}
 _INTERLEAVED = {"interleaved1f1b", "loopedbfs"}
 
 
+# Names the trainer, torch and users write for the same schedule (the trainer stores "interleaved").
+_SCHEDULE_ALIASES = {"interleaved": "interleaved1f1b", "interleavedzb": "interleavedzerobubble"}
+
+
 def normalize_schedule(name: str | None) -> str:
-    """'Interleaved1F1B', 'interleaved-1f1b' -> 'interleaved1f1b'."""
-    return "".join(ch for ch in (name or "").lower() if ch.isalnum())
+    """'Interleaved1F1B', 'interleaved-1f1b', 'interleaved' -> 'interleaved1f1b'."""
+    s = "".join(ch for ch in (name or "").lower() if ch.isalnum())
+    return _SCHEDULE_ALIASES.get(s, s)
 
 
 def bubble_theory(*, schedule: str | None, p: int, m: int, v: int = 1) -> float | None:

@@ -145,8 +145,9 @@ def overview_data(store: Store, *, run: str, runs: list[str], steps: tuple[int, 
     - ``heatmap``: compute seconds on a grid of at most max_ranks x max_steps cells (mean over a cell's
       steps, then max over its ranks, so a slow rank is not averaged away); ``rank_bin``/``step_bin``
       are a cell's first rank/step, ``rank_width``/``step_width`` its size.
-    - ``rank_steps``: per rank and step of ``run``: ``compute_s``, ``exposed_comm_s`` (the input of
-      ``stragglers.rank_step_verdicts``), for the latest steps of the range whose rows fit ``budget``.
+    - ``rank_steps``: per rank and step of ``run``: ``compute_s``, ``exposed_comm_s``, ``other_s``,
+      ``cpu_s``, ``cpu_wait_s`` (the input of ``stragglers.rank_step_verdicts`` and
+      ``environment.cpu_wait_share``), for the latest steps of the range whose rows fit ``budget``.
     - ``window``: the step range's first start and last end time (for the GPU join)."""
     r = _range(steps)
     focus = "run = $run"
@@ -166,7 +167,7 @@ def overview_data(store: Store, *, run: str, runs: list[str], steps: tuple[int, 
                any_value(b.rw) AS rank_width, any_value(b.sw) AS step_width
         FROM c, b GROUP BY ALL ORDER BY rank_bin, step_bin""", {"run": run, "mr": max_ranks, "ms": max_steps}),
         (f"""WITH w AS (SELECT max(step) AS hi, greatest(1, count(DISTINCT rank)) AS n FROM step WHERE {focus})
-            SELECT rank, step, compute_s, exposed_comm_s FROM step, w
+            SELECT rank, step, compute_s, exposed_comm_s, other_s, cpu_s, cpu_wait_s FROM step, w
             WHERE {focus} AND step > w.hi - greatest(1, $budget // w.n) ORDER BY step, rank""",
          {"run": run, "budget": budget}),
         (f"SELECT min(t_start) AS t_start, max(t_end) AS t_end FROM step WHERE {focus}", {"run": run}),
@@ -175,7 +176,7 @@ def overview_data(store: Store, *, run: str, runs: list[str], steps: tuple[int, 
 
 
 _OVERVIEW_COLS = ("run", "rank", "step", "t_start", "t_end", "wall_s", "compute_s", "exposed_comm_s", "bubble_s",
-                  "other_s", "tokens", "mfu", "loss")
+                  "other_s", "tokens", "mfu", "loss", "cpu_s", "cpu_wait_s")
 
 
 def gpu_by_device(store: Store, *, run: str, window: tuple[float, float] | None) -> pd.DataFrame:

@@ -10,10 +10,12 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from dashboard.scaling import AmdahlFit
 
 COLORS = {"compute_s": "#2e7d32", "exposed_comm_s": "#c62828", "bubble_s": "#9e9e9e", "other_s": "#1565c0",
           "forward": "#43a047", "backward": "#1e88e5", "weight": "#8e24aa", "idle": "rgba(160,160,160,0.35)"}
+# One colour per scaling family (Plotly's default qualitative sequence, written out: figures do not depend on
+# the theme's order).
+_PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
 LABELS = {"compute_s": "compute", "exposed_comm_s": "exposed comm", "bubble_s": "bubble", "other_s": "other"}
 
 
@@ -225,34 +227,40 @@ def memory_model_vs_measured(model: pd.DataFrame, *, measured: dict[str, float])
 
 
 # --------------------------------------------------------------------------------------- scaling
-def scaling_speedup(table: pd.DataFrame, *, fit: AmdahlFit | None) -> go.Figure:
-    """Speedup vs world size (relative to the smallest run, scaled so it sits on the ideal line), the
-    ideal line and the Amdahl fit rescaled to the same baseline."""
-    n = table["world_size"].astype(float)
-    grid = np.geomspace(max(n.min(), 1.0), max(n.max(), 2.0), 50)
-    fig = go.Figure(go.Scatter(x=grid, y=grid, mode="lines", name="ideal", line=dict(dash="dot", color="#9e9e9e")))
-    if fit is not None:
-        n0 = n.iloc[0]
-        fig.add_trace(go.Scatter(x=grid, y=n0 * fit.speedup(grid) / fit.speedup(n0), mode="lines",
-                                 name=f"Amdahl fit c = {fit.c:.3f}", line_color="#c62828"))
-    colors = np.where(table["best"], "#2e7d32", "#1565c0")
-    fig.add_trace(go.Scatter(x=n, y=table["speedup"], mode="markers+text", name="runs", text=table["run"],
-                             textposition="top center", marker=dict(size=12, color=colors)))
+def scaling_speedup(table: pd.DataFrame, *, fits: pd.DataFrame) -> go.Figure:
+    """Speedup vs world size per family (``scaling.scaling_table``), each against its own baseline n0, with
+    its ideal line n / n0 and, where ``fits`` (``scaling.amdahl_fits``) has one, the Amdahl curve rescaled
+    to that baseline."""
+    fig = go.Figure()
+    fit_of = dict(zip(fits["family"], fits["fit"]))
+    for i, (family, g) in enumerate(table.groupby("family", sort=True)):
+        color = _PALETTE[i % len(_PALETTE)]
+        n = g["world_size"].astype(float)
+        n0 = float(g["n0"].iloc[0])
+        grid = np.geomspace(n0, max(n.max(), 2 * n0), 50)
+        fig.add_trace(go.Scatter(x=grid, y=grid / n0, mode="lines", name=f"ideal ({family})", legendgroup=family,
+                                 showlegend=False, line=dict(dash="dot", color=color, width=1)))
+        fit = fit_of.get(family)
+        if fit is not None:
+            fig.add_trace(go.Scatter(x=grid, y=fit.speedup(grid) / fit.speedup(n0), mode="lines", legendgroup=family,
+                                     name=f"Amdahl c = {fit.c:.3f} (R² {fit.r2:.2f})", line=dict(color=color)))
+        fig.add_trace(go.Scatter(x=n, y=g["speedup"], mode="markers+lines", name=family, legendgroup=family,
+                                 text=g["run"], marker=dict(size=10, color=color), line=dict(color=color, width=1)))
     fig.update_xaxes(type="log")
     fig.update_yaxes(type="log")
-    return _layout(fig, title="Speedup vs world size (green: best throughput)", x="world size", y="speedup")
+    return _layout(fig, title="Speedup vs world size, per family, against its smallest world size (dotted: ideal)",
+                   x="world size", y="speedup (throughput / baseline's)")
 
 
-def scaling_bars(table: pd.DataFrame) -> go.Figure:
-    """Throughput per run with efficiency and communication fraction."""
-    colors = np.where(table["best"], "#2e7d32", "#1565c0")
+def scaling_bars(per_run: pd.DataFrame) -> go.Figure:
+    """Throughput per run (green: the best) with its exposed-communication fraction."""
+    colors = np.where(per_run["best"], "#2e7d32", "#1565c0")
     fig = go.Figure([
-        go.Bar(x=table["run"], y=table["tokens_per_s"], name="tokens/s", marker_color=colors),
-        go.Scatter(x=table["run"], y=table["efficiency"], name="efficiency", yaxis="y2", mode="markers+lines"),
-        go.Scatter(x=table["run"], y=table["comm_fraction"], name="exposed comm fraction", yaxis="y2",
+        go.Bar(x=per_run["run"], y=per_run["tokens_per_s"], name="tokens/s", marker_color=colors),
+        go.Scatter(x=per_run["run"], y=per_run["comm_fraction"], name="exposed comm fraction", yaxis="y2",
                    mode="markers+lines")])
     fig.update_layout(yaxis2=dict(overlaying="y", side="right", tickformat=".0%", range=[0, 1.1]))
-    return _layout(fig, title="Throughput, scaling efficiency and communication fraction", x="run", y="tokens/s")
+    return _layout(fig, title="Throughput (steady steps) and exposed communication fraction", x="run", y="tokens/s")
 
 
 # ------------------------------------------------------------------------------------------- gpu

@@ -14,6 +14,9 @@ f, b for interleaved 1F1B, which the tests check.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+import numpy as np
 import pandas as pd
 
 from dashboard.analysis import normalize_schedule
@@ -22,10 +25,14 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "interleavedzerobubble")
 
 
 def simulate(*, schedule: str, p: int, m: int, v: int = 1, f: float = 1.0, b: float = 2.0,
-             w: float = 0.0) -> pd.DataFrame:
+             w: float = 0.0, durations: Mapping[tuple[str, int, int], float] | None = None,
+             hop: float = 0.0, gap: float = 0.0) -> pd.DataFrame:
     """Spans of one step: ``rank``, ``stage``, ``microbatch``, ``kind`` (forward/backward/weight),
     ``t_start``, ``t_end`` (relative to the step's first span). ``f``, ``b``, ``w`` are per stage chunk
-    (with v chunks per rank, each holds 1/v of the rank's layers)."""
+    (with v chunks per rank, each holds 1/v of the rank's layers). ``durations`` (optional) gives single
+    actions their own time, keyed ("F" | "B" | "W", stage, microbatch); the others take f, b, w. ``hop``:
+    the time an activation or gradient takes from one rank to the next (P2P); ``gap``: the host's time
+    between two actions of a rank (issuing sends and receives, the schedule's own Python)."""
     s = normalize_schedule(schedule)
     if s not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
@@ -47,9 +54,9 @@ def simulate(*, schedule: str, p: int, m: int, v: int = 1, f: float = 1.0, b: fl
             cand = None
             if nxt[r] < len(order[r]):
                 act = order[r][nxt[r]]
-                ready = _deps_finish(act, done=done, n_stages=n_stages)
+                ready = _deps_finish(act, done=done, n_stages=n_stages, p=p, hop=hop)
                 if ready is not None:
-                    cand = (max(free[r], ready), act)
+                    cand = (max(free[r] + (gap if nxt[r] else 0.0), ready), act)
                 # Zero-bubble: run a pending weight gradient rather than sit idle.
                 if deferred_w[r] and (cand is None or cand[0] > free[r]):
                     cand = (free[r], deferred_w[r][0])
@@ -64,7 +71,7 @@ def simulate(*, schedule: str, p: int, m: int, v: int = 1, f: float = 1.0, b: fl
             deferred_w[r].pop(0)
         else:
             nxt[r] += 1
-        end = start + dur[kind]
+        end = start + (durations.get(act, dur[kind]) if durations else dur[kind])
         done[act] = end
         free[r] = end
         rows.append((r, j, k, {"F": "forward", "B": "backward", "W": "weight"}[kind], start, end))
@@ -96,8 +103,9 @@ def _order(s: str, *, rank: int, p: int, v: int, m: int) -> list[tuple[str, int,
     return out + bwd[bi:]
 
 
-def _deps_finish(act, *, done, n_stages: int) -> float | None:
-    """Time all dependencies are done, or None if one is not scheduled yet."""
+def _deps_finish(act, *, done, n_stages: int, p: int, hop: float) -> float | None:
+    """Time all dependencies are done (and, for one on another rank, its output has arrived: + hop), or
+    None if one is not scheduled yet."""
     kind, j, k = act
     if kind == "F":
         deps = [("F", j - 1, k)] if j > 0 else []
@@ -109,5 +117,75 @@ def _deps_finish(act, *, done, n_stages: int) -> float | None:
     for d in deps:
         if d not in done:
             return None
-        t = max(t, done[d])
+        t = max(t, done[d] + (hop if d[1] % p != j % p else 0.0))
     return t
+
+
+_KIND_LETTER = {"forward": "F", "backward": "B", "weight": "W"}
+
+
+def replay(spans: pd.DataFrame, *, schedule: str, p: int, m: int, v: int = 1) -> pd.DataFrame:
+    """The schedule's own idle for the op times a run measured: per step, each span's measured duration
+    through ``simulate`` (the schedule's order and dependencies). Under balanced stages and equal op times
+    and free transfers this is the closed-form theory; when op times differ (a heavier last stage, fill
+    and drain running faster on a shared CPU) it is what the schedule implies for them.
+
+    ``spans``: ``step``, ``stage``, ``microbatch``, ``kind``, ``t_start``, ``t_end``. Returns per step:
+
+    - ``schedule_idle``: 1 - the busiest rank's busy time / the replayed extent with free transfers: the
+      fill and drain the schedule itself causes (what the closed form describes);
+    - ``hop_s``: the measured transfer time between stages, the median gap between an op's end and the
+      start of the op on the next rank that waited for it (that rank idle in between);
+    - ``gap_s``: the measured host time between two ops of a rank whose input was already there (issuing
+      sends and receives, the schedule's Python);
+    - ``replay_bubble``: the same with ``hop_s`` per transfer and ``gap_s`` per op: fill, drain, transfers
+      and the schedule's host overhead. A measured schedule share above it is waiting the schedule does
+      not explain (host stalls, a wrong order).
+
+    Steps whose spans do not cover the schedule's actions (other p, m, v) are left out."""
+    s = normalize_schedule(schedule)
+    cols = ["step", "schedule_idle", "hop_s", "gap_s", "replay_bubble"]
+    if s not in SCHEDULES or spans.empty:
+        return pd.DataFrame({c: pd.Series(dtype="int64" if c == "step" else float) for c in cols})
+    chunks = v if s.startswith("interleaved") else 1
+    expected = {a for r in range(p) for a in _order(s, rank=r, p=p, v=chunks, m=m)}
+    out = []
+    for step, g in spans.groupby("step", sort=True):
+        keys = [(_KIND_LETTER.get(k, "?"), int(j), int(mb)) for k, j, mb in zip(g["kind"], g["stage"], g["microbatch"])]
+        durations: dict[tuple[str, int, int], float] = {}
+        start, end = {}, {}
+        for key, a, b in zip(keys, g["t_start"].to_numpy(float), g["t_end"].to_numpy(float)):
+            durations[key] = durations.get(key, 0.0) + (b - a)
+            start[key], end[key] = min(start.get(key, a), a), max(end.get(key, b), b)
+        if not expected <= set(durations):  # W spans may come on top of B (zero-bubble): not required
+            continue
+        hop, gap = _hop(start=start, end=end, p=p)
+        row = [int(step)]
+        for h, gp in ((0.0, 0.0), (hop, gap)):
+            sim = simulate(schedule=s, p=p, m=m, v=v, durations=durations, hop=h, gap=gp)
+            extent = float(sim["t_end"].max() - sim["t_start"].min())
+            busy = float((sim["t_end"] - sim["t_start"]).groupby(sim["rank"]).sum().max())
+            row.append(1.0 - busy / extent if extent > 0 else np.nan)
+        out.append([*row[:2], hop, gap, row[2]])
+    return pd.DataFrame(out, columns=cols)
+
+
+def _hop(*, start: dict, end: dict, p: int) -> tuple[float, float]:
+    """(hop, gap) measured in one step: ``hop``, the median time from an op's end to the start of the op
+    on the next rank that waited for it (its rank idle until its input came); ``gap``, the median time
+    between two ops of a rank when the second's input was already there (host work between actions)."""
+    by_rank: dict[int, list] = {}
+    for key, t in start.items():
+        by_rank.setdefault(key[1] % p, []).append((t, key))
+    hops, gaps = [], []
+    for ops in by_rank.values():
+        ops.sort()
+        for (_, prev), (t0, key) in zip(ops, ops[1:]):
+            kind, j, k = key
+            dep = ("F", j - 1, k) if kind == "F" else ("B", j + 1, k) if kind == "B" else None
+            remote = dep is not None and dep in end and dep[1] % p != j % p
+            if remote and end[dep] >= end[prev]:  # the rank was free before its input came: it waited
+                hops.append(t0 - end[dep])
+            else:
+                gaps.append(t0 - end[prev])
+    return (max(0.0, float(np.median(hops))) if hops else 0.0, max(0.0, float(np.median(gaps))) if gaps else 0.0)

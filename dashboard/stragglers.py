@@ -94,6 +94,11 @@ def rank_step_verdicts(rank_steps: pd.DataFrame, *, peers: pd.DataFrame | None =
     last_to_arrive = t["exposed_comm_s"] - by["exposed_comm_s"].transform("min") <= rel * t["compute_s"]
     t["slow"] = (t["excess_s"] >= np.maximum(rel * t["peers_compute_s"], abs_s)) & last_to_arrive
     t["cost_s"] = (peers_exposed - t["exposed_comm_s"]).clip(lower=0.0)
+    t["cpu_wait_excess_s"] = np.nan
+    if "cpu_wait_s" in rank_steps:  # what of the excess was waiting for a CPU (see straggler_table's cause)
+        t["cpu_wait_s"] = rank_steps["cpu_wait_s"].to_numpy(dtype=float)
+        t["cpu_wait_excess_s"] = t["cpu_wait_s"] - t.groupby(["step", "peer_group"], sort=False)["cpu_wait_s"].transform(
+            lambda x: _others_median(x.to_numpy(dtype=float)))
     return t
 
 
@@ -126,11 +131,14 @@ def straggler_table(verdicts: pd.DataFrame, *, gpu: pd.DataFrame | None = None, 
     ``clock_ratio``, ``throttle_share``, ``cause``. Cause hint, relative to peers (busy GPUs often show a
     power cap now and then): GPU throttling when its GPU reports slowdown reasons in at least a quarter
     more of its samples than the median GPU, or runs its SM clock below 92 % of the median; link when its
-    busbw is low; else compute."""
+    busbw is low; CPU contention when at least half its excess compute is time it waited for a CPU beyond
+    what its peers waited (``cpu_wait_excess_s``, from the step records' run-queue delay: the machine,
+    not the job); else compute."""
     g = verdicts.groupby("rank", sort=True)
     t = pd.DataFrame({"compute_s": g["compute_s"].mean(), "peers_compute_s": g["peers_compute_s"].mean(),
                       "excess_s": g["excess_s"].median(), "slow_share": g["slow"].mean(),
-                      "cost_s_per_step": g["cost_s"].mean()}).reset_index()
+                      "cost_s_per_step": g["cost_s"].mean(),
+                      "cpu_wait_excess_s": g["cpu_wait_excess_s"].median()}).reset_index()
     for frame, cols in ((gpu, ["clock_ratio", "throttle_share", "reasons"]), (link, ["busbw_ratio", "link_group"])):
         if frame is not None and len(frame):
             t = t.merge(frame[["rank", *[c for c in cols if c in frame]]], how="left", on="rank")
@@ -155,4 +163,7 @@ def _cause(r, *, peers: dict, threshold: float, min_drop: float) -> str:
     if not pd.isna(r.link_z) and r.link_z < -threshold and r.busbw_ratio <= 1 - min_drop:
         where = f"group {r.link_group} " if isinstance(r.link_group, str) else ""
         return f"link ({where}busbw {r.busbw_ratio:.0%} of peer groups)"
+    if not pd.isna(r.cpu_wait_excess_s) and r.excess_s > 0 and r.cpu_wait_excess_s >= 0.5 * r.excess_s:
+        return (f"CPU contention (it waited {r.cpu_wait_excess_s * 1e3:.0f} ms per step longer than its peers for "
+                f"a CPU, of {r.excess_s * 1e3:.0f} ms extra compute)")
     return "compute (no throttling or link signal: kernels, host, data or imbalance)"

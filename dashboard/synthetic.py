@@ -202,7 +202,8 @@ def write_store(root: str | Path, *, config: SyntheticConfig) -> dict[str, int]:
             "flops": np.full(K, flops_rank), "mfu": flops_rank / wall / PEAK_FLOPS, "loss": loss,
             "loss_nonfinite": np.zeros(K, bool), "grad_norm": 1.0 + 0.2 * np.abs(rr.standard_normal(K)),
             "lr": lr, "skipped": np.zeros(K, bool), "n_collectives": np.full(K, len(ops[r])),
-            "dropped_records_total": np.zeros(K, np.int64)})
+            "dropped_records_total": np.zeros(K, np.int64),
+            "cpu_s": compute[r] + oth, "cpu_wait_s": np.zeros(K)})
         if has_ops:
             rows["collective"] += _put(base, "collective", cfg.run, r, part, table=_collectives(
                 ops[r], timing=timing(r), K=K, t_step=t_step, extra=extra[r]))

@@ -18,9 +18,9 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from dashboard import analysis, data, figures, stragglers
+from dashboard import analysis, data, environment, figures, stragglers
 from dashboard.memory_model import memory_model, spec_from_meta
-from dashboard.scaling import AmdahlFit, amdahl_fit, scaling_table
+from dashboard.scaling import amdahl_fits, no_family_reason, run_throughput, scaling_table
 from dashboard.store import Store
 
 Loader = Callable[..., Any]
@@ -97,6 +97,7 @@ class Overview:
     stragglers: pd.DataFrame | None = None
     first_steady_step: int | None = None  # verdicts use the steps from here (stragglers.first_steady_step)
     verdict_steps: int = 0  # steady steps the straggler verdict judged
+    warnings: list[str] = field(default_factory=list)  # environment.warnings: when a figure means less
     unattributed_s: float = 0.0
     frames: list[pd.DataFrame] = field(default_factory=list)  # for the skipped-files warning
 
@@ -186,6 +187,9 @@ def _overview_figures(view: Overview, d: dict, gpu_later: Pending | None, links:
     lk = links.result()
     link, _ = analysis.link_ratios(analysis.instance_busbw(lk["instances"]), members=lk["members"])
     view.stragglers = stragglers.straggler_table(verdicts, gpu=gpu, link=link)
+    view.warnings = environment.warnings(device=meta.get("device"), shares=environment.cpu_wait_share(steady),
+                                         n_steady=view.verdict_steps, hosts=data.rank_hosts(meta.get("rank_hosts")),
+                                         clocks=gpu)
     # The job's cost: per step, the largest wait a flagged rank caused (none flagged: nothing to blame).
     flagged = cost[cost["rank"].isin(view.stragglers["rank"])]
     view.metrics["cost_s"] = float(flagged["cost_s"].sum() / max(len(cost), 1))
@@ -320,12 +324,30 @@ def memory(load: Loader, *, run: str, steps) -> Memory:
 # --------------------------------------------------------------------------------------- scaling
 @dataclass(slots=True, kw_only=True)
 class Scaling:
-    table: pd.DataFrame
+    table: pd.DataFrame  # per (family, run): speedup and efficiency (scaling.scaling_table)
     runs: list[str]
+    per_run: pd.DataFrame | None = None  # per run: throughput over steady steps (scaling.run_throughput)
+    fits: pd.DataFrame | None = None  # per family: the Amdahl fit or why there is none (scaling.amdahl_fits)
+    note: str = ""  # why there is no family, when there is none
     models: list[str] = field(default_factory=list)
-    fit: AmdahlFit | None = None
     figures: dict[str, go.Figure] = field(default_factory=dict)
     frames: list[pd.DataFrame] = field(default_factory=list)
+
+
+def scaling_runs(load: Loader, *, runs: list[str]) -> tuple[pd.DataFrame, list[pd.DataFrame]]:
+    """Per run of ``runs`` with step records: the runs table's metadata, MFU and exposed-communication
+    fraction (``data.run_summaries``) and the throughput over its steady steps (``scaling.run_throughput``),
+    plus the frames read (for the skipped-files warning). ``meshscope sweep`` reads its table through this
+    too, so its numbers are the page's."""
+    table = load("runs_table")
+    table = table[table["run"].isin(runs)]
+    summaries = load("run_summaries", runs=runs)
+    # The per-step series of every run (one grouped read of the step records) is the Overview's read; its
+    # per-rank parts for one focus run are not needed here, so they are cut to one cell and one step.
+    series = load("overview_data", run=runs[0], runs=runs, steps=None, max_ranks=1, max_steps=1,
+                  budget=0)["series"] if runs else pd.DataFrame(columns=["run", "step", "step_time_s", "tokens_mean"])
+    meta = table.merge(summaries[["run", "mfu", "comm_fraction"]], on="run", how="left")
+    return run_throughput(series, runs=meta), [summaries, series]
 
 
 def scaling(load: Loader, *, selected: list[str], focus: str | None, model: str | None = None) -> Scaling:
@@ -336,21 +358,22 @@ def scaling(load: Loader, *, selected: list[str], focus: str | None, model: str 
         focus_model = meta_of(table, focus).get("model")
         if focus_model:
             chosen = table.loc[table["model"] == focus_model, "run"].tolist()
-    per_run = load("run_summaries", runs=chosen)
-    summ = table.merge(per_run, on="run", how="inner")
-    view = Scaling(table=summ, runs=chosen, frames=[per_run])
-    summ = summ.dropna(subset=["world_size", "step_time_s"])
-    view.models = summ["model"].dropna().unique().tolist()
-    if summ.empty or not view.models:
-        view.table = summ
+    per_run, frames = scaling_runs(load, runs=chosen)
+    view = Scaling(table=per_run.iloc[:0], runs=chosen, per_run=per_run, frames=frames)
+    view.models = per_run["model"].dropna().unique().tolist() if "model" in per_run else []
+    if per_run.empty or not view.models:
+        view.note = no_family_reason(per_run.iloc[:0])
         return view
-    summ = summ[summ["model"] == (model if model in view.models else view.models[0])].copy()
-    dp = [_dp(meta_of(table, r), fallback=int(w)) for r, w in zip(summ["run"], summ["world_size"])]
-    summ["tokens_per_s"] = summ["tokens_mean"] * dp / summ["step_time_s"]
-    view.table = scaling_table(summ)
-    view.fit = amdahl_fit(n=view.table["world_size"].to_numpy(), throughput=view.table["tokens_per_s"].to_numpy())
-    view.figures["speedup"] = figures.scaling_speedup(view.table, fit=view.fit)
-    view.figures["bars"] = figures.scaling_bars(view.table)
+    per_run = per_run[per_run["model"] == (model if model in view.models else view.models[0])].reset_index(drop=True)
+    per_run["best"] = per_run.index == per_run["tokens_per_s"].idxmax()
+    view.per_run = per_run
+    view.table = scaling_table(per_run)
+    view.fits = amdahl_fits(view.table)
+    if view.table.empty:
+        view.note = no_family_reason(per_run)
+    else:
+        view.figures["speedup"] = figures.scaling_speedup(view.table, fits=view.fits)
+    view.figures["bars"] = figures.scaling_bars(per_run)
     return view
 
 

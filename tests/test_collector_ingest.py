@@ -40,7 +40,7 @@ def coll_rows(rank: int, n: int, start: int = 0) -> list[tuple]:
 
 def step_rows(n: int) -> list[tuple]:
     return [(i, 10.0 + i, 11.0 + i, 1.0, 0.6, 0.2, 0.1, 0.1, 0.01, 0.2, 0.4, 0.02, 4096, 1e12, 0.4,
-             3.0 - i / 100, False, 1.0, 3e-4, i == 3, 40, 0) for i in range(n)]
+             3.0 - i / 100, False, 1.0, 3e-4, i == 3, 40, 0, 0.7, 0.0) for i in range(n)]
 
 
 def ingestor(store, clock=None, **cfg) -> Ingestor:

@@ -57,7 +57,7 @@ def served(tmp_path_factory):
         pytest.skip(f"Debian chromium not installed at {CHROMIUM} (apt-get install -y chromium)")
     store = tmp_path_factory.mktemp("store")
     # The newest run is the pipeline run, so it is the default focus; the older DDP run of the same model
-    # gives the Scaling page two world sizes.
+    # gives the Scaling page a second run (a different strategy: throughput only, no scaling family).
     write_store(store, config=SyntheticConfig(run="ddp-8", mesh={"dp": 8}, steps=30, t0=1.8e9))
     write_store(store, config=SyntheticConfig(run="pp-fsdp-16", mesh={"pp": 2, "fsdp": 4, "tp": 2}, steps=30,
                                               straggler=Straggler(rank=5, cause="throttle"), t0=1.8e9 + 86400))

@@ -85,24 +85,25 @@ def test_spec_from_run_record_parses_json_and_validates():
 
 
 # --------------------------------------------------------------------------------------- scaling
+def _family(rows, **kw) -> pd.DataFrame:
+    t = pd.DataFrame(rows, columns=["run", "world_size", "global_batch", "tokens_per_s"])
+    return t.assign(model="m", seq_len=8, strategy="ddp", schedule="", microbatches=0, virtual_stages=1, **kw)
+
+
 def test_strong_scaling_table():
-    runs = pd.DataFrame({"run": ["a", "b", "c"], "world_size": [8, 16, 32], "global_batch": [64] * 3,
-                         "tokens_per_s": [800.0, 1440.0, 2400.0], "step_time_s": [8.0, 8.0 / 1.8, 8.0 / 3.0]})
+    # No 1-rank run: the baseline is the family's smallest world size (8), speedup 1 there.
+    runs = _family([("a", 8, 64, 800.0), ("b", 16, 64, 1440.0), ("c", 32, 64, 2400.0)])
     t = scaling_table(runs).set_index("run")
-    assert t["speedup"].tolist() == pytest.approx([8, 14.4, 24])
-    assert t["efficiency"].tolist() == pytest.approx([1.0, 0.9, 0.75])
-    assert t["strong_efficiency"].tolist() == pytest.approx([1.0, 0.9, 0.75])
-    assert t["weak_efficiency"].iloc[1:].isna().all()  # per-device batch differs: weak scaling does not apply
-    assert t["best"].tolist() == [False, False, True]
-    assert t.loc["b", "tokens_per_s_per_device"] == pytest.approx(90.0)
+    assert set(t["family"]) == {"strong · ddp · global batch 64"} and set(t["baseline"]) == {"a"}
+    assert t["speedup"].tolist() == pytest.approx([1, 1.8, 3])
+    assert t["efficiency"].tolist() == pytest.approx([1.0, 0.9, 0.75])  # speedup · n0 / n
 
 
 def test_weak_scaling_table():
-    runs = pd.DataFrame({"run": ["a", "b"], "world_size": [8, 32], "global_batch": [64, 256],
-                         "tokens_per_s": [800.0, 2880.0], "step_time_s": [1.0, 1.11]})
+    runs = _family([("a", 8, 64, 800.0), ("b", 32, 256, 2880.0)])
     t = scaling_table(runs)
-    assert t["weak_efficiency"].tolist() == pytest.approx([1.0, 0.9])
-    assert t["strong_efficiency"].iloc[1:].isna().all()
+    assert set(t["kind"]) == {"weak"}
+    assert t["efficiency"].tolist() == pytest.approx([1.0, 0.9])  # per-device throughput ratio
 
 
 def test_amdahl_fit_recovers_c():
@@ -111,6 +112,7 @@ def test_amdahl_fit_recovers_c():
     throughput = 1 / (t1 * (c + (1 - c) / n))
     fit = amdahl_fit(n=n, throughput=throughput)
     assert fit.c == pytest.approx(c) and fit.t1 == pytest.approx(t1) and fit.rmse == pytest.approx(0, abs=1e-12)
+    assert fit.r2 == pytest.approx(1)
     assert fit.speedup(8) == pytest.approx(1 / (0.05 + 0.95 / 8))
 
 
@@ -120,9 +122,10 @@ def test_amdahl_fit_from_a_baseline_above_one():
     assert amdahl_fit(n=n, throughput=throughput).c == pytest.approx(0.1)
 
 
-def test_amdahl_fit_constrains_c_and_needs_two_sizes():
+def test_amdahl_fit_constrains_c_and_needs_three_sizes():
     superlinear = amdahl_fit(n=np.array([1, 2, 4]), throughput=np.array([1.0, 2.2, 4.8]))
     assert superlinear.c == 0.0  # better than ideal: no serial part, not a negative one
     flat = amdahl_fit(n=np.array([1, 2, 4]), throughput=np.array([1.0, 0.9, 0.8]))
     assert flat.c == 1.0
     assert amdahl_fit(n=np.array([8, 8]), throughput=np.array([1.0, 1.1])) is None
+    assert amdahl_fit(n=np.array([1, 2, 2]), throughput=np.array([1.0, 1.5, 1.6])) is None  # two sizes fit anything

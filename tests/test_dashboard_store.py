@@ -155,7 +155,8 @@ def test_overview_data_matches_pandas(store):
     got = analysis.breakdown(d["breakdown"]).set_index("rank")
     assert np.allclose(got[list(analysis.BREAKDOWN)], bd[list(analysis.BREAKDOWN)])
     rs = d["rank_steps"].sort_values(["step", "rank"]).reset_index(drop=True)
-    want = raw.sort_values(["step", "rank"])[["rank", "step", "compute_s", "exposed_comm_s"]].reset_index(drop=True)
+    want = raw.sort_values(["step", "rank"])[["rank", "step", "compute_s", "exposed_comm_s", "other_s", "cpu_s",
+                                                   "cpu_wait_s"]].reset_index(drop=True)
     pd.testing.assert_frame_equal(rs, want, check_dtype=False)
     # Over the budget: the latest steps whose rows fit.
     small = data.overview_data(store, run="pp", runs=["pp"], steps=(2, 7), budget=3 * raw["rank"].nunique())

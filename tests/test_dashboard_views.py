@@ -83,6 +83,8 @@ def test_memory_gpu_scaling_views(tmp_path):
     assert len(gpu.summary) == 8 and len(gpu.worst) == 8
     sc = views.scaling(load, selected=["b"], focus="b")  # fewer than two selected: all runs of the model
     assert sc.runs == ["b", "a"] and sc.table["world_size"].tolist() == [4, 8]
-    assert sc.fit is not None and 0 <= sc.fit.c <= 1
+    # 2 replicas' worth of batch each (8 and 16 sequences): one weak-scaling family, baseline a (4 ranks).
+    assert set(sc.table["family"]) == {"weak · ddp · batch/rank 2"} and set(sc.table["baseline"]) == {"a"}
+    assert sc.fits["fit"].tolist() == [None] and sc.fits["note"].iloc[0].startswith("No Amdahl fit")
     for fig in [*mem.figures.values(), *gpu.figures.values(), *sc.figures.values()]:
         assert _has_data(fig)

@@ -69,7 +69,7 @@ def header(rank: int = 0) -> bytes:
 
 def step_row(step: int) -> tuple:
     return (step, 1.0 + step, 2.0 + step, 1.0, 0.5, 0.2, 0.2, 0.1, 0.0, 0.2, 0.3, 0.0, 64, 1e6, 0.1, 2.5, False,
-            1.0, 1e-3, False, 2, 0)
+            1.0, 1e-3, False, 2, 0, 0.6, 0.0)
 
 
 def coll_row(seq: int) -> tuple:

@@ -1,5 +1,6 @@
 """``meshscope sweep``'s smallest grid end to end: real torchrun jobs recorded in the store, and the
-Scaling page's figures computed from that store agree with the step records themselves."""
+Scaling page's numbers computed from that store agree with the step records themselves and with the
+table the sweep prints."""
 
 from __future__ import annotations
 
@@ -35,27 +36,38 @@ def test_smallest_sweep_records_strong_and_weak_scaling(tmp_path):
     from dashboard.store import Store
 
     view = views.scaling(views.direct_loader(Store.open(tmp_path)), selected=list(names), focus=None)
-    table = view.table.set_index("run")
-    assert set(table.index) == set(names)
+    per_run = view.per_run.set_index("run")
+    assert set(per_run.index) == set(names)
     # Independent truth: tokens/s from the step records (global batch × seq / median of the slowest
-    # rank's wall time per step), and the efficiency formulas applied by hand.
+    # rank's wall time over the steps after warm-up: step 0 here, 5 steps), and the formulas by hand.
     seq = 64
 
     def tokens_per_s(run: str) -> float:
-        s = step[step["run"] == run].groupby("step")["wall_s"].max()
+        s = step[(step["run"] == run) & (step["step"] >= 1)].groupby("step")["wall_s"].max()
         return names[run][1] * seq / statistics.median(s)
 
+    for run in names:
+        assert per_run.loc[run, "steady_from"] == 1
+        assert per_run.loc[run, "tokens_per_s"] == pytest.approx(tokens_per_s(run), rel=1e-6)
+    table = view.table.set_index("family")
+    assert sorted(table.index.unique()) == ["strong · ddp · global batch 8", "weak · ddp · batch/rank 8"]
+    assert set(table["baseline"]) == {"s-base-single-w1"} and set(table["n0"]) == {1}
     base = tokens_per_s("s-base-single-w1")
-    for run, (world, _) in names.items():
-        assert table.loc[run, "tokens_per_s"] == pytest.approx(tokens_per_s(run), rel=1e-6)
-        assert table.loc[run, "speedup"] == pytest.approx(tokens_per_s(run) / base, rel=1e-6)
-    strong = table.loc["s-strong-ddp-w2"]
-    assert strong["strong_efficiency"] == pytest.approx(tokens_per_s("s-strong-ddp-w2") / base / 2, rel=1e-6)
-    weak = table.loc["s-weak-ddp-w2"]
-    assert weak["weak_efficiency"] == pytest.approx(tokens_per_s("s-weak-ddp-w2") / (2 * base), rel=1e-6)
-    assert table["best"].sum() == 1
-    assert "speedup" in view.figures and view.fit is not None
-    assert "tokens/s" in proc.stdout and "s-weak-ddp-w2" in proc.stdout
+    for family, run in (("strong · ddp · global batch 8", "s-strong-ddp-w2"),
+                        ("weak · ddp · batch/rank 8", "s-weak-ddp-w2")):
+        row = view.table[(view.table["family"] == family) & (view.table["run"] == run)].iloc[0]
+        assert row["speedup"] == pytest.approx(tokens_per_s(run) / base, rel=1e-6)
+        assert row["efficiency"] == pytest.approx(tokens_per_s(run) / base / 2, rel=1e-6)
+    assert view.fits["fit"].isna().all()  # two world sizes: no fit, and the page says why
+    assert view.fits["note"].str.startswith("No Amdahl fit").all()
+    assert per_run["best"].sum() == 1
+    # The sweep's printed table shows the page's numbers: the same rows, as printed.
+    for r in view.table.itertuples():
+        line = f"{r.run:<44} {r.world_size:>5} {r.global_batch:>5.0f} {r.tokens_per_s:>10,.0f} {r.speedup:>8.3f} " \
+               f"{r.efficiency:>6.1%}"
+        assert line in proc.stdout, (line, proc.stdout)
+    for note in view.fits["note"]:
+        assert note in proc.stdout
 
 
 def test_sweep_bad_input_is_one_line():

@@ -133,26 +133,43 @@ def test_injected_straggler_is_the_compute_outlier_and_others_wait_for_it(tmp_pa
     assert abs(med(0, "compute_s", slow) - med(0, "compute_s", base)) < 0.2 * delay
 
 
-def _bubble(tmp_path, run: str, *args: str):
+def _bubble(tmp_path, run: str, *args: str, schedule: str, p: int, m: int, v: int = 1):
     """Median measured bubble per stage over steady steps: 1 − Σ(own spans) / pipeline extent, the extent
     running from the first span start to the last span end over all stages (the window the theory
     describes). The per-rank ``bubble_s`` of the step record is local to each rank: the drain at the end of
     a step (the last stage waiting for the first one's final backward) lands in that rank's first
-    collective after the schedule (exposed communication), which a single rank cannot tell apart."""
+    collective after the schedule (exposed communication), which a single rank cannot tell apart.
+
+    Beside it, ``replay_bubble``: the schedule simulator fed each step's measured op times and transfer
+    time (``pipeline_sim.replay``), an independent model of what the schedule makes the stages wait; and
+    whether the run had a core per rank (``contended``: the product's CPU-contention warning, from the
+    run-queue delay)."""
+    from dashboard import environment
     from dashboard.analysis import measured_bubble
+    from dashboard.pipeline_sim import replay
 
     # tiny-wide's blocks dominate its embedding and head (balanced stages), and 8-sequence microbatches
     # (~120 ms forward) keep each P2P hop's fixed cost (~1 ms on gloo loopback) small against compute.
     run_job(tmp_path, run, 2, "--model", "tiny-wide", "--steps", "7", "--pp", "2", "--batch-size", "32", *args)
     spans = read_table(tmp_path, "span", run=run)
-    measured = measured_bubble(spans[spans["step"] >= 2])  # warm-up steps excluded
-    return measured.groupby("rank")[["bubble", "schedule_bubble", "imbalance", "busy_s"]].median()
+    steady = spans[spans["step"] >= 2]  # warm-up steps excluded
+    measured = measured_bubble(steady).merge(replay(steady, schedule=schedule, p=p, m=m, v=v), on="step")
+    assert measured["step"].nunique() == 5, measured  # every steady step replayed: its spans fit the schedule
+    steps = read_table(tmp_path, "step", run=run)
+    shares = environment.cpu_wait_share(steps[steps["step"] >= 2])
+    contended = [w for w in environment.warnings(device="cpu", shares=shares, n_steady=5)
+                 if w.startswith("CPU contention")]
+    frac = measured.groupby("rank")[["bubble", "schedule_bubble", "replay_bubble", "schedule_idle", "hop_s",
+                                          "imbalance", "busy_s"]].median()
+    print(f"\n{schedule}: CPU wait share {shares.round(3).to_dict('records')}\n{frac.round(4).to_string()}")
+    return frac, contended
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_bubble_fraction_matches_theory(tmp_path, schedule):
     p, m = 2, 4
-    frac = _bubble(tmp_path, schedule, "--schedule", schedule, "--microbatches", str(m))
+    frac, contended = _bubble(tmp_path, schedule, "--schedule", schedule, "--microbatches", str(m),
+                              schedule=schedule, p=p, m=m)
     theory = (p - 1) / (m + p - 1)
     # The theory is for balanced stages. The last stage also runs the final norm, the head and the loss:
     # measured 3-5 % more busy time than stage 0 here, so the extent follows the last stage and stage 0
@@ -163,25 +180,39 @@ def test_bubble_fraction_matches_theory(tmp_path, schedule):
     # slowest can change from step to step when the stages are this close (1F1B), so the check is on the
     # schedule share, not on the raw bubble of one fixed rank.
     for rank, row in frac.iterrows():
-        assert abs(row["schedule_bubble"] - theory) <= 0.03, (rank, row.to_dict(), theory)
-    print(f"\n{schedule}: theory {theory:.4f}\n{frac.round(4).to_string()}")
+        # What the schedule implies for the op and transfer times measured.
+        assert abs(row["schedule_bubble"] - row["replay_bubble"]) <= 0.03, (rank, row.to_dict())
+        if not contended:
+            assert abs(row["schedule_bubble"] - theory) <= 0.03, (rank, row.to_dict(), theory)
+    _theory_holds_unless_contended(frac, theory=theory, contended=contended)
+
+
+def _theory_holds_unless_contended(frac, *, theory: float, contended: list[str]) -> None:
+    """The closed form assumes every op of a stage takes the same time. With ranks sharing cores that
+    fails: fill and drain, where one stage runs alone, get a core to themselves and run faster (a busy
+    loop on one of 2 cores: 1F1B's schedule share 14.7 % against 20 %). The product then warns that bubble
+    vs theory describes the machine's load; the replay above still holds the measurement to the schedule."""
+    if contended:
+        assert any(w.startswith("CPU contention") for w in contended), contended
+        print(f"contended: closed form {theory:.4f} not asserted; replay {frac['replay_bubble'].round(4).tolist()}")
 
 
 def test_interleaved_bubble_is_reported_against_its_theory(tmp_path):
     p, m, v = 2, 4, 2
-    both = _bubble(tmp_path, "il", "--schedule", "interleaved", "--microbatches", str(m))
+    both, contended = _bubble(tmp_path, "il", "--schedule", "interleaved", "--microbatches", str(m),
+                              schedule="interleaved", p=p, m=m, v=v)
     theory = (p - 1) / (v * m + p - 1)
-    print(f"\ninterleaved: theory {theory:.4f}\n{both.round(4).to_string()}")
     # Interleaving trades bubble for more P2P hops (2·v per microbatch instead of 2); each hop has a fixed
     # cost the theory treats as free, so the schedule's share sits a little above (p-1)/(v·m+p-1)
     # (measured +1.1 to +1.4 pp here), and well below the non-interleaved (p-1)/(m+p-1). The raw idle of
     # the lighter stage adds the stage imbalance (up to 4 pp seen), as in the non-interleaved test.
     for rank, row in both.iterrows():
-        assert abs(row["schedule_bubble"] - theory) <= 0.03, (rank, row.to_dict(), theory)
+        assert abs(row["schedule_bubble"] - row["replay_bubble"]) <= 0.03, (rank, row.to_dict())
         assert row["schedule_bubble"] < (p - 1) / (m + p - 1) - 0.03, (rank, row.to_dict())
-        # Below the theory only by the issue's ±3 pp: a core shared with another process stretches the
-        # spans' wall time, and so shrinks the idle share (9.4 % on stage 0 with a busy loop on one core).
-        assert row["bubble"] >= theory - 0.03, (rank, row.to_dict(), theory)
+        if not contended:
+            assert abs(row["schedule_bubble"] - theory) <= 0.03, (rank, row.to_dict(), theory)
+            assert row["bubble"] >= theory - 0.03, (rank, row.to_dict(), theory)
+    _theory_holds_unless_contended(both, theory=theory, contended=contended)
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (make install-servers)")
@@ -236,6 +267,7 @@ def test_metrics_of_a_running_job_pass_promtool_and_stay_in_budget(tmp_path):
 
 
 WAKEUP_FLOOR_S = 250e-6  # see test_collective_time_per_op_agrees_with_the_profiler
+CONTENDED_WAKEUP_S = 1e-3  # the same when ranks wait for a CPU (the page warns of CPU contention)
 
 
 def test_clean_runs_flag_no_straggler(profiled_run):
@@ -247,8 +279,23 @@ def test_clean_runs_flag_no_straggler(profiled_run):
     strategy, store, _, _ = profiled_run
     ov = views.overview(views.direct_loader(Store.open(store)), run="r", runs=["r"], steps=None)
     assert ov.verdict_steps >= 5 and ov.stragglers is not None
+    if _contended(ov.warnings):
+        # A rank that shares its core with another process is slower than its peer, truly: the verdict may
+        # name it, but only with the machine as the cause (a busy loop on one of 2 cores flagged DDP's
+        # rank 0), and the page says the figures include waiting for a CPU.
+        assert all(c.startswith("CPU contention") for c in ov.stragglers["cause"]), (strategy, ov.stragglers.to_string())
+        return
     assert ov.stragglers.empty, (strategy, ov.stragglers.to_string())
     assert ov.metrics["cost_s"] == 0.0
+
+
+def _contended(warnings: list[str]) -> bool:
+    """Whether the product warned that ranks waited for a CPU (dashboard.environment): then the truths
+    that assume a core per rank do not hold, and the tests say what holds instead."""
+    hit = any(w.startswith("CPU contention") for w in warnings)
+    if hit:
+        print("\n" + "\n".join(warnings))
+    return hit
 
 
 def test_collective_time_per_op_agrees_with_the_profiler(profiled_run):
@@ -270,9 +317,19 @@ def test_collective_time_per_op_agrees_with_the_profiler(profiled_run):
     in a fresh-clone `make test` run (1.10, the strict 10 % failed there)."""
     from tests.workers.hooks_common import OP_TO_GLOO, chrome_trace_events, profiler_op_refs, tracer_op_refs
 
+    from dashboard import views
+    from dashboard.store import Store
+
     strategy, tmp_path, _, _ = profiled_run
     first, last = PROFILED
     coll = read_table(tmp_path, "collective", run="r")
+    # A blocking op's end is its waiting thread's wake-up; when the ranks share cores with other work that
+    # wake-up waits for a CPU too: with a busy loop on one of 2 cores the per-op medians read +0.28 ms on
+    # TP's 0.33 ms all-reduce (ratio 1.85) and +0.5 ms on PP's ~4 ms one (1.12). The page then warns that
+    # timings include waiting for a CPU, and the floor becomes CONTENDED_WAKEUP_S per op: still a failure
+    # for an op mispaired or stamped off by its own duration once ops take a few ms.
+    ov = views.overview(views.direct_loader(Store.open(tmp_path)), run="r", runs=["r"], steps=(first, last - 1))
+    floor_s = CONTENDED_WAKEUP_S if _contended(ov.warnings) else WAKEUP_FLOOR_S
     for rank in (0, 1):
         events = chrome_trace_events(tmp_path / "prof" / f"rank-{rank}.json")
         refs = profiler_op_refs(events, window_prefix="train_step_", first_step=first, n_steps=last - first)
@@ -304,6 +361,6 @@ def test_collective_time_per_op_agrees_with_the_profiler(profiled_run):
             # 10 %, or the wake-up floor for short ops (see the docstring): the median op's reference time
             # sets which applies.
             ref_s = statistics.median(x for x, v in zip(refs_s[key], values) if v == v)
-            tolerance = max(0.10, WAKEUP_FLOOR_S / ref_s)
+            tolerance = max(0.10, floor_s / ref_s)
             assert abs(statistics.median(paired) - 1) <= tolerance, (rank, key, ref_s, tolerance, sorted(paired))
         assert compared >= 1, (rank, ratios)

@@ -16,7 +16,7 @@ from agent.transport.frame import (
 from agent.transport.reader import SpoolReader
 
 STEP_ROW = (7, 10.0, 11.0, 1.0, 0.6, 0.2, 0.1, 0.1, 0.01, 0.2, 0.4, 0.02, 4096, 1e12, 0.4, 2.5, False, 0.9,
-            3e-4, False, 12, 0)
+            3e-4, False, 12, 0, 0.7, 0.01)
 
 
 def test_data_frame_round_trip():
@@ -119,3 +119,17 @@ def test_reader_reads_a_written_file(tmp_path):
     assert [f.kind for f in res.frames] == ["header", "event"] and res.offset == len(header) + len(data)
     assert res.frames[1].offset == len(header) and res.frames[1].table.column("message").to_pylist() == ["go"]
     assert not res.rejected and not res.more
+
+
+def test_a_version_1_step_batch_is_lifted_to_the_current_schema():
+    # Spools written before step.cpu_s existed (schema v1) still ingest: the column is NULL.
+    from agent.schema import SCHEMAS_V1
+    from agent.transport.frame import encode_batch
+
+    v1 = pa.RecordBatch.from_arrays([pa.array([v], type=f.type) for v, f in zip(STEP_ROW[:-2], SCHEMAS_V1["step"])],
+                                    schema=SCHEMAS_V1["step"])
+    frame = encode_frame("step", encode_batch(v1), schema_version=1)
+    kind, version, length, crc = parse_frame_header(frame, 0)
+    table = decode_payload(kind, version, memoryview(frame)[FRAME_HEADER_SIZE:FRAME_HEADER_SIZE + length], crc)
+    assert version == 1 and table.schema.equals(SCHEMAS["step"])
+    assert table.column("cpu_s").null_count == table.column("cpu_wait_s").null_count == 1 and table.column("wall_s")[0].as_py() == STEP_ROW[3]

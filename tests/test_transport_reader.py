@@ -83,7 +83,7 @@ def test_garbage_between_frames_and_a_frame_cut_short(tmp_path):
 
 def test_schema_mismatch_and_decode_errors_are_skipped_whole(tmp_path):
     wrong = encode_frame("event", encode_data_frame("step", rows_to_batch("step", [
-        (0, 1.0, 2.0, 1.0, 0.5, 0.2, 0.2, 0.1, 0.0, 0.2, 0.3, 0.0, 1, 1.0, 0.1, 1.0, False, 1.0, 0.1, False, 0, 0)
+        (0, 1.0, 2.0, 1.0, 0.5, 0.2, 0.2, 0.1, 0.0, 0.2, 0.3, 0.0, 1, 1.0, 0.1, 1.0, False, 1.0, 0.1, False, 0, 0, 0.4, 0.0)
     ]))[FRAME_HEADER_SIZE:])
     junk = encode_frame("event", b"this is not an arrow stream!")
     path = tmp_path / "s.spool"

@@ -3,7 +3,8 @@ recorded in the store so that the dashboard's Scaling page can show strong- and 
 
 Strong scaling keeps the global batch fixed (``--batch-size``); weak scaling keeps the work per device
 fixed (global batch = ``--batch-size`` × world size). Each grid point is a real ``torchrun`` job of the
-reference trainer; the defaults finish in a few minutes on a 2-core CPU machine.
+reference trainer; the defaults finish in a few minutes on a 2-core CPU machine. The table printed at the end
+is the Scaling page's (``report``: the same loads and ``dashboard.scaling``'s families, baselines and fits).
 
     meshscope sweep --store runs [--model tiny] [--world-sizes 1,2,4] [--strategies ddp,fsdp,tp,pp]
                     [--microbatches 4] [--scaling strong,weak] [--steps 8] [--batch-size 8] [--name NAME]
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -138,22 +138,41 @@ def _ingest(store: Path, env: dict) -> None:
         print(f"meshscope sweep: warning: ingest failed: {proc.stderr.strip()}", file=sys.stderr)
 
 
-def summarize(store: Path, names: dict[str, Point], *, seq_len: int) -> list[dict]:
-    """Tokens/s per run from its step records (median over steps ≥ 1, the first is warm-up)."""
-    from agent.collector.store import read_table
+def report(store: Path, runs: list[str]) -> dict:
+    """The Scaling page's numbers for ``runs``: read through the page's own loads and computed by the same
+    functions (``dashboard.scaling``), so this table and the page cannot disagree. Returns ``per_run``
+    (throughput over steady steps), ``table`` (per family and run: speedup, efficiency), ``fits`` (per
+    family: the Amdahl verdict or why there is none) and ``note`` (why there is no family, if none)."""
+    # The dashboard's store reader and analysis, imported late: only this last step of the sweep needs them.
+    from dashboard import scaling, views
+    from dashboard.store import Store
 
-    rows = []
-    steps = read_table(store, "step", columns=["run", "rank", "step", "wall_s", "tokens", "exposed_comm_s"])
-    for name, point in names.items():
-        s = steps[(steps["run"] == name) & (steps["step"] >= 1)]
-        if s.empty:
-            rows.append({"run": name, "point": point, "tokens_per_s": float("nan"), "comm": float("nan")})
-            continue
-        per_step = s.groupby("step").agg(wall=("wall_s", "max"), comm=("exposed_comm_s", "mean"))
-        wall = statistics.median(per_step["wall"])
-        rows.append({"run": name, "point": point, "tokens_per_s": point.batch * seq_len / wall,
-                     "comm": float((per_step["comm"] / per_step["wall"]).median())})
-    return rows
+    per_run, _ = views.scaling_runs(views.direct_loader(Store.open(store)), runs=runs)
+    table = scaling.scaling_table(per_run)
+    return {"per_run": per_run, "table": table, "fits": scaling.amdahl_fits(table),
+            "note": "" if len(table) else scaling.no_family_reason(per_run)}
+
+
+def format_report(rep: dict) -> str:
+    """The terminal table: per family, its baseline, each run's throughput, speedup and efficiency against
+    it, and the fit verdict; then the runs that belong to no family."""
+    head = f"{'run':<44} {'ranks':>5} {'batch':>5} {'tokens/s':>10} {'speedup':>8} {'eff.':>6} {'exp.comm':>8}"
+    lines = []
+    table, fits = rep["table"], rep["fits"].set_index("family")
+    for family, g in table.groupby("family", sort=True):
+        lines += ["", f"{family}: baseline {g['baseline'].iloc[0]} (n0 = {int(g['n0'].iloc[0])})", head]
+        lines += [f"{r.run:<44} {r.world_size:>5} {r.global_batch:>5.0f} {r.tokens_per_s:>10,.0f} {r.speedup:>8.3f} "
+                  f"{r.efficiency:>6.1%} {r.comm_fraction:>8.0%}" for r in g.itertuples()]
+        lines.append(fits.loc[family, "note"])
+    per_run = rep["per_run"]
+    alone = per_run[~per_run["run"].isin(table["run"])] if len(table) else per_run
+    if rep["note"]:
+        lines += ["", rep["note"]]
+    if len(alone):
+        lines += ["", "Runs in no family (throughput only):", head]
+        lines += [f"{r.run:<44} {r.world_size:>5} {r.global_batch:>5.0f} {r.tokens_per_s:>10,.0f} {'':>8} {'':>6} "
+                  f"{r.comm_fraction:>8.0%}" for r in alone.itertuples()]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,14 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         names[name] = point
     _ingest(store, env)
     print(f"\n{len(points)} runs in {time.monotonic() - t_start:.0f}s; store: {store}")
-    print(f"{'run':<44} {'ranks':>5} {'batch':>5} {'tokens/s':>10} {'speedup':>8} {'eff.':>6} {'exp.comm':>8}")
-    rows = summarize(store, names, seq_len=FLAVORS[ns.model].max_seq_len)
-    base = next((r for r in rows if r["point"].world == 1), None)
-    for r in rows:
-        p, b = r["point"], base
-        speedup = r["tokens_per_s"] / b["tokens_per_s"] if b else float("nan")
-        print(f"{r['run']:<44} {p.world:>5} {p.batch:>5} {r['tokens_per_s']:>10.0f} {speedup:>8.2f} "
-              f"{speedup / p.world:>6.0%} {r['comm']:>8.0%}")
+    print(format_report(report(store, list(names))))
     print("\nOpen the dashboard's Scaling page on this store to see the efficiency curves and the Amdahl fit.")
     return 0
 

@@ -59,6 +59,7 @@ def step_table(*, steps: np.ndarray, t0: float, rank: int, rng: np.random.Genera
         "tokens": np.full(n, 4096), "flops": np.full(n, 4096 * 6e9), "mfu": 4096 * 6e9 / wall / 989e12,
         "loss": loss, "loss_nonfinite": np.zeros(n, bool), "grad_norm": np.ones(n), "lr": np.full(n, 3e-4),
         "skipped": np.zeros(n, bool), "n_collectives": np.full(n, 40), "dropped_records_total": np.zeros(n),
+        "cpu_s": compute + other, "cpu_wait_s": np.zeros(n),
     })
 
 

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from agent.instrument import bandwidth, memory
+from agent.instrument.cpu import ThreadCPU
 from agent.instrument.recorder import AnchoredClock, Clock
 from agent.schema import SCHEMAS
 
@@ -84,12 +85,13 @@ class TelemetryConfig:
 class _StepState:
     __slots__ = (
         "step", "t_start", "phases", "phase", "waits_in_phase", "exposed", "pp_wait", "span_time",
-        "span_depth", "nonpp_wait_outside_spans", "span_kind_time", "n_collectives", "values",
+        "span_depth", "nonpp_wait_outside_spans", "span_kind_time", "n_collectives", "values", "cpu0",
     )
 
-    def __init__(self, step: int, t_start: float) -> None:
+    def __init__(self, step: int, t_start: float, cpu0: tuple[float, float]) -> None:
         self.step = step
         self.t_start = t_start
+        self.cpu0 = cpu0
         self.phases: dict[str, float] = collections.defaultdict(float)
         self.phase: str | None = None
         self.waits_in_phase: dict[str, float] = collections.defaultdict(float)
@@ -127,6 +129,7 @@ class Telemetry:
         self.rank, self.world_size, self.local_rank, self.attempt = rank, world_size, local_rank, attempt
         self.clock = clock or AnchoredClock()
         self._device = device
+        self._cpu = ThreadCPU()
         self._bufs = {kind: collections.deque() for kind in SCHEMAS}
         self.dropped_records = 0  # rows refused by the bounded buffers
         self.errors = 0
@@ -208,6 +211,7 @@ class Telemetry:
         self._wake.set()
         self._flusher.join(timeout_s)
         self._drain()
+        self._cpu.close()
         try:
             self._writer.close(timeout_s=timeout_s)
         except Exception:
@@ -216,7 +220,7 @@ class Telemetry:
     # ------------------------------------------------------------------------------------ step API
     @contextmanager
     def step(self, step: int) -> Iterator[StepContext]:
-        state = _StepState(step, self.clock.now())
+        state = _StepState(step, self.clock.now(), self._cpu.read())
         self._cur = state
         self._progress(state.t_start)
         try:
@@ -328,6 +332,7 @@ class Telemetry:
                     self.record_error("tracer_flush", exc)
         try:
             t_end = self.clock.now()
+            cpu, cpu_wait = (now - then for now, then in zip(self._cpu.read(), state.cpu0))
             wall = t_end - state.t_start
             v = state.values
             pipeline_time = state.phases.get("pipeline", 0.0)
@@ -351,7 +356,7 @@ class Telemetry:
                 state.phases.get("data", 0.0), fwd, bwd, state.phases.get("optimizer", 0.0),
                 int(v.get("tokens", 0)), flops, mfu, loss, not (loss == loss and abs(loss) != float("inf")),
                 _as_float(v.get("grad_norm")), _as_float(v.get("lr"), 0.0), bool(v.get("skipped", False)),
-                state.n_collectives, dropped,
+                state.n_collectives, dropped, cpu, cpu_wait,
             ))
             if state.step % self.config.memory_every == 0:
                 self._push("memory", memory.sample(state.step, t_end, self._device_or_cpu()))
@@ -435,7 +440,7 @@ class NullTelemetry:
 
     @contextmanager
     def step(self, step: int) -> Iterator[StepContext]:
-        yield StepContext(_StepState(step, 0.0))
+        yield StepContext(_StepState(step, 0.0, (0.0, 0.0)))
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:

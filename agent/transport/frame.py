@@ -40,7 +40,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from agent.schema import SCHEMA_VERSION, SCHEMAS
+from agent.schema import SCHEMA_VERSION, SCHEMAS, SCHEMAS_V1
 
 MAGIC = b"MSPL"
 FORMAT_VERSION = 1
@@ -56,8 +56,10 @@ KIND_CODES: dict[str, int] = {
 CODE_KINDS: dict[int, str] = {code: kind for kind, code in KIND_CODES.items()}
 assert set(KIND_CODES) - {HEADER_KIND} == set(SCHEMAS), "every schema kind needs a frame code"
 
-# Schemas by the version the agent can read. Older versions join here when SCHEMA_VERSION is bumped.
-KNOWN_SCHEMAS: dict[int, dict[str, pa.Schema]] = {SCHEMA_VERSION: SCHEMAS}
+# Schemas by the version the agent can read. Older versions join here when SCHEMA_VERSION is bumped; their
+# batches are lifted to the current schema on decode (columns added since are NULL), so everything past the
+# reader sees one schema per kind.
+KNOWN_SCHEMAS: dict[int, dict[str, pa.Schema]] = {1: SCHEMAS_V1, SCHEMA_VERSION: SCHEMAS}
 
 # Why a reader rejected bytes (the label values of meshscope_agent_frames_rejected_total).
 REJECT_REASONS = (
@@ -195,4 +197,13 @@ def decode_payload(kind: str, version: int, payload: memoryview, crc: int) -> pa
     expected = KNOWN_SCHEMAS[version][kind]
     if not table.schema.equals(expected, check_metadata=False):
         raise FrameError("schema_mismatch", f"{kind} v{version}: got {table.schema.names}")
-    return table
+    return _lift(table, SCHEMAS[kind])
+
+
+def _lift(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """A table of an older schema version in the current schema: the columns it lacks are NULL."""
+    if table.schema.equals(schema, check_metadata=False):
+        return table
+    return pa.Table.from_arrays(
+        [table.column(f.name) if f.name in table.schema.names else pa.nulls(len(table), f.type) for f in schema],
+        schema=schema)

@@ -20,6 +20,8 @@ def main(ctx: ui.Context) -> None:
         ui.missing("step records", run=run)
         return
     m, f = view.metrics, view.figures
+    for text in view.warnings:  # the environment qualifies every figure below: say so first
+        st.warning(text, icon="⚠️")
     c = st.columns(4)
     c[0].metric("tokens/s (median)", _fmt(m["tokens_per_s"], ",.0f"))
     c[1].metric("MFU (median)", _fmt(m["mfu"], ".1%"))

@@ -1,13 +1,16 @@
-"""Scaling: across runs of one model at different world sizes and strategies: throughput, speedup,
-strong- and weak-scaling efficiency, communication fraction, an Amdahl fit, and the best configuration."""
+"""Scaling: runs of one model grouped into strong- and weak-scaling families; per family speedup and
+efficiency against its smallest world size, an Amdahl fit where there are enough world sizes, the
+communication fraction, and the best configuration. The numbers are ``meshscope sweep``'s (one computation:
+``dashboard/scaling.py``)."""
 
 import streamlit as st
 
-from dashboard import ui, views
+from dashboard import scaling, ui, views
 
-COLUMNS = ["run", "strategy", "mesh", "world_size", "global_batch", "step_time_s", "tokens_per_s",
-           "tokens_per_s_per_device", "speedup", "efficiency", "strong_efficiency", "weak_efficiency",
-           "comm_fraction", "mfu", "best"]
+RUN_COLUMNS = ["run", "strategy", "mesh", "world_size", "global_batch", "steady_from", "steps_used", "step_time_s",
+               "tokens_per_s", "tokens_per_s_per_device", "comm_fraction", "mfu", "best"]
+FAMILY_COLUMNS = ["family", "run", "world_size", "global_batch", "tokens_per_s", "baseline", "n0", "speedup",
+                  "efficiency"]
 
 
 def main(ctx: ui.Context) -> None:
@@ -17,26 +20,31 @@ def main(ctx: ui.Context) -> None:
     ui.warn_skipped(*view.frames)
     if len(ctx.selected) < 2:
         st.caption(f"Fewer than two runs selected: comparing the {len(view.runs)} runs of the focus run's model.")
-    if not view.figures:
+    per_run = view.per_run
+    if per_run is None or per_run.empty:
         st.info("No run with both run records and step records among the selection.")
         return
     if len(view.models) > 1:
         st.selectbox("Model", view.models, key="scaling.model")
-    table, fit = view.table, view.fit
-    best = table[table["best"]].iloc[0]
-    c = st.columns(3)
+    best = per_run[per_run["best"]].iloc[0]
+    c = st.columns(2)
     c[0].metric("best configuration", f"{best['run']}")
     c[1].metric("best tokens/s", f"{best['tokens_per_s']:,.0f}")
-    c[2].metric("Amdahl c (fit)", f"{fit.c:.3f}" if fit else "needs 2+ world sizes")
-    st.caption(f"Best: `{best['run']}` — {best['strategy']}, mesh {best['mesh']}, {best['world_size']:.0f} ranks.")
+    st.caption(f"Best: `{best['run']}` — {best['strategy']}, mesh {best['mesh']}, {best['world_size']:.0f} ranks "
+               f"(highest throughput of the runs shown; across families it compares different batches).")
+    st.dataframe(per_run[[c for c in RUN_COLUMNS if c in per_run]], hide_index=True)
+    if view.table.empty:
+        st.info(view.note)
+    else:
+        baselines = view.table.groupby("family")["baseline"].first()
+        for fit in view.fits.itertuples():
+            st.markdown(f"**{fit.family}** (baseline: {baselines[fit.family]}) — {fit.note}")
+        st.dataframe(view.table[FAMILY_COLUMNS], hide_index=True)
     for col, name in zip(st.columns(2), ("speedup", "bars")):
-        with col:
-            ui.chart(view.figures[name])
-    st.dataframe(table[COLUMNS], hide_index=True)
-    st.caption("Speedup = n0 · throughput / throughput(n0) against the smallest run n0; efficiency = speedup / n. "
-               "Strong-scaling efficiency only where the global batch equals the baseline's, weak-scaling where "
-               "the per-device batch does. Amdahl: time per token = T1 · (c + (1 − c)/n), fitted by least "
-               "squares in 1/n; speedup ≤ 1 / (c + (1 − c)/n).")
+        if name in view.figures:
+            with col:
+                ui.chart(view.figures[name])
+    st.caption(scaling.RULE)
 
 
 ui.render(main)

@@ -1,0 +1,79 @@
+"""When the environment makes a figure mean something else: DataFrame in, warnings out, no I/O.
+
+- **CPU contention** (CPU runs): a rank's *CPU wait share* is the time its training thread was runnable
+  but waited for a CPU (the kernel's run-queue delay, ``cpu_wait_s``) over the time that thread was not
+  blocked on a collective or a pipeline neighbour (``compute_s + other_s``), median over the steps. On the
+  dev VM a rank with a core to itself reads 0.01-0.08; with a busy loop on one of its 2 cores 0.2-0.45
+  (CPU time + wait then add up to 0.95-1.0 of that time). A rank that waits for a core has that wait in
+  its compute time: compute, its peers' exposed communication (they wait for it), bubble vs theory and
+  MFU then describe the machine's load, not the job. Above ``CPU_WAIT_MAX`` the pages say so. On GPUs
+  the training thread mostly launches and synchronises, so the rule is for CPU devices only.
+- **Too short**: fewer than ``MIN_STEADY_STEPS`` steps after warm-up is too little for a verdict.
+- **GPU clocks**: a GPU whose SM clock ran below ``CLOCK_MIN`` of its maximum (median over samples).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+CPU_WAIT_MAX = 0.10
+MIN_STEADY_STEPS = 5
+CLOCK_MIN = 0.90
+
+
+def cpu_wait_share(steps: pd.DataFrame) -> pd.DataFrame:
+    """Per rank, the median CPU wait share over ``steps`` (``rank``, ``cpu_wait_s``, ``compute_s``,
+    ``other_s``): ``rank``, ``cpu_wait_share``. Ranks without ``cpu_wait_s`` (stores written before it
+    existed, kernels that do not report it) are absent."""
+    if "cpu_wait_s" not in steps or steps.empty:
+        return pd.DataFrame({"rank": pd.Series(dtype="int64"), "cpu_wait_share": pd.Series(dtype=float)})
+    busy = steps["compute_s"] + steps["other_s"]
+    t = steps.assign(cpu_wait_share=steps["cpu_wait_s"] / busy.where(busy > 0)).dropna(subset=["cpu_wait_share"])
+    return t.groupby("rank", as_index=False)["cpu_wait_share"].median()
+
+
+def contended(shares: pd.DataFrame, *, limit: float = CPU_WAIT_MAX) -> pd.DataFrame:
+    """The ranks of ``cpu_wait_share`` above ``limit``."""
+    return shares[shares["cpu_wait_share"] > limit].sort_values("rank").reset_index(drop=True)
+
+
+def warnings(*, device: str | None, shares: pd.DataFrame, n_steady: int, hosts: pd.DataFrame | None = None,
+             clocks: pd.DataFrame | None = None) -> list[str]:
+    """The sentences the pages and ``report`` show above the figures.
+
+    ``shares``: ``cpu_wait_share``'s output. ``hosts`` (optional): ``rank``, ``host``. ``clocks`` (optional,
+    ``analysis.gpu_ranks``): ``rank``, ``clock_ratio`` (its GPU's SM clock / max)."""
+    out = []
+    if (device or "").startswith("cpu") and len(shares):
+        low = contended(shares)
+        if len(low):
+            where = ""
+            if hosts is not None and len(hosts):
+                per_host = hosts.groupby("host")["rank"].nunique()
+                where = "; ranks per host: " + ", ".join(f"{h} {n}" for h, n in per_host.items())
+            out.append(
+                f"CPU contention: {_ranks(low['rank'])} waited for a CPU {_span(low['cpu_wait_share'])} of the time "
+                f"they were not waiting for peers (above {CPU_WAIT_MAX:.0%}{where}). Their compute includes waiting for the CPU, their peers' "
+                f"exposed communication includes waiting for them, and bubble and MFU describe the machine's "
+                f"load, not the job. Give each rank a core (fewer ranks, or a quieter machine).")
+    if n_steady < MIN_STEADY_STEPS:
+        out.append(f"Only {n_steady} step{'s' if n_steady != 1 else ''} after warm-up: too few for a verdict "
+                   f"(at least {MIN_STEADY_STEPS}).")
+    if clocks is not None and "clock_ratio" in clocks and len(clocks):
+        slow = clocks[clocks["clock_ratio"] < CLOCK_MIN]
+        if len(slow):
+            names = ", ".join(f"rank {int(r.rank)} {r.clock_ratio:.0%}" for r in slow.sort_values("rank").itertuples())
+            out.append(f"Throttled GPU clocks: SM clock of the maximum, {names} (below {CLOCK_MIN:.0%}); compute "
+                       f"and MFU read low there.")
+    return out
+
+
+def _ranks(ranks: pd.Series) -> str:
+    r = sorted(int(x) for x in ranks)
+    return f"rank {r[0]}" if len(r) == 1 else "ranks " + ", ".join(map(str, r))
+
+
+def _span(values: pd.Series) -> str:
+    lo, hi = float(np.min(values)), float(np.max(values))
+    return f"{lo:.0%}" if round(lo, 2) == round(hi, 2) else f"{lo:.0%}-{hi:.0%}"

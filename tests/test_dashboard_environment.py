@@ -1,0 +1,94 @@
+"""Environment warnings, the CPU-contention straggler cause and the schedule replay (pure functions)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dashboard import environment, stragglers
+from dashboard.analysis import bubble_theory
+from dashboard.pipeline_sim import replay, simulate
+
+
+def _steps(wait_share: dict[int, float], *, n: int = 8, busy: float = 0.5) -> pd.DataFrame:
+    rows = [(r, s, busy * 0.98, busy * 0.02, busy * (1 - w), busy * w) for r, w in wait_share.items() for s in range(n)]
+    return pd.DataFrame(rows, columns=["rank", "step", "compute_s", "other_s", "cpu_s", "cpu_wait_s"])
+
+
+def test_cpu_contention_is_warned_on_cpu_runs_only_and_names_the_ranks():
+    shares = environment.cpu_wait_share(_steps({0: 0.3, 1: 0.02, 2: 0.45}))
+    assert shares.set_index("rank")["cpu_wait_share"].round(3).to_dict() == {0: 0.3, 1: 0.02, 2: 0.45}
+    hosts = pd.DataFrame({"rank": [0, 1, 2], "host": ["a", "a", "a"]})
+    (w,) = environment.warnings(device="cpu", shares=shares, n_steady=10, hosts=hosts)
+    assert w.startswith("CPU contention: ranks 0, 2 waited for a CPU 30%-45%") and "a 3" in w
+    assert environment.warnings(device="cuda:0", shares=shares, n_steady=10) == []
+    quiet = environment.cpu_wait_share(_steps({0: 0.05, 1: 0.08}))
+    assert environment.warnings(device="cpu", shares=quiet, n_steady=10) == []
+
+
+def test_old_stores_without_cpu_columns_give_no_contention_verdict():
+    old = _steps({0: 0.3}).drop(columns=["cpu_s", "cpu_wait_s"])
+    assert environment.cpu_wait_share(old).empty
+    nan = _steps({0: 0.3}).assign(cpu_wait_s=np.nan)
+    assert environment.cpu_wait_share(nan).empty
+
+
+def test_short_runs_and_throttled_clocks_are_warned():
+    empty = environment.cpu_wait_share(_steps({}))
+    (w,) = environment.warnings(device="cpu", shares=empty, n_steady=3)
+    assert w.startswith("Only 3 steps after warm-up")
+    clocks = pd.DataFrame({"rank": [1, 0], "clock_ratio": [0.7, 0.99]})
+    (w,) = environment.warnings(device="cuda", shares=empty, n_steady=20, clocks=clocks)
+    assert "rank 1 70%" in w and "rank 0" not in w
+
+
+def _verdict_steps(*, extra_s: float, extra_wait_s: float, n: int = 10) -> pd.DataFrame:
+    rows = []
+    for s in range(n):
+        for r in range(2):
+            slow = r == 1
+            rows.append({"rank": r, "step": s, "compute_s": 0.1 + (extra_s if slow else 0.0),
+                         "exposed_comm_s": 0.0 if slow else extra_s, "cpu_wait_s": 0.005 + (extra_wait_s if slow else 0.0)})
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize(("extra_wait", "cause"), [(0.04, "CPU contention"), (0.0, "compute"), (0.01, "compute")])
+def test_a_straggler_that_waited_for_a_cpu_is_blamed_on_the_machine(extra_wait, cause):
+    # 50 ms slower than its peer; when most of it is run-queue delay the cause is the machine, not the job.
+    table = stragglers.straggler_table(stragglers.rank_step_verdicts(_verdict_steps(extra_s=0.05, extra_wait_s=extra_wait)))
+    assert table["rank"].tolist() == [1]
+    assert table["cause"].iloc[0].startswith(cause), table["cause"].iloc[0]
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("Interleaved1F1B", 2)])
+def test_replay_of_balanced_ops_is_the_closed_form_and_recovers_transfer_and_host_gaps(schedule, v):
+    p, m = 2, 4
+    spans = simulate(schedule=schedule, p=p, m=m, v=v, f=1.0, b=2.0, hop=0.1, gap=0.05).assign(step=7)
+    (row,) = replay(spans, schedule=schedule, p=p, m=m, v=v).to_dict("records")
+    assert row["step"] == 7 and row["schedule_idle"] == pytest.approx(bubble_theory(schedule=schedule, p=p, m=m, v=v))
+    assert row["hop_s"] == pytest.approx(0.1) and row["gap_s"] == pytest.approx(0.05)
+    extent = spans["t_end"].max() - spans["t_start"].min()
+    busy = (spans["t_end"] - spans["t_start"]).groupby(spans["rank"]).sum().max()
+    assert row["replay_bubble"] == pytest.approx(1 - busy / extent)  # the measured timeline, reproduced
+
+
+def test_replay_follows_uneven_op_times_where_the_closed_form_cannot():
+    # Fill and drain ops twice as fast as the steady ones (one stage running alone on a shared CPU): the
+    # schedule's own idle is below (p-1)/(m+p-1), and the replay says by how much.
+    p, m = 2, 4
+    base = simulate(schedule="1f1b", p=p, m=m, f=1.0, b=2.0)
+    fast = {("F", 0, 0): 0.5, ("B", 0, m - 1): 1.0, ("F", 1, 0): 0.5, ("B", 1, m - 1): 1.0}
+    uneven = simulate(schedule="1f1b", p=p, m=m, f=1.0, b=2.0, durations=fast).assign(step=0)
+    (row,) = replay(uneven, schedule="1f1b", p=p, m=m).to_dict("records")
+    extent = uneven["t_end"].max()
+    busy = (uneven["t_end"] - uneven["t_start"]).groupby(uneven["rank"]).sum().max()
+    assert row["schedule_idle"] == pytest.approx(1 - busy / extent)
+    assert row["schedule_idle"] < bubble_theory(schedule="1f1b", p=p, m=m) - 0.02
+    assert base["t_end"].max() > extent
+
+
+def test_replay_skips_steps_that_do_not_fit_the_schedule():
+    spans = simulate(schedule="1f1b", p=2, m=4).assign(step=1)
+    assert replay(spans, schedule="1f1b", p=2, m=8).empty  # half the microbatches missing
+    assert replay(spans, schedule="unknown", p=2, m=4).empty
