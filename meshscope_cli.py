@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("trainer.demo", "main", "train every strategy instrumented, then serve the dashboard (make demo)"),
     "sweep": ("trainer.sweep", "main", "run one model over a grid of world sizes / strategies (scaling study)"),
     "export-trace": ("agent.trace", "main", "write a Perfetto / Chrome-trace JSON of a step range"),
+    "report": ("dashboard.report", "main", "a run's verdicts in the terminal (--json for scripts): what the pages say"),
     "dashboard": ("dashboard.cli", "main", "serve the Streamlit dashboard over a store (and Prometheus)"),
     "stack": ("agent.stack", "main", "run Prometheus + Alertmanager (+ an agent) on 127.0.0.1 with meshscope's rules"),
 }

@@ -145,9 +145,9 @@ def overview_data(store: Store, *, run: str, runs: list[str], steps: tuple[int, 
     - ``heatmap``: compute seconds on a grid of at most max_ranks x max_steps cells (mean over a cell's
       steps, then max over its ranks, so a slow rank is not averaged away); ``rank_bin``/``step_bin``
       are a cell's first rank/step, ``rank_width``/``step_width`` its size.
-    - ``rank_steps``: per rank and step of ``run``: ``compute_s``, ``exposed_comm_s``, ``other_s``,
-      ``cpu_s``, ``cpu_wait_s`` (the input of ``stragglers.rank_step_verdicts`` and
-      ``environment.cpu_wait_share``), for the latest steps of the range whose rows fit ``budget``.
+    - ``rank_steps``: per rank and step of ``run``: ``wall_s``, ``compute_s``, ``exposed_comm_s``,
+      ``bubble_s``, ``other_s``, ``cpu_s``, ``cpu_wait_s`` (the input of ``stragglers.rank_step_verdicts``,
+      ``environment.cpu_wait_share`` and the steady breakdown), for the latest steps of the range whose rows fit ``budget``.
     - ``window``: the step range's first start and last end time (for the GPU join)."""
     r = _range(steps)
     focus = "run = $run"
@@ -167,7 +167,7 @@ def overview_data(store: Store, *, run: str, runs: list[str], steps: tuple[int, 
                any_value(b.rw) AS rank_width, any_value(b.sw) AS step_width
         FROM c, b GROUP BY ALL ORDER BY rank_bin, step_bin""", {"run": run, "mr": max_ranks, "ms": max_steps}),
         (f"""WITH w AS (SELECT max(step) AS hi, greatest(1, count(DISTINCT rank)) AS n FROM step WHERE {focus})
-            SELECT rank, step, compute_s, exposed_comm_s, other_s, cpu_s, cpu_wait_s FROM step, w
+            SELECT rank, step, wall_s, compute_s, exposed_comm_s, bubble_s, other_s, cpu_s, cpu_wait_s FROM step, w
             WHERE {focus} AND step > w.hi - greatest(1, $budget // w.n) ORDER BY step, rank""",
          {"run": run, "budget": budget}),
         (f"SELECT min(t_start) AS t_start, max(t_end) AS t_end FROM step WHERE {focus}", {"run": run}),
@@ -246,29 +246,37 @@ def collective_links(store: Store, *, run: str, steps: tuple[int, int] | None) -
 
 
 # ------------------------------------------------------------------------------------ pipeline
+REPLAY_STEPS = 20  # the latest steps of the window whose spans the Pipeline page replays (pipeline_sim.replay)
+
+
 def pipeline_data(store: Store, *, run: str, steps: tuple[int, int] | None,
                   gantt_step: int | None) -> dict[str, pd.DataFrame]:
     """Spans and step windows, each kind read once, for the Pipeline page:
 
-    - ``bubble``: per step and stage, the mean over the stage's ranks of 1 - (sum of span durations) /
-      (the rank's step wall time); without step records the window is the step's span extent. Stage is
-      the rank's lowest stage (its position in the pipeline, also under interleaving). ``imbalance``:
-      the part of it that is stage imbalance (``analysis.measured_bubble``).
+    - ``bubble``: per step and stage, ``analysis.measured_bubble`` over the pipeline's extent (the first
+      span start to the last span end of the step, all ranks: the window the theory describes; the
+      optimizer and work before the schedule, like FSDP's first all-gather, are outside it), averaged over
+      the stage's ranks: ``bubble``, ``imbalance``, ``schedule_bubble``, ``busy_s``, ``window_s``. Stage is
+      the rank's lowest stage (its position in the pipeline, also under interleaving).
+    - ``replay_spans``: every span of the latest ``REPLAY_STEPS`` steps of the range, for the replay.
     - ``spans`` / ``windows``: the spans of ``gantt_step`` for one representative rank per pipeline
       position (the lowest rank), and those ranks' step records (``t_start``, ``t_end``, ``wall_s``)."""
     lo, hi = _range(steps)
     g = -1 if gantt_step is None else int(gantt_step)
     keep = ("(step BETWEEN ? AND ? OR step = ?)", [lo, hi, g])
-    bubble, spans, windows = store.query_all([
+    bubble, replay_spans, spans, windows = store.query_all([
         ("""WITH s AS (SELECT rank, step, min(stage) AS stage, sum(t_end - t_start) AS busy,
                              min(t_start) AS a, max(t_end) AS b
                       FROM span WHERE step BETWEEN $lo AND $hi GROUP BY rank, step),
            e AS (SELECT step, max(b) - min(a) AS extent, max(busy) AS max_busy FROM s GROUP BY step)
-        SELECT s.step, s.stage, avg(1 - s.busy / coalesce(w.wall_s, e.extent)) AS bubble,
-               avg((e.max_busy - s.busy) / coalesce(w.wall_s, e.extent)) AS imbalance,
-               avg(s.busy) AS busy_s, avg(coalesce(w.wall_s, e.extent)) AS window_s, count(*) AS ranks
-        FROM s JOIN e USING (step) LEFT JOIN step w USING (rank, step)
+        SELECT s.step, s.stage, avg(1 - s.busy / e.extent) AS bubble,
+               avg((e.max_busy - s.busy) / e.extent) AS imbalance, any_value(1 - e.max_busy / e.extent) AS schedule_bubble,
+               avg(s.busy) AS busy_s, any_value(e.extent) AS window_s, count(*) AS ranks
+        FROM s JOIN e USING (step) WHERE e.extent > 0
         GROUP BY s.step, s.stage ORDER BY s.step, s.stage""", {"lo": lo, "hi": hi}),
+        ("""SELECT step, rank, stage, microbatch, kind, t_start, t_end FROM span
+            WHERE step BETWEEN greatest($lo, $hi - $n + 1) AND $hi ORDER BY step, rank, t_start""",
+         {"lo": lo, "hi": hi, "n": REPLAY_STEPS}),
         ("""WITH pos AS (SELECT rank, min(stage) AS pos FROM span WHERE step = $g GROUP BY rank),
                rep AS (SELECT min(rank) AS rank FROM pos GROUP BY pos)
             SELECT step, rank, stage, microbatch, kind, t_start, t_end FROM span
@@ -278,7 +286,7 @@ def pipeline_data(store: Store, *, run: str, steps: tuple[int, int] | None,
         materialize={"step": (*keep, ("rank", "step", "t_start", "t_end", "wall_s")),
                      "span": (*keep, ("rank", "step", "stage", "microbatch", "kind", "t_start", "t_end"))})
     windows = windows[windows["rank"].isin(spans["rank"].unique())].reset_index(drop=True)
-    return {"bubble": bubble, "spans": spans, "windows": _skipped(windows, bubble)}
+    return {"bubble": bubble, "replay_spans": replay_spans, "spans": spans, "windows": _skipped(windows, bubble)}
 
 
 # -------------------------------------------------------------------------------------- memory

@@ -69,15 +69,23 @@ def breakdown_bars(bd: pd.DataFrame) -> go.Figure:
     return _layout(fig, title="Where each rank's step time goes (mean per step)", x="rank", y="seconds")
 
 
-def compute_heatmap(hm: pd.DataFrame, *, rank_width: int, step_width: int) -> go.Figure:
-    """Rank x step heatmap of compute seconds (downsampled: mean over a step bin, max over a rank bin)."""
+def compute_heatmap(hm: pd.DataFrame, *, rank_width: int, step_width: int, first_steady: int | None = None) -> go.Figure:
+    """Rank x step heatmap of compute seconds (downsampled: mean over a step bin, max over a rank bin). The
+    colour scale spans the cells from ``first_steady`` on: one warm-up step 9x slower would otherwise take
+    the whole scale and leave every steady cell one colour; warm-up cells show at the scale's top."""
     grid = hm.pivot(index="rank_bin", columns="step_bin", values="compute_s")
+    steady = grid.loc[:, grid.columns >= first_steady] if first_steady is not None else grid
+    scale = {}
+    if steady.notna().to_numpy().any():
+        scale = {"zmin": float(np.nanmin(steady.to_numpy())), "zmax": float(np.nanmax(steady.to_numpy()))}
     note = [] if rank_width == 1 and step_width == 1 else [f"{rank_width} ranks x {step_width} steps per cell; "
                                                            "max over ranks of the mean over steps"]
     fig = go.Figure(go.Heatmap(z=grid.to_numpy(), x=grid.columns, y=grid.index, colorscale="Viridis",
-                               colorbar=dict(title="compute s")))
+                               colorbar=dict(title="compute s"), **scale))
     title = "Compute time per rank and step" + (f" ({note[0]})" if note else "")
-    return _layout(fig, title=title, x="step", y="rank", height=420)
+    fig = _layout(fig, title=title, x="step", y="rank", height=420)
+    fig.update_yaxes(tickformat="d", dtick=max(1, rank_width))  # whole ranks, never 0.5
+    return fig
 
 
 def straggler_cost(cost: pd.DataFrame) -> go.Figure:
@@ -119,24 +127,26 @@ def gantt(spans: pd.DataFrame, *, gaps: pd.DataFrame, t0: float, labels: dict[in
                    x="ms since step start", y="pipeline position (rank)", height=max(260, 80 + 50 * len(order)))
 
 
-def bubble_by_stage(per_stage: pd.DataFrame, *, theory: float | None) -> go.Figure:
-    """Measured bubble fraction per stage with the theoretical reference, split (when ``imbalance`` is
-    given) into the schedule's fill and drain and the idle that comes from the stage being lighter than
-    the slowest one (the theory assumes balanced stages)."""
-    x = per_stage["stage"].astype(str)
-    if "imbalance" in per_stage:
-        fig = go.Figure([
-            go.Bar(x=x, y=per_stage["bubble"] - per_stage["imbalance"], name="schedule", marker_color="#616161"),
-            go.Bar(x=x, y=per_stage["imbalance"], name="stage imbalance", marker_color="#ef6c00"),
-        ])
-        fig.update_layout(barmode="stack")
+def bubble_by_stage(stages: pd.DataFrame, *, theory: float | None) -> go.Figure:
+    """Each stage's idle over the pipeline's extent, stacked: the schedule's fill and drain for the op
+    times measured, transfers and host gaps (P2P), what the replay does not explain, and stage imbalance;
+    the closed-form theory as a line (``views.pipeline_stages``' columns). Without a replay the schedule
+    share is one bar."""
+    x = "stage " + stages["stage"].astype(str)
+    if stages["schedule_idle"].notna().all():
+        parts = [(stages["schedule_idle"], "fill & drain (schedule)", "#616161"),
+                 (stages["p2p_share"], "P2P transfers & host gaps", "#1e88e5"),
+                 (stages["unexplained"].clip(lower=0), "other waits", "#9e9e9e")]
     else:
-        fig = go.Figure(go.Bar(x=x, y=per_stage["bubble"], name="measured", marker_color="#616161"))
+        parts = [(stages["schedule_share"], "schedule share", "#616161")]
+    parts.append((stages["imbalance"], "stage imbalance", "#ef6c00"))
+    fig = go.Figure([go.Bar(x=x, y=y, name=name, marker_color=c) for y, name, c in parts])
+    fig.update_layout(barmode="stack")
     if theory is not None:
         fig.add_hline(y=theory, line_dash="dash", line_color="#c62828",
                       annotation_text=f"theory {theory:.1%}", annotation_position="top left")
     fig.update_yaxes(tickformat=".0%", rangemode="tozero")
-    return _layout(fig, title="Bubble = 1 - Σ spans / step wall time (idle fraction of the step)",
+    return _layout(fig, title="Bubble = 1 − Σ spans / pipeline extent (idle fraction of the schedule)",
                    x="stage", y="idle fraction", height=320)
 
 

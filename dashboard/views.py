@@ -20,6 +20,7 @@ import plotly.graph_objects as go
 
 from dashboard import analysis, data, environment, figures, stragglers
 from dashboard.memory_model import memory_model, spec_from_meta
+from dashboard.pipeline_sim import replay
 from dashboard.scaling import amdahl_fits, no_family_reason, run_throughput, scaling_table
 from dashboard.store import Store
 
@@ -98,6 +99,7 @@ class Overview:
     first_steady_step: int | None = None  # verdicts use the steps from here (stragglers.first_steady_step)
     verdict_steps: int = 0  # steady steps the straggler verdict judged
     warnings: list[str] = field(default_factory=list)  # environment.warnings: when a figure means less
+    breakdown: pd.DataFrame | None = None  # analysis.breakdown over the steady steps
     unattributed_s: float = 0.0
     frames: list[pd.DataFrame] = field(default_factory=list)  # for the skipped-files warning
 
@@ -166,15 +168,17 @@ def _overview_figures(view: Overview, d: dict, gpu_later: Pending | None, links:
     f["loss"] = figures.step_lines(series, y="loss", title="Loss (mean over ranks that report it)", y_title="loss")
     if gpu_later is None:  # the focus run has no step records in the range (others may)
         return view
-    bd = analysis.breakdown(d["breakdown"])
+    view.first_steady_step = stragglers.first_steady_step(mine, run_first_step=int(meta.get("first_step", 0)))
+    rs = d["rank_steps"]
+    steady = rs[rs["step"] >= view.first_steady_step] if view.first_steady_step is not None else rs
+    # Means over the steady steps (warm-up left out, as the verdicts): the latest that fit the budget.
+    view.breakdown = bd = analysis.breakdown(steady if len(steady) else d["breakdown"])
     f["breakdown"] = figures.breakdown_bars(bd)
     view.unattributed_s = float(bd["unattributed_s"].abs().max())
     hm = d["heatmap"]
     f["heatmap"] = figures.compute_heatmap(hm, rank_width=int(hm["rank_width"].iloc[0]),
-                                           step_width=int(hm["step_width"].iloc[0]))
-    view.first_steady_step = stragglers.first_steady_step(mine, run_first_step=int(meta.get("first_step", 0)))
-    rs = d["rank_steps"]
-    steady = rs[rs["step"] >= view.first_steady_step] if view.first_steady_step is not None else rs
+                                           step_width=int(hm["step_width"].iloc[0]),
+                                           first_steady=view.first_steady_step)
     view.verdict_steps = int(steady["step"].nunique())
     verdicts = stragglers.rank_step_verdicts(steady, peers=data.rank_stages(meta.get("rank_hosts")), rel=threshold)
     cost = stragglers.step_cost(verdicts)
@@ -211,7 +215,28 @@ class Pipeline:
     m: int = 0
     v: int = 1
     theory: float | None = None
+    stages: pd.DataFrame | None = None  # pipeline_stages: the bubble split per stage (report and page)
     figures: dict[str, go.Figure] = field(default_factory=dict)
+
+
+def pipeline_stages(per: pd.DataFrame, replayed: pd.DataFrame) -> pd.DataFrame:
+    """Per stage, means over steps: ``bubble`` (its idle over the pipeline's extent), split into
+    ``imbalance`` (lighter than the slowest stage), ``schedule_share`` (the rest: what the closed form
+    describes, with the transfers in it), and of that ``schedule_idle`` (fill and drain the schedule
+    implies for the measured op times, ``pipeline_sim.replay``), ``p2p_share`` (replayed transfer time and
+    host gaps between ops) and ``unexplained`` (schedule share beyond the replay). The replay's columns
+    are means over the replayed steps (NaN when none)."""
+    t = per.groupby("stage", as_index=False)[["bubble", "imbalance", "schedule_bubble"]].mean()
+    t = t.rename(columns={"schedule_bubble": "schedule_share"})
+    if len(replayed):
+        r = per[per["step"].isin(replayed["step"])].groupby("step")["schedule_bubble"].first().rename("share")
+        rp = replayed.set_index("step").join(r, how="inner")
+        t["schedule_idle"] = float(rp["schedule_idle"].mean())
+        t["p2p_share"] = float((rp["replay_bubble"] - rp["schedule_idle"]).mean())
+        t["unexplained"] = float((rp["share"] - rp["replay_bubble"]).mean())
+    else:
+        t["schedule_idle"] = t["p2p_share"] = t["unexplained"] = np.nan
+    return t
 
 
 def pipeline(load: Loader, *, run: str, steps, gantt_step: int | None = None) -> Pipeline:
@@ -236,8 +261,11 @@ def pipeline(load: Loader, *, run: str, steps, gantt_step: int | None = None) ->
     if view.m:
         view.theory = analysis.bubble_theory(schedule=view.schedule, p=view.p, m=view.m, v=view.v)
     if len(per):
-        by_stage = per.groupby("stage", as_index=False)[["bubble", "imbalance"]].mean()
-        view.figures["by_stage"] = figures.bubble_by_stage(by_stage, theory=view.theory)
+        # Without the microbatch count the schedule's actions are unknown: no replay (empty input).
+        rs = d["replay_spans"] if view.m else d["replay_spans"].iloc[:0]
+        replayed = replay(rs, schedule=view.schedule or "", p=view.p, m=max(view.m, 1), v=view.v)
+        view.stages = pipeline_stages(per, replayed)
+        view.figures["by_stage"] = figures.bubble_by_stage(view.stages, theory=view.theory)
         view.figures["trend"] = figures.bubble_trend(per, theory=view.theory)
     spans, windows = d["spans"], d["windows"]
     if len(spans):

@@ -155,8 +155,8 @@ def test_overview_data_matches_pandas(store):
     got = analysis.breakdown(d["breakdown"]).set_index("rank")
     assert np.allclose(got[list(analysis.BREAKDOWN)], bd[list(analysis.BREAKDOWN)])
     rs = d["rank_steps"].sort_values(["step", "rank"]).reset_index(drop=True)
-    want = raw.sort_values(["step", "rank"])[["rank", "step", "compute_s", "exposed_comm_s", "other_s", "cpu_s",
-                                                   "cpu_wait_s"]].reset_index(drop=True)
+    want = raw.sort_values(["step", "rank"])[["rank", "step", "wall_s", "compute_s", "exposed_comm_s", "bubble_s",
+                                                   "other_s", "cpu_s", "cpu_wait_s"]].reset_index(drop=True)
     pd.testing.assert_frame_equal(rs, want, check_dtype=False)
     # Over the budget: the latest steps whose rows fit.
     small = data.overview_data(store, run="pp", runs=["pp"], steps=(2, 7), budget=3 * raw["rank"].nunique())
@@ -183,9 +183,12 @@ def test_gpu_by_rank_joins_host_and_local_rank(store):
 def test_pipeline_data_matches_pandas(store):
     d = data.pipeline_data(store, run="pp", steps=(0, 9), gantt_step=4)
     spans, steps = _raw(store, "span", "pp"), _raw(store, "step", "pp")
-    want = analysis.measured_bubble(spans, windows=steps).groupby(["step", "stage"])[["bubble", "imbalance"]].mean()
-    got = d["bubble"].set_index(["step", "stage"])[["bubble", "imbalance"]]
+    cols = ["bubble", "imbalance", "schedule_bubble"]
+    want = analysis.measured_bubble(spans).groupby(["step", "stage"])[cols].mean()  # the pipeline's extent
+    got = d["bubble"].set_index(["step", "stage"])[cols]
     assert np.allclose(got.sort_index(), want.sort_index())
+    replayed = d["replay_spans"]  # every span of the steps in range (10 <= data.REPLAY_STEPS)
+    assert len(replayed) == int(spans["step"].between(0, 9).sum()) and set(replayed["step"]) == set(range(10))
     assert (got["imbalance"] > 0).any()  # the synthetic stages are not equally loaded
     # The Gantt step: one rank per pipeline position (lowest rank), all its spans, and its step window.
     assert sorted(d["spans"]["rank"].unique()) == [0, 4] and set(d["spans"]["step"]) == {4}

@@ -3,6 +3,7 @@ budgeted windows say which steps they used, and every figure has data."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from dashboard import data, views
@@ -71,6 +72,13 @@ def test_budgets_bound_the_steps_read_and_say_so(tmp_path, monkeypatch):
     assert pipe.steps == (14, 19) and sorted(pipe.per_step_stage["step"].unique()) == list(range(14, 20))
     assert pipe.gantt_spans == 2 * 2 * 4 and _has_data(pipe.figures["gantt"])
     assert set(pipe.gantt_bubble) == {0, 1} and all(0 < b < 1 for b in pipe.gantt_bubble.values())
+    # The bubble split the page and report show: imbalance + schedule share; the schedule share into the
+    # replay's fill & drain, transfers and host gaps, and the rest (every step of the window replayed).
+    sp = pipe.stages
+    assert sorted(sp["stage"]) == [0, 1] and sp["schedule_idle"].notna().all()
+    assert np.allclose(sp["bubble"], sp["imbalance"] + sp["schedule_share"])
+    assert np.allclose(sp["schedule_share"], sp["schedule_idle"] + sp["p2p_share"] + sp["unexplained"])
+    assert (sp["unexplained"].abs() < 0.01).all()  # synthetic spans come from the same simulator
 
 
 def test_memory_gpu_scaling_views(tmp_path):

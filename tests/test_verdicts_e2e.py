@@ -5,10 +5,16 @@ of every strategy flag nobody (tests/test_telemetry_e2e.py's profiled runs)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 from dashboard import views
 from dashboard.store import Store
+from tests.conftest import ROOT, trainer_env
 from tests.test_telemetry_e2e import run_job
 
 pytestmark = pytest.mark.gloo
@@ -34,6 +40,16 @@ def test_an_injected_straggler_is_named_with_what_its_peers_waited(tmp_path, lay
     assert ov.stragglers["cost_s_per_step"].iloc[0] == pytest.approx(delay, rel=0.2)
     assert ov.metrics["cost_s"] == pytest.approx(delay, rel=0.2)
     assert ov.stragglers["cause"].iloc[0].startswith("compute")
+    # `meshscope report` says the same, as a user runs it.
+    out = subprocess.run([sys.executable, "-m", "meshscope_cli", "report", "--store", str(tmp_path), "--run", "s",
+                          "--json"], cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    assert [s["rank"] for s in rep["stragglers"]] == [slow] and rep["stragglers"][0]["cause"].startswith("compute")
+    assert rep["stragglers"][0]["cost_s_per_step"] == pytest.approx(ov.stragglers["cost_s_per_step"].iloc[0])
+    assert rep["first_steady_step"] == ov.first_steady_step and rep["world_size"] == nproc
+    if nproc > (os.cpu_count() or nproc):  # more ranks than cores: the figures include waiting for a CPU
+        assert any(w.startswith("CPU contention") for w in rep["warnings"]), rep["warnings"]
     # Every steady window of WINDOW steps names it too (the issue: >= 95 % of them).
     windows = [(a, a + WINDOW - 1) for a in range(ov.first_steady_step, STEPS - WINDOW + 1)]
     named = [w for w in windows if overview(tmp_path, steps=w).stragglers["rank"].tolist() == [slow]]

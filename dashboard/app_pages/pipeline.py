@@ -5,14 +5,15 @@ import streamlit as st
 
 from dashboard import data, ui, views
 
-DEFINITION = ("Bubble shown = idle fraction of the step: 1 − (Σ the stage's F/B/W spans) / (step wall "
-              "time). Theory: (p−1)/(m+p−1) for GPipe and 1F1B, (p−1)/(v·m+p−1) interleaved, for balanced "
-              "stages with equal F and B cost. (p−1)/m, found in some texts, is bubble relative to ideal "
-              "compute and is not what these charts show. The measured value also counts exposed "
-              "communication, data loading and the optimizer as idle, so it sits above the theory. Per "
-              "stage it splits into stage imbalance (orange: the slowest stage's busy time minus this "
-              "stage's, over the window; balance the stages to remove it) and the rest (grey), which is "
-              "what to compare with the theory.")
+DEFINITION = ("Bubble = idle fraction of the schedule: 1 − (Σ the stage's F/B/W spans) / (the pipeline's "
+              "extent: first span start to last span end of the step, all stages; the optimizer and work "
+              "before the schedule are outside it). Theory: (p−1)/(m+p−1) for GPipe and 1F1B, "
+              "(p−1)/(v·m+p−1) interleaved, for balanced stages with equal op times and free transfers "
+              "((p−1)/m, found in some texts, is relative to ideal compute). Per stage the bubble splits "
+              "into stage imbalance (orange: lighter than the slowest stage; balance the stages) and the "
+              "schedule share, which is what to compare with the theory. The replay runs the schedule with "
+              "the op times measured: its fill & drain is what the schedule itself costs for those times, "
+              "P2P transfers & host gaps is the time between ops it adds, other waits the rest.")
 
 
 def main(ctx: ui.Context) -> None:
@@ -28,11 +29,15 @@ def main(ctx: ui.Context) -> None:
     if per.empty and not view.gantt_spans:
         ui.missing("pipeline spans (is this a pipeline-parallel run?)", run=run)
         return
-    c = st.columns(4)
-    c[0].metric("schedule", view.schedule or "unknown")
-    c[1].metric("p · m · v", f"{view.p} · {view.m or '?'} · {view.v}")
-    c[2].metric("theory (idle fraction)", f"{view.theory:.1%}" if view.theory is not None else "no closed form")
-    c[3].metric("measured (mean)", f"{per['bubble'].mean():.1%}" if len(per) else "n/a")
+    c = st.columns(5)
+    c[0].metric("schedule · p · m · v", f"{view.schedule or 'unknown'} · {view.p} · {view.m or '?'} · {view.v}")
+    c[1].metric("theory (idle fraction)", f"{view.theory:.1%}" if view.theory is not None else "no closed form")
+    st_ = view.stages
+    c[2].metric("schedule share (measured)", _pct(st_["schedule_share"].mean() if st_ is not None else None),
+                help="Compare with the theory: the idle the schedule leaves, stage imbalance split off.")
+    c[3].metric("fill & drain (replayed)", _pct(st_["schedule_idle"].mean() if st_ is not None else None),
+                help="The schedule run with the op times measured, transfers free.")
+    c[4].metric("P2P & host gaps", _pct(st_["p2p_share"].mean() if st_ is not None else None))
     st.caption(DEFINITION)
 
     if hi > lo:
@@ -50,6 +55,10 @@ def main(ctx: ui.Context) -> None:
         if name in view.figures:
             with col:
                 ui.chart(view.figures[name])
+
+
+def _pct(v) -> str:
+    return "n/a" if v is None or v != v else f"{v:.1%}"
 
 
 ui.render(main)

@@ -1,0 +1,158 @@
+"""``meshscope report --store DIR [--store DIR ...] --run NAME [--steps A:B] [--json]``: a run's verdicts
+in the terminal, computed by the same views the dashboard's pages render (one computation: what the
+Overview and Pipeline pages say, ``report`` says). ``--json`` prints one object for scripts and CI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+from dashboard import stragglers, views
+from dashboard.config import ConfigError
+from dashboard.store import Store, StoreError
+
+
+def build(load: views.Loader, *, run: str, steps: tuple[int, int] | None = None) -> dict[str, Any]:
+    """The report of ``run`` as a JSON-able dict. Raises ConfigError for a run the store does not have."""
+    table = load("runs_table")
+    if run not in set(table["run"]):
+        known = ", ".join(sorted(table["run"])) or "none"
+        raise ConfigError(f"no run {run!r} in the store (runs: {known})")
+    meta = views.meta_of(table, run)
+    ov = views.overview(load, run=run, runs=[run], steps=steps)
+    rng = steps or (meta.get("first_step"), meta.get("last_step"))
+    out: dict[str, Any] = {
+        "run": run, "world_size": _int(meta.get("world_size")), "strategy": meta.get("strategy"),
+        "device": meta.get("device"), "steps": [_int(rng[0]), _int(rng[1])],
+        "first_steady_step": _int(ov.first_steady_step), "warmup_steps_excluded": None,
+        "verdict_steps": ov.verdict_steps, "tokens_per_s": _num(ov.metrics.get("tokens_per_s")),
+        "step_time_s": _num(ov.metrics.get("step_time_s")), "mfu": _num(ov.metrics.get("mfu")),
+        "loss": _num(ov.metrics.get("loss")), "stragglers": [], "straggler_cost_s_per_step": None,
+        "breakdown": None, "pipeline": None, "warnings": list(ov.warnings),
+    }
+    if ov.first_steady_step is not None and rng[0] is not None:
+        out["warmup_steps_excluded"] = int(ov.first_steady_step) - int(rng[0])
+    if ov.stragglers is not None:
+        out["stragglers"] = [{"rank": int(r.rank), "cause": r.cause, "cost_s_per_step": _num(r.cost_s_per_step),
+                              "excess_s": _num(r.excess_s), "slow_share": _num(r.slow_share)}
+                             for r in ov.stragglers.itertuples()]
+        out["straggler_cost_s_per_step"] = _num(ov.metrics.get("cost_s"))
+    if ov.breakdown is not None and len(ov.breakdown):
+        cols = ["wall_s", "compute_s", "exposed_comm_s", "bubble_s", "other_s"]
+        out["breakdown"] = {"mean_over_ranks": {c: _num(ov.breakdown[c].mean()) for c in cols},
+                            "per_rank": [{"rank": int(r["rank"]), **{c: _num(r[c]) for c in cols}}
+                                         for r in ov.breakdown.to_dict("records")]}
+    if int(meta["mesh"].get("pp", 1)) > 1:
+        out["pipeline"] = _pipeline(load, run=run, steps=steps)
+    return out
+
+
+def _pipeline(load: views.Loader, *, run: str, steps) -> dict[str, Any] | None:
+    pipe = views.pipeline(load, run=run, steps=steps)
+    if pipe.stages is None:
+        return None
+    return {"schedule": pipe.schedule, "p": pipe.p, "m": pipe.m, "v": pipe.v, "theory": _num(pipe.theory),
+            "steps": list(pipe.steps) if pipe.steps else None,
+            "stages": [{"stage": int(r["stage"]), "bubble": _num(r["bubble"]),
+                        "schedule_share": _num(r["schedule_share"]), "schedule_idle": _num(r["schedule_idle"]),
+                        "p2p_share": _num(r["p2p_share"]), "unexplained": _num(r["unexplained"]),
+                        "imbalance": _num(r["imbalance"])} for r in pipe.stages.to_dict("records")]}
+
+
+def format_text(rep: dict[str, Any]) -> str:
+    """A short readable summary of ``build``'s dict."""
+    lines = [f"run {rep['run']}: {rep['world_size']} ranks, {rep['strategy'] or '?'} on {rep['device'] or '?'}, "
+             f"steps {rep['steps'][0]}..{rep['steps'][1]}"]
+    if rep["first_steady_step"] is not None:
+        lines.append(f"  verdicts from step {rep['first_steady_step']} ({rep['warmup_steps_excluded']} warm-up "
+                     f"steps left out; {rep['verdict_steps']} judged)")
+    lines.append(f"  step time {_fmt(rep['step_time_s'], '.3f')} s · {_fmt(rep['tokens_per_s'], ',.0f')} tokens/s · "
+                 f"MFU {_fmt(rep['mfu'], '.1%')} · loss {_fmt(rep['loss'], '.3f')}")
+    b = rep["breakdown"]
+    if b:
+        m = b["mean_over_ranks"]
+        wall = m["wall_s"] or float("nan")
+        lines.append("  per step (mean over ranks): " + ", ".join(
+            f"{name} {_fmt(m[c], '.3f')} s ({_fmt(m[c] / wall if m[c] is not None else None, '.0%')})"
+            for name, c in (("compute", "compute_s"), ("exposed comm", "exposed_comm_s"), ("bubble", "bubble_s"),
+                            ("other", "other_s"))))
+    if rep["stragglers"]:
+        for s in rep["stragglers"]:
+            lines.append(f"  STRAGGLER rank {s['rank']}: {s['cause']}; its peers wait "
+                         f"{_fmt(s['cost_s_per_step'] * 1e3 if s['cost_s_per_step'] is not None else None, '.1f')} "
+                         f"ms per step for it")
+    elif rep["verdict_steps"]:
+        lines.append(f"  no straggler: no rank was >= {stragglers.STRAGGLER_REL:.0%} slower than its peers and last "
+                     f"to arrive in most steps")
+    p = rep["pipeline"]
+    if p:
+        lines.append(f"  pipeline {p['schedule']} p={p['p']} m={p['m']} v={p['v']}: theory "
+                     f"{_fmt(p['theory'], '.1%')}")
+        for s in p["stages"]:
+            lines.append(f"    stage {s['stage']}: bubble {_fmt(s['bubble'], '.1%')} = imbalance "
+                         f"{_fmt(s['imbalance'], '.1%')} + schedule share {_fmt(s['schedule_share'], '.1%')} "
+                         f"(fill & drain {_fmt(s['schedule_idle'], '.1%')}, P2P & host gaps "
+                         f"{_fmt(s['p2p_share'], '.1%')}, other {_fmt(s['unexplained'], '.1%')})")
+    for w in rep["warnings"]:
+        lines.append(f"  WARNING {w}")
+    return "\n".join(lines)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of usage + exit
+        raise ConfigError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="meshscope report", description=__doc__.split("\n")[0])
+    p.add_argument("--store", action="append", required=True, metavar="DIR", help="run store (repeatable)")
+    p.add_argument("--run", required=True, help="run name")
+    p.add_argument("--steps", default=None, metavar="A:B", help="step range, inclusive (default: the whole run)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def parse_steps(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    a, sep, b = text.partition(":")
+    if not sep or not a.strip().isdigit() or not b.strip().isdigit() or int(a) > int(b):
+        raise ConfigError(f"--steps must be A:B with whole numbers A <= B, got {text!r}")
+    return int(a), int(b)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(x in ("-h", "--help") for x in argv):
+        _parser().print_help()
+        return 0
+    try:
+        a = _parser().parse_args(argv)
+        steps = parse_steps(a.steps)
+        store = Store.open_many(a.store)
+        rep = build(views.direct_loader(store), run=a.run, steps=steps)
+    except (ConfigError, StoreError) as e:
+        print(f"meshscope report: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(rep, indent=2) if a.json else format_text(rep))
+    return 0
+
+
+def _num(v) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(f) or math.isinf(f) else f
+
+
+def _int(v) -> int | None:
+    f = _num(v)
+    return None if f is None else int(f)
+
+
+def _fmt(v, spec: str) -> str:
+    return "n/a" if v is None or v != v else format(v, spec)
