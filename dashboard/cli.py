@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from dashboard.config import ConfigError, check_prometheus_url
+from dashboard.config import ArgParser, ConfigError, check_prometheus_url
 from dashboard.store import Store, StoreError
 
 # The one root-level Streamlit entry file; installed as a top-level module (pyproject py-modules) so a
@@ -21,13 +21,8 @@ _spec = importlib.util.find_spec("streamlit_app")
 APP = Path(_spec.origin) if _spec and _spec.origin else Path(__file__).resolve().parent.parent / "streamlit_app.py"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line instead of usage + exit
-        raise ConfigError(message)
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="meshscope dashboard", description=__doc__.split("\n")[0])
+    p = ArgParser(prog="meshscope dashboard", description=__doc__.split("\n")[0])
     p.add_argument("--store", action="append", required=True, metavar="DIR",
                    help="run store directory (the agent's --store); repeat for the stores of several nodes")
     p.add_argument("--prometheus", default=None, help="Prometheus base URL for the Live page")

@@ -41,13 +41,15 @@ def check_prometheus_url(url: str) -> None:
         raise ConfigError(f"--prometheus must be an http(s)://host:port URL, got {url!r}")
 
 
-class _Parser(argparse.ArgumentParser):
+class ArgParser(argparse.ArgumentParser):
+    """argparse whose errors are one ConfigError line (the dashboard's commands print it and exit 2)."""
+
     def error(self, message: str):  # argparse would print usage and exit; we want one line
         raise ConfigError(message)
 
 
 def app_parser(prog: str) -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, add_help=False)
+    p = ArgParser(prog=prog, add_help=False)
     p.add_argument("--store", action="append", required=True)
     p.add_argument("--prometheus", default=None)
     p.add_argument("--refresh", type=float, default=5.0)

@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from dashboard import stragglers, views
-from dashboard.config import ConfigError
+from dashboard.config import ArgParser, ConfigError
 from dashboard.store import Store, StoreError
 
 
@@ -101,13 +101,8 @@ def format_text(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line instead of usage + exit
-        raise ConfigError(message)
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="meshscope report", description=__doc__.split("\n")[0])
+    p = ArgParser(prog="meshscope report", description=__doc__.split("\n")[0])
     p.add_argument("--store", action="append", required=True, metavar="DIR", help="run store (repeatable)")
     p.add_argument("--run", required=True, help="run name")
     p.add_argument("--steps", default=None, metavar="A:B", help="step range, inclusive (default: the whole run)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 
@@ -58,8 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         print("meshscope train: error: --run NAME is required with --store when --nnodes > 1 "
               "(every node must use the same name)", file=sys.stderr)
         return 2
-    if cfg.telemetry.store and not cfg.telemetry.run:
-        rest += ["--run-name", f"{cfg.parallel.strategy.replace('+', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"]
+    run_name = cfg.telemetry.run
+    if cfg.telemetry.store and not run_name:
+        run_name = f"{cfg.parallel.strategy.replace('+', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"
+        rest += ["--run-name", run_name]
+    if cfg.telemetry.store:
+        print(f"meshscope train: run {run_name!r}, store {cfg.telemetry.store}", file=sys.stderr)
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -81,5 +86,19 @@ def main(argv: list[str] | None = None) -> int:
         first = min(e.failures.items(), key=lambda kv: kv[1].timestamp) if e.failures else None
         where = f"rank {first[0]} exited with code {first[1].exitcode}" if first else "a worker failed"
         print(f"meshscope train: error: {where} (its output is above)", file=sys.stderr)
+        _next_steps(cfg.telemetry.store, run_name)
         return 1
+    _next_steps(cfg.telemetry.store, run_name)
     return 0
+
+
+def _next_steps(store: str | None, run: str | None) -> None:
+    """Where the records are and the commands that show them (the spools become the store's tables when an
+    agent or ``meshscope ingest`` reads them)."""
+    if not store:
+        return
+    q = shlex.quote
+    print(f"meshscope train: run {run!r} recorded in {store}. Next:\n"
+          f"  meshscope ingest --store {q(store)}          # spools -> the run store (skip if an agent runs)\n"
+          f"  meshscope report --store {q(store)} --run {q(run or '')}\n"
+          f"  meshscope dashboard --store {q(store)}", file=sys.stderr)
