@@ -212,7 +212,10 @@ def memory_by_rank(df: pd.DataFrame, *, current: str, peak: str, label: str) -> 
         fig.add_hline(y=float(cap.max()) / gib, line_dash="dash", line_color="#c62828",
                       annotation_text=f"capacity {cap.max() / gib:.0f} GiB")
     fig.update_layout(barmode="overlay")
-    return _layout(fig, title=f"Memory per rank ({label})", x="rank", y="GiB")
+    fig = _layout(fig, title=f"Memory per rank ({label})", x="rank", y="GiB")
+    fig.update_xaxes(tickformat="d", dtick=1 if df["rank"].nunique() <= 32 else None)
+    fig.update_yaxes(rangemode="tozero")
+    return fig
 
 
 def memory_trend(per_step: pd.DataFrame, *, peak: str, label: str) -> go.Figure:
@@ -221,7 +224,9 @@ def memory_trend(per_step: pd.DataFrame, *, peak: str, label: str) -> go.Figure:
     fig = go.Figure([go.Scatter(x=per_step["step"], y=per_step[f"{peak}_max"] / gib, mode="lines", name="max rank"),
                      go.Scatter(x=per_step["step"], y=per_step[f"{peak}_median"] / gib, mode="lines",
                                 name="median rank")])
-    return _layout(fig, title=f"Peak memory per step ({label})", x="step", y="GiB", height=300)
+    fig = _layout(fig, title=f"Peak memory per step ({label})", x="step", y="GiB", height=300)
+    fig.update_yaxes(rangemode="tozero")  # from zero: 4 MB of 0.4 GiB must not look like a leak
+    return fig
 
 
 def memory_model_vs_measured(model: pd.DataFrame, *, measured: dict[str, float]) -> go.Figure:

@@ -116,7 +116,7 @@ def memory_model(spec: ModelSpec) -> pd.DataFrame:
         per_mb = layers * 2 * b * s * h * act_bytes / 2 / tp
         extra, note = per_layer, "checkpointed: 2·b·s·h per layer + one full layer"
     else:
-        per_mb, extra, note = layers * per_layer, 0.0, "34·b·s·h per layer (flash attention)"
+        per_mb, extra, note = layers * per_layer, 0.0, "34·b·s·h per layer (16-bit, attention scores not stored: flash/SDPA kernels on GPU)"
     sched = normalize_schedule(spec.schedule)
     if pp == 1:
         flight, fnote = 1.0, "1 microbatch"

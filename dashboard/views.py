@@ -343,9 +343,10 @@ def memory(load: Loader, *, run: str, steps) -> Memory:
     view.model_missing = [f for f in _MODEL_FIELDS if f not in meta]
     if not view.model_missing:
         view.model = memory_model(spec_from_meta(meta))
-        measured = {"measured peak (max rank)": float(mem[view.peak_col].max()),
-                    "measured peak (median rank)": float(mem[view.peak_col].median())}
-        view.figures["model"] = figures.memory_model_vs_measured(view.model, measured=measured)
+        if on_device:  # host RSS is mostly the runtime: no comparison with what the model describes
+            measured = {"measured peak (max rank)": float(mem[view.peak_col].max()),
+                        "measured peak (median rank)": float(mem[view.peak_col].median())}
+            view.figures["model"] = figures.memory_model_vs_measured(view.model, measured=measured)
     return view
 
 
