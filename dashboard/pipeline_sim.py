@@ -142,7 +142,9 @@ def replay(spans: pd.DataFrame, *, schedule: str, p: int, m: int, v: int = 1) ->
       and the schedule's host overhead. A measured schedule share above it is waiting the schedule does
       not explain (host stalls, a wrong order).
 
-    Steps whose spans do not cover the schedule's actions (other p, m, v) are left out."""
+    One pipeline replica is replayed: per stage, the spans of its lowest rank (PP x DP runs have one
+    replica per data-parallel rank, all running the same schedule). Steps whose spans do not cover the
+    schedule's actions (other p, m, v) are left out."""
     s = normalize_schedule(schedule)
     cols = ["step", "schedule_idle", "hop_s", "gap_s", "replay_bubble"]
     if s not in SCHEDULES or spans.empty:
@@ -150,6 +152,9 @@ def replay(spans: pd.DataFrame, *, schedule: str, p: int, m: int, v: int = 1) ->
     chunks = v if s.startswith("interleaved") else 1
     expected = {a for r in range(p) for a in _order(s, rank=r, p=p, v=chunks, m=m)}
     out = []
+    if "rank" in spans:
+        first = spans.groupby(["step", "stage"])["rank"].transform("min")
+        spans = spans[spans["rank"] == first]
     for step, g in spans.groupby("step", sort=True):
         keys = [(_KIND_LETTER.get(k, "?"), int(j), int(mb)) for k, j, mb in zip(g["kind"], g["stage"], g["microbatch"])]
         durations: dict[tuple[str, int, int], float] = {}
@@ -159,7 +164,7 @@ def replay(spans: pd.DataFrame, *, schedule: str, p: int, m: int, v: int = 1) ->
             start[key], end[key] = min(start.get(key, a), a), max(end.get(key, b), b)
         if not expected <= set(durations):  # W spans may come on top of B (zero-bubble): not required
             continue
-        hop, gap = _hop(start=start, end=end, p=p)
+        hop, gap = _transfer_and_gap(start=start, end=end, p=p)
         row = [int(step)]
         for h, gp in ((0.0, 0.0), (hop, gap)):
             sim = simulate(schedule=s, p=p, m=m, v=v, durations=durations, hop=h, gap=gp)
@@ -170,7 +175,7 @@ def replay(spans: pd.DataFrame, *, schedule: str, p: int, m: int, v: int = 1) ->
     return pd.DataFrame(out, columns=cols)
 
 
-def _hop(*, start: dict, end: dict, p: int) -> tuple[float, float]:
+def _transfer_and_gap(*, start: dict, end: dict, p: int) -> tuple[float, float]:
     """(hop, gap) measured in one step: ``hop``, the median time from an op's end to the start of the op
     on the next rank that waited for it (its rank idle until its input came); ``gap``, the median time
     between two ops of a rank when the second's input was already there (host work between actions)."""

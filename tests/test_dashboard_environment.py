@@ -92,3 +92,10 @@ def test_replay_skips_steps_that_do_not_fit_the_schedule():
     spans = simulate(schedule="1f1b", p=2, m=4).assign(step=1)
     assert replay(spans, schedule="1f1b", p=2, m=8).empty  # half the microbatches missing
     assert replay(spans, schedule="unknown", p=2, m=4).empty
+
+
+def test_replay_takes_one_pipeline_replica_of_a_pp_x_dp_run():
+    one = simulate(schedule="1f1b", p=2, m=4, f=1.0, b=2.0, hop=0.1).assign(step=0)
+    other = one.assign(rank=one["rank"] + 2, t_start=one["t_start"] + 0.3, t_end=one["t_end"] + 0.3)
+    both = pd.concat([one, other], ignore_index=True)
+    assert replay(both, schedule="1f1b", p=2, m=4).equals(replay(one, schedule="1f1b", p=2, m=4))
