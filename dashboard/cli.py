@@ -55,6 +55,7 @@ def build_command(argv: list[str]) -> list[str]:
     return [sys.executable, "-m", "streamlit", "run", str(APP),
             "--server.address", a.host, "--server.port", str(int(a.port)), "--server.headless", "true",
             "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
+            "--client.toolbarMode", "viewer",  # no developer toolbar ("Deploy") for the people reading the pages
             "--", *script_args]
 
 

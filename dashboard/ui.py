@@ -20,6 +20,7 @@ from dashboard.live import LiveError, PrometheusClient
 from dashboard.store import SKIPPED, Store, StoreError
 
 CONFIG_KEY = "meshscope.config"
+URL_KEY = "meshscope.url_applied"  # the link's run and steps were applied (once per session)
 SELECTED_KEY = "meshscope.selected_runs"  # shared run selection (written by the Runs page)
 CONTEXT_KEY = "meshscope.context"
 WARNED_KEY = "meshscope.warned"  # skipped files already reported in this page run
@@ -107,6 +108,7 @@ def sidebar() -> None:
         st.sidebar.error(str(e))
         return
     names = runs["run"].tolist()
+    _from_url(names)
     selected = tuple(r for r in st.session_state.get(SELECTED_KEY, ()) if r in names) or tuple(names[:1])
     focus, steps = None, None
     st.sidebar.caption(f"Store{'s' if len(store.roots) > 1 else ''}: {store.describe()}")
@@ -119,6 +121,28 @@ def sidebar() -> None:
             steps = bounds if bounds[0] == bounds[1] else _step_slider(focus, bounds)
     st.session_state[CONTEXT_KEY] = Context(config=config, store=store, runs=runs, selected=selected,
                                             focus=focus, steps=steps)
+    # The run and step range in the address bar: a link to this view shows the same run and steps.
+    url = {"run": focus} if focus else {}
+    if steps:
+        url["steps"] = f"{steps[0]}:{steps[1]}"
+    if {k: st.query_params.get(k) for k in ("run", "steps")} != {**{"run": None, "steps": None}, **url}:
+        st.query_params.from_dict(url)
+
+
+def _from_url(names: list[str]) -> None:
+    """Once per session, the run and step range of a shared link (``?run=NAME&steps=A:B``) become the
+    sidebar's; a run the store lacks or a malformed range is ignored (the defaults apply)."""
+    if st.session_state.get(URL_KEY):
+        return
+    st.session_state[URL_KEY] = True
+    run = st.query_params.get("run")
+    if run not in names:
+        return
+    st.session_state[SELECTED_KEY] = (run, *[r for r in st.session_state.get(SELECTED_KEY, ()) if r != run])
+    st.session_state["meshscope.focus"] = run
+    a, sep, b = (st.query_params.get("steps") or "").partition(":")
+    if sep and a.isdigit() and b.isdigit() and int(a) <= int(b):
+        st.session_state[f"meshscope.steps.{run}"] = (int(a), int(b))
 
 
 def _step_slider(run: str, bounds: tuple[int, int]) -> tuple[int, int]:

@@ -170,3 +170,18 @@ def test_live_page_without_a_reachable_prometheus(monkeypatch, synthetic):
     at = _app(monkeypatch, "--store", str(synthetic), "--prometheus", "http://127.0.0.1:9").run()
     _visit(at, "live")
     assert not at.exception and "not reachable" in _texts(at.warning)
+
+
+def test_the_run_and_step_range_are_in_the_url(monkeypatch, synthetic):
+    at = _app(monkeypatch, "--store", str(synthetic))
+    at.query_params["run"], at.query_params["steps"] = "ddp-4", "2:5"
+    at.run()
+    assert not at.exception
+    assert at.sidebar.selectbox[0].value == "ddp-4" and at.sidebar.slider[0].value == (2, 5)
+    at.sidebar.slider[0].set_value((3, 6)).run()
+    assert at.query_params["run"] in ("ddp-4", ["ddp-4"]) and at.query_params["steps"] in ("3:6", ["3:6"])
+    # A link to a run the store lacks opens the default run.
+    other = _app(monkeypatch, "--store", str(synthetic))
+    other.query_params["run"] = "nope"
+    other.run()
+    assert not other.exception and other.sidebar.selectbox[0].value == "pp-8"
