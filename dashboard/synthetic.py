@@ -81,6 +81,7 @@ class SyntheticConfig:
     max_ops_per_group: int = 8
     t0: float = 1_767_225_600.0  # 2026-01-01T00:00:00Z
     seed: int = 0
+    warmup: float = 1.0  # step 0 takes about this many steady steps (host time: allocations, first calls)
 
     def __post_init__(self) -> None:
         unknown = set(self.mesh) - set(MESH_ORDER)
@@ -92,6 +93,8 @@ class SyntheticConfig:
             raise ValueError(f"unknown model {self.model!r}; expected one of {', '.join(MODELS)}")
         if self.steps < 1:
             raise ValueError(f"steps ({self.steps}) must be >= 1")
+        if self.warmup < 1.0:
+            raise ValueError(f"warmup ({self.warmup}) must be >= 1")
         if self.degree("pp") > 1:
             pipeline_sim.simulate(schedule=self.schedule, p=1, m=1)  # validates the schedule name
             if MODELS[self.model]["n_layers"] % (self.degree("pp") * self.vstages):
@@ -148,6 +151,7 @@ def write_store(root: str | Path, *, config: SyntheticConfig) -> dict[str, int]:
         makespan = float(template["t_end"].max())
     pipe = compute * makespan
     data = 0.004 * (1 + 0.25 * np.abs(rng.standard_normal((R, K))))
+    data[:, 0] += (cfg.warmup - 1.0) * float(np.median(pipe.max(axis=0) + data.max(axis=0)))
     optim = 0.02 * compute_base * (1 + 0.01 * rng.standard_normal((R, K)))
     other = data + optim
 

@@ -96,3 +96,15 @@ def test_memory_gpu_scaling_views(tmp_path):
     assert sc.fits["fit"].tolist() == [None] and sc.fits["note"].iloc[0].startswith("No Amdahl fit")
     for fig in [*mem.figures.values(), *gpu.figures.values(), *sc.figures.values()]:
         assert _has_data(fig)
+
+
+def test_warm_up_is_left_out_of_means_and_colour_scale(tmp_path):
+    # Step 0 nine times a steady step (the case): the Overview's mean step time is the steady median.
+    _, load = _load(tmp_path, r=SyntheticConfig(run="r", mesh={"dp": 4}, steps=20, warmup=9.0))
+    ov = views.overview(load, run="r", runs=["r"], steps=None)
+    wall = load("overview_data", run="r", runs=["r"], steps=None)["series"].set_index("step")["step_time_s"]
+    assert wall.loc[0] > 8 * wall.loc[1:].median()
+    assert ov.first_steady_step == 1
+    assert ov.breakdown["wall_s"].mean() == pytest.approx(wall.loc[1:].median(), rel=0.10)
+    heat = ov.figures["heatmap"].data[0]
+    assert heat.zmax < 2 * wall.loc[1:].median()  # the steady cells span the colour scale

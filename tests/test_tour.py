@@ -36,6 +36,7 @@ def test_the_tour_ends_on_charts(tmp_path):
     rep = json.loads(report.stdout)
     assert rep["run"] == run and rep["world_size"] == 2 and rep["steps"] == [0, 7]
     assert rep["breakdown"]["mean_over_ranks"]["compute_s"] > 0 and rep["tokens_per_s"] > 0
+    assert rep["warmup_steps_excluded"] >= 1  # the run's first step at least
 
     from dashboard import views
     from dashboard.store import Store
