@@ -259,12 +259,13 @@ def pipeline_data(store: Store, *, run: str, steps: tuple[int, int] | None,
       the stage's ranks: ``bubble``, ``imbalance``, ``schedule_bubble``, ``busy_s``, ``window_s``. Stage is
       the rank's lowest stage (its position in the pipeline, also under interleaving).
     - ``replay_spans``: every span of the latest ``REPLAY_STEPS`` steps of the range, for the replay.
-    - ``spans`` / ``windows``: the spans of ``gantt_step`` for one representative rank per pipeline
-      position (the lowest rank), and those ranks' step records (``t_start``, ``t_end``, ``wall_s``)."""
+    - ``spans`` / ``windows`` / ``p2p``: the spans of ``gantt_step`` for one representative rank per
+      pipeline position (the lowest rank), those ranks' step records (``t_start``, ``t_end``, ``wall_s``)
+      and their P2P records (``rank``, ``op``, ``peer``, ``t_start``, ``t_end``, ``wait_s``)."""
     lo, hi = _range(steps)
     g = -1 if gantt_step is None else int(gantt_step)
     keep = ("(step BETWEEN ? AND ? OR step = ?)", [lo, hi, g])
-    bubble, replay_spans, spans, windows = store.query_all([
+    bubble, replay_spans, spans, windows, p2p = store.query_all([
         ("""WITH s AS (SELECT rank, step, min(stage) AS stage, sum(t_end - t_start) AS busy,
                              min(t_start) AS a, max(t_end) AS b
                       FROM span WHERE step BETWEEN $lo AND $hi GROUP BY rank, step),
@@ -282,11 +283,16 @@ def pipeline_data(store: Store, *, run: str, steps: tuple[int, int] | None,
             SELECT step, rank, stage, microbatch, kind, t_start, t_end FROM span
             WHERE step = $g AND rank IN (SELECT rank FROM rep) ORDER BY rank, t_start""", {"g": g}),
         ("SELECT rank, step, t_start, t_end, wall_s FROM step WHERE step = $g ORDER BY rank", {"g": g}),
-    ], kinds=("span", "step"), runs=[run],
+        ("SELECT rank, op, peer, t_start, t_end, wait_s FROM collective WHERE step = $g AND op IN ('send', 'recv') "
+         "ORDER BY rank, t_start", {"g": g}),
+    ], kinds=("span", "step", "collective"), runs=[run],
         materialize={"step": (*keep, ("rank", "step", "t_start", "t_end", "wall_s")),
                      "span": (*keep, ("rank", "step", "stage", "microbatch", "kind", "t_start", "t_end"))})
-    windows = windows[windows["rank"].isin(spans["rank"].unique())].reset_index(drop=True)
-    return {"bubble": bubble, "replay_spans": replay_spans, "spans": spans, "windows": _skipped(windows, bubble)}
+    shown = spans["rank"].unique()
+    windows = windows[windows["rank"].isin(shown)].reset_index(drop=True)
+    p2p = p2p[p2p["rank"].isin(shown)].reset_index(drop=True)
+    return {"bubble": bubble, "replay_spans": replay_spans, "spans": spans, "windows": _skipped(windows, bubble),
+            "p2p": p2p}
 
 
 # -------------------------------------------------------------------------------------- memory

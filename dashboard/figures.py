@@ -101,9 +101,12 @@ def straggler_cost(cost: pd.DataFrame) -> go.Figure:
 
 
 # -------------------------------------------------------------------------------------- pipeline
-def gantt(spans: pd.DataFrame, *, gaps: pd.DataFrame, t0: float, labels: dict[int, str]) -> go.Figure:
+def gantt(spans: pd.DataFrame, *, gaps: pd.DataFrame, t0: float, labels: dict[int, str],
+          p2p: pd.DataFrame | None = None) -> go.Figure:
     """Spans per rank (one row per pipeline position) for one step, forward / backward / weight, with
-    idle time shaded. Times in ms from the step start; bar text is the microbatch."""
+    idle time shaded and the P2P waits (``p2p``: ``rank``, ``op``, ``peer``, ``t_end``, ``wait_s``) as thin
+    bars inside it: the time a stage blocked on a send or receive. Times in ms from the step start; bar
+    text is the microbatch."""
     fig = go.Figure()
     order = list(labels)
     ylab = lambda ranks: [labels[r] for r in ranks]  # noqa: E731
@@ -121,9 +124,16 @@ def gantt(spans: pd.DataFrame, *, gaps: pd.DataFrame, t0: float, labels: dict[in
                              customdata=np.stack([s["stage"], s["microbatch"]], axis=1),
                              hovertemplate=kind + " stage %{customdata[0]} mb %{customdata[1]}: %{x:.2f} ms"
                                            "<extra></extra>"))
+    if p2p is not None and len(p2p):
+        w = p2p[(p2p["wait_s"] > 0) & p2p["rank"].isin(order)]
+        fig.add_trace(go.Bar(y=ylab(w["rank"]), x=w["wait_s"] * 1e3, base=(w["t_end"] - w["wait_s"] - t0) * 1e3,
+                             orientation="h", name="P2P wait", marker_color="#1e88e5", width=0.2,
+                             customdata=np.stack([w["op"], w["peer"]], axis=1),
+                             hovertemplate="%{customdata[0]} with rank %{customdata[1]}: waited %{x:.2f} ms"
+                                           "<extra></extra>"))
     fig.update_layout(barmode="overlay", bargap=0.25)
     fig.update_yaxes(categoryorder="array", categoryarray=[labels[r] for r in reversed(order)])
-    return _layout(fig, title="Pipeline schedule of the step (bar text: microbatch; grey: idle)",
+    return _layout(fig, title="Pipeline schedule of the step (bar text: microbatch; grey: idle; blue: P2P wait)",
                    x="ms since step start", y="pipeline position (rank)", height=max(260, 80 + 50 * len(order)))
 
 

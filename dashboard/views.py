@@ -274,7 +274,7 @@ def pipeline(load: Loader, *, run: str, steps, gantt_step: int | None = None) ->
         stage_of = spans.groupby("rank")["stage"].min().sort_values()
         labels = {int(r): f"stage {s} · rank {r}" for r, s in stage_of.items()}
         gaps = analysis.idle_gaps(spans, t0=t0, t1=t1)
-        view.figures["gantt"] = figures.gantt(spans, gaps=gaps, t0=t0, labels=labels)
+        view.figures["gantt"] = figures.gantt(spans, gaps=gaps, t0=t0, labels=labels, p2p=d["p2p"])
         view.gantt_spans = len(spans)
         shown = analysis.measured_bubble(spans, windows=windows if len(windows) else None)
         view.gantt_bubble = dict(zip(shown["stage"].astype(int), shown["bubble"]))

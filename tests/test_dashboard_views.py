@@ -71,6 +71,8 @@ def test_budgets_bound_the_steps_read_and_say_so(tmp_path, monkeypatch):
     pipe = views.pipeline(load, run="r", steps=(0, 19))
     assert pipe.steps == (14, 19) and sorted(pipe.per_step_stage["step"].unique()) == list(range(14, 20))
     assert pipe.gantt_spans == 2 * 2 * 4 and _has_data(pipe.figures["gantt"])
+    p2p = [t for t in pipe.figures["gantt"].data if t.name == "P2P wait"]  # drawn inside the idle time
+    assert len(p2p) == 1 and len(p2p[0].x) > 0 and min(p2p[0].x) > 0
     assert set(pipe.gantt_bubble) == {0, 1} and all(0 < b < 1 for b in pipe.gantt_bubble.values())
     # The bubble split the page and report show: imbalance + schedule share; the schedule share into the
     # replay's fill & drain, transfers and host gaps, and the rest (every step of the window replayed).
