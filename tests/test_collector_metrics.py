@@ -28,7 +28,7 @@ def table(kind: str, rows: list[tuple]) -> pa.Table:
 def step(i, *, wall=1.0, compute=0.6, exposed=0.2, bubble=0.1, other=0.1, loss=2.0, nonfinite=False,
          skipped=False, mfu=0.4, dropped=0, t0=100.0):
     return (i, t0 + i, t0 + i + wall, wall, compute, exposed, bubble, other, 0.0, 0.2, 0.4, 0.0, 1000, 5e12,
-            mfu, loss, nonfinite, 1.0, 1e-4, skipped, 10, dropped)
+            mfu, loss, nonfinite, 1.0, 1e-4, skipped, 10, dropped, compute + other, 0.0)
 
 
 def coll(seq, *, op="all_reduce", dim="dp", dur=0.5, nbytes=100):

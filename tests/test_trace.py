@@ -32,7 +32,7 @@ def store(tmp_path_factory):
         for s in range(6):
             t = T0 + s
             steps.append((s, t, t + 0.9, 0.9, 0.5, 0.2, 0.1, 0.1, 0.05, 0.15, 0.3, 0.05, 1024, 1e12, 0.3,
-                          float("nan") if s == 4 else 2.0, s == 4, 1.0, 1e-4, False, 3, 0))
+                          float("nan") if s == 4 else 2.0, s == 4, 1.0, 1e-4, False, 3, 0, 0.3, 0.0))
             for m in range(2):
                 spans.append((s, rank, m, "forward", t + 0.1 + 0.1 * m, t + 0.15 + 0.1 * m))
                 spans.append((s, rank, m, "backward", t + 0.4 + 0.2 * m, t + 0.5 + 0.2 * m))
