@@ -12,7 +12,8 @@ import plotly.graph_objects as go
 
 
 COLORS = {"compute_s": "#2e7d32", "exposed_comm_s": "#c62828", "bubble_s": "#9e9e9e", "other_s": "#1565c0",
-          "forward": "#43a047", "backward": "#1e88e5", "weight": "#8e24aa", "idle": "rgba(160,160,160,0.35)"}
+          "forward": "#43a047", "backward": "#1e88e5", "weight": "#8e24aa", "idle": "rgba(160,160,160,0.35)",
+          "p2p": "#212121"}
 # One colour per scaling family (Plotly's default qualitative sequence, written out: figures do not depend on
 # the theme's order).
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
@@ -127,13 +128,13 @@ def gantt(spans: pd.DataFrame, *, gaps: pd.DataFrame, t0: float, labels: dict[in
     if p2p is not None and len(p2p):
         w = p2p[(p2p["wait_s"] > 0) & p2p["rank"].isin(order)]
         fig.add_trace(go.Bar(y=ylab(w["rank"]), x=w["wait_s"] * 1e3, base=(w["t_end"] - w["wait_s"] - t0) * 1e3,
-                             orientation="h", name="P2P wait", marker_color="#1e88e5", width=0.2,
+                             orientation="h", name="P2P wait", marker_color=COLORS["p2p"], width=0.2,
                              customdata=np.stack([w["op"], w["peer"]], axis=1),
                              hovertemplate="%{customdata[0]} with rank %{customdata[1]}: waited %{x:.2f} ms"
                                            "<extra></extra>"))
     fig.update_layout(barmode="overlay", bargap=0.25)
     fig.update_yaxes(categoryorder="array", categoryarray=[labels[r] for r in reversed(order)])
-    return _layout(fig, title="Pipeline schedule of the step (bar text: microbatch; grey: idle; blue: P2P wait)",
+    return _layout(fig, title="Pipeline schedule of the step (bar text: microbatch; grey: idle; black: P2P wait)",
                    x="ms since step start", y="pipeline position (rank)", height=max(260, 80 + 50 * len(order)))
 
 
@@ -145,7 +146,7 @@ def bubble_by_stage(stages: pd.DataFrame, *, theory: float | None) -> go.Figure:
     x = "stage " + stages["stage"].astype(str)
     if stages["schedule_idle"].notna().all():
         parts = [(stages["schedule_idle"], "fill & drain (schedule)", "#616161"),
-                 (stages["p2p_share"], "P2P transfers & host gaps", "#1e88e5"),
+                 (stages["p2p_share"], "P2P transfers & host gaps", COLORS["p2p"]),
                  (stages["unexplained"].clip(lower=0), "other waits", "#9e9e9e")]
     else:
         parts = [(stages["schedule_share"], "schedule share", "#616161")]

@@ -30,7 +30,8 @@ def build(load: views.Loader, *, run: str, steps: tuple[int, int] | None = None)
         "first_steady_step": _int(ov.first_steady_step), "warmup_steps_excluded": None,
         "verdict_steps": ov.verdict_steps, "tokens_per_s": _num(ov.metrics.get("tokens_per_s")),
         "step_time_s": _num(ov.metrics.get("step_time_s")), "mfu": _num(ov.metrics.get("mfu")),
-        "loss": _num(ov.metrics.get("loss")), "stragglers": [], "straggler_cost_s_per_step": None,
+        "loss": _num(ov.metrics.get("loss")), "straggler_verdict": ov.has_peers, "stragglers": [],
+        "straggler_cost_s_per_step": None,
         "breakdown": None, "pipeline": None, "warnings": list(ov.warnings),
     }
     if ov.first_steady_step is not None and rng[0] is not None:
@@ -84,6 +85,8 @@ def format_text(rep: dict[str, Any]) -> str:
             lines.append(f"  STRAGGLER rank {s['rank']}: {s['cause']}; its peers wait "
                          f"{_fmt(s['cost_s_per_step'] * 1e3 if s['cost_s_per_step'] is not None else None, '.1f')} "
                          f"ms per step for it")
+    elif rep["verdict_steps"] and not rep["straggler_verdict"]:
+        lines.append("  no straggler verdict: every rank is alone in its pipeline stage (no peers doing the same work)")
     elif rep["verdict_steps"]:
         lines.append(f"  no straggler: no rank was >= {stragglers.STRAGGLER_REL:.0%} slower than its peers and last "
                      f"to arrive in most steps")

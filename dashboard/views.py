@@ -100,6 +100,7 @@ class Overview:
     verdict_steps: int = 0  # steady steps the straggler verdict judged
     warnings: list[str] = field(default_factory=list)  # environment.warnings: when a figure means less
     breakdown: pd.DataFrame | None = None  # analysis.breakdown over the steady steps
+    has_peers: bool = False  # some rank shares its pipeline stage with another: a straggler verdict exists
     unattributed_s: float = 0.0
     frames: list[pd.DataFrame] = field(default_factory=list)  # for the skipped-files warning
 
@@ -182,7 +183,8 @@ def _overview_figures(view: Overview, d: dict, gpu_later: Pending | None, links:
     view.verdict_steps = int(steady["step"].nunique())
     verdicts = stragglers.rank_step_verdicts(steady, peers=data.rank_stages(meta.get("rank_hosts")), rel=threshold)
     cost = stragglers.step_cost(verdicts)
-    if len(cost):  # empty: every rank is alone in its pipeline stage (no peers, no verdict)
+    view.has_peers = bool(len(cost))  # empty: every rank is alone in its pipeline stage (no peers, no verdict)
+    if view.has_peers:
         f["cost"] = figures.straggler_cost(cost)
 
     devices = gpu_later.result()

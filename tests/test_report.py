@@ -36,6 +36,7 @@ def test_report_is_what_the_pages_compute(store):
     pipe = views.pipeline(load, run="pp", steps=None)
     assert pp["pipeline"]["theory"] == pytest.approx(pipe.theory) and pp["pipeline"]["p"] == 2
     assert [s["schedule_share"] for s in pp["pipeline"]["stages"]] == pytest.approx(pipe.stages["schedule_share"].tolist())
+    assert pp["straggler_verdict"] and rep["straggler_verdict"]  # pp x dp: two ranks per stage
     assert "fill & drain" in report.format_text(pp) and "STRAGGLER rank 2" in report.format_text(rep)
 
 

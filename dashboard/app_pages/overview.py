@@ -22,6 +22,8 @@ def main(ctx: ui.Context) -> None:
     m, f = view.metrics, view.figures
     for text in view.warnings:  # the environment qualifies every figure below: say so first
         st.warning(text, icon="⚠️")
+    if view.stragglers is not None and len(view.stragglers):  # the headline verdict; details below
+        st.warning(_verdict(view) + " Details under Stragglers below.", icon="🐢")
     c = st.columns(4)
     c[0].metric("tokens/s (median)", _fmt(m["tokens_per_s"], ",.0f"))
     c[1].metric("MFU (median)", _fmt(m["mfu"], ".1%"))
@@ -61,9 +63,7 @@ def main(ctx: ui.Context) -> None:
         st.success(f"No straggler: no rank held its peers up (≥ {threshold:.0%} slower than them and last to "
                    "arrive) in most steps, and no rank's bus bandwidth stands out.")
     else:
-        names = ", ".join(f"rank {int(r.rank)} ({r.cause.split(' (')[0]}, {r.cost_s_per_step * 1e3:.0f} ms/step)"
-                          for r in view.stragglers.itertuples())
-        st.warning(f"Straggler{'s' if len(view.stragglers) > 1 else ''}: {names}.")
+        st.warning(_verdict(view))
         table = view.stragglers.rename(columns={
             "rank": "Rank", "compute_s": "Compute (s/step)", "peers_compute_s": "Peers' compute (s/step)",
             "excess_s": "Excess (s/step)", "slow_share": "Steps slow", "cost_s_per_step": "Cost (s/step)",
@@ -79,6 +79,12 @@ def main(ctx: ui.Context) -> None:
     if len(ev):
         st.subheader("Events")
         st.dataframe(ev, hide_index=True)
+
+
+def _verdict(view) -> str:
+    names = ", ".join(f"rank {int(r.rank)} ({r.cause.split(' (')[0]}, {r.cost_s_per_step * 1e3:.0f} ms/step)"
+                      for r in view.stragglers.itertuples())
+    return f"Straggler{'s' if len(view.stragglers) > 1 else ''}: {names}."
 
 
 ui.render(main)
