@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from dashboard.config import ArgParser, ConfigError, check_prometheus_url
+from dashboard.config import ArgParser, ConfigError, check_prometheus_url, run_command
 from dashboard.store import Store, StoreError
 
 # The one root-level Streamlit entry file; installed as a top-level module (pyproject py-modules) so a
@@ -60,16 +60,12 @@ def build_command(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(x in ("-h", "--help") for x in argv):
-        _parser().print_help()
-        return 0
-    try:
+    def serve(_args: argparse.Namespace) -> int:
         cmd = build_command(argv)
-    except ConfigError as e:
-        print(f"meshscope dashboard: error: {e}", file=sys.stderr)
-        return 2
-    # Become the Streamlit server rather than start it as a child: a supervisor that stops this process
-    # by its PID then stops the server too, instead of leaving an orphan holding the port.
-    os.execv(cmd[0], cmd)
-    raise AssertionError("unreachable: execv returned")
+        # Become the Streamlit server rather than start it as a child: a supervisor that stops this process
+        # by its PID then stops the server too, instead of leaving an orphan holding the port.
+        os.execv(cmd[0], cmd)
+        raise AssertionError("unreachable: execv returned")
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return run_command("meshscope dashboard", _parser(), argv, serve)

@@ -206,9 +206,12 @@ def skew_by_rank(df: pd.DataFrame) -> go.Figure:
         go.Bar(x=d["rank"], y=d["mean_skew_s"] * 1e3, name="mean arrival skew", marker_color="#6a1b9a"),
         go.Scatter(x=d["rank"], y=d["caused_wait_s"] * 1e3, name="wait it caused others (sum)", yaxis="y2",
                    mode="markers", marker_color="#c62828")])
-    fig.update_layout(yaxis2=dict(overlaying="y", side="right", title="ms caused (sum)"))
-    return _layout(fig, title="Arrival skew: each rank's start minus the earliest, per collective", x="rank",
-                   y="ms (mean)")
+    fig.update_layout(yaxis2=dict(overlaying="y", side="right", title="ms caused (sum)", rangemode="tozero"))
+    fig = _layout(fig, title="Arrival skew: each rank's start minus the earliest, per collective", x="rank",
+                  y="ms (mean)")
+    fig.update_yaxes(rangemode="tozero", selector=dict(overlaying=None))  # a 2.9 s dot must not sit at the axis
+    fig.update_xaxes(tickformat="d", dtick=1 if d["rank"].nunique() <= 32 else None)
+    return fig
 
 
 # ---------------------------------------------------------------------------------------- memory

@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from dashboard import stragglers, views
-from dashboard.config import ArgParser, ConfigError
+from dashboard.config import ArgParser, ConfigError, run_command
 from dashboard.store import Store, StoreError
 
 
@@ -124,19 +124,18 @@ def parse_steps(text: str | None) -> tuple[int, int] | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(x in ("-h", "--help") for x in argv):
-        _parser().print_help()
-        return 0
-    try:
-        a = _parser().parse_args(argv)
+
+    def body(a: argparse.Namespace) -> int:
         steps = parse_steps(a.steps)
-        store = Store.open_many(a.store)
+        try:
+            store = Store.open_many(a.store)
+        except StoreError as e:
+            raise ConfigError(str(e)) from None
         rep = build(views.direct_loader(store), run=a.run, steps=steps)
-    except (ConfigError, StoreError) as e:
-        print(f"meshscope report: error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(rep, indent=2) if a.json else format_text(rep))
-    return 0
+        print(json.dumps(rep, indent=2) if a.json else format_text(rep))
+        return 0
+
+    return run_command("meshscope report", _parser(), argv, body)
 
 
 def _num(v) -> float | None:

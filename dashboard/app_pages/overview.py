@@ -71,10 +71,14 @@ def main(ctx: ui.Context) -> None:
             "throttle_share": "Throttled samples", "cause": "Cause"})
         shown = table[["Rank", "Compute (s/step)", "Peers' compute (s/step)", "Excess (s/step)", "Steps slow",
                        "Cost (s/step)", "Bus bandwidth vs peers", "SM clock / max", "Throttled samples", "Cause"]]
+        # The cause in one word in the table (a sentence there is cut off), whole below it.
+        shown = shown.assign(Cause=shown["Cause"].str.split(" (", n=1, regex=False).str[0])
         st.dataframe(shown.dropna(axis=1, how="all"),  # no GPU columns on a CPU run: absent, not "None"
                      hide_index=True,
                      column_config={"Steps slow": st.column_config.NumberColumn(format="percent"),
                                     "Throttled samples": st.column_config.NumberColumn(format="percent")})
+        for r in view.stragglers.itertuples():
+            st.caption(f"Rank {int(r.rank)}: {r.cause}")
     ev = ui.load("events", ctx.store, run=run)
     if len(ev):
         st.subheader("Events")
