@@ -145,6 +145,26 @@ def measured_bubble(spans: pd.DataFrame, *, windows: pd.DataFrame | None = None)
     return g
 
 
+def pipeline_stages(per: pd.DataFrame, replayed: pd.DataFrame) -> pd.DataFrame:
+    """Per stage, means over steps: ``bubble`` (its idle over the pipeline's extent), split into
+    ``imbalance`` (lighter than the slowest stage), ``schedule_share`` (the rest: what the closed form
+    describes, with the transfers in it), and of that ``schedule_idle`` (fill and drain the schedule
+    implies for the measured op times, ``pipeline_sim.replay``), ``p2p_share`` (replayed transfer time and
+    host gaps between ops) and ``unexplained`` (schedule share beyond the replay). The replay's columns
+    are means over the replayed steps (NaN when none)."""
+    t = per.groupby("stage", as_index=False)[["bubble", "imbalance", "schedule_bubble"]].mean()
+    t = t.rename(columns={"schedule_bubble": "schedule_share"})
+    if len(replayed):
+        r = per[per["step"].isin(replayed["step"])].groupby("step")["schedule_bubble"].first().rename("share")
+        rp = replayed.set_index("step").join(r, how="inner")
+        t["schedule_idle"] = float(rp["schedule_idle"].mean())
+        t["p2p_share"] = float((rp["replay_bubble"] - rp["schedule_idle"]).mean())
+        t["unexplained"] = float((rp["share"] - rp["replay_bubble"]).mean())
+    else:
+        t["schedule_idle"] = t["p2p_share"] = t["unexplained"] = np.nan
+    return t
+
+
 def idle_gaps(spans: pd.DataFrame, *, t0: float, t1: float) -> pd.DataFrame:
     """Idle intervals of each rank inside [t0, t1]: the complement of its spans (for shading bubbles).
     ``spans``: ``rank``, ``t_start``, ``t_end``. Returns ``rank``, ``t_start``, ``t_end``."""

@@ -147,7 +147,8 @@ def overview_data(store: Store, *, run: str, runs: list[str], steps: tuple[int, 
       are a cell's first rank/step, ``rank_width``/``step_width`` its size.
     - ``rank_steps``: per rank and step of ``run``: ``wall_s``, ``compute_s``, ``exposed_comm_s``,
       ``bubble_s``, ``other_s``, ``cpu_s``, ``cpu_wait_s`` (the input of ``stragglers.rank_step_verdicts``,
-      ``environment.cpu_wait_share`` and the steady breakdown), for the latest steps of the range whose rows fit ``budget``.
+      ``environment.cpu_wait_share`` and the steady breakdown), for the latest steps of the range whose
+      rows fit ``budget``.
     - ``window``: the step range's first start and last end time (for the GPU join)."""
     r = _range(steps)
     focus = "run = $run"

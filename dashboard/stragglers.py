@@ -81,24 +81,27 @@ def rank_step_verdicts(rank_steps: pd.DataFrame, *, peers: pd.DataFrame | None =
     excess rule and among the last to arrive, see the module docstring), and the wait cost (peers' median
     exposed communication - its own, >= 0).
 
-    ``rank_steps``: ``rank``, ``step``, ``compute_s``, ``exposed_comm_s`` (steady steps). ``peers``:
-    ``rank``, ``peer_group`` (ranks doing the same work); absent: every rank is a peer of every other."""
+    ``rank_steps``: ``rank``, ``step``, ``compute_s``, ``exposed_comm_s``, optionally ``cpu_wait_s`` (steady
+    steps). ``peers``: ``rank``, ``peer_group`` (ranks doing the same work); absent: every rank is a peer
+    of every other."""
     t = rank_steps[["rank", "step", "compute_s", "exposed_comm_s"]].copy()
+    # What of a rank's excess was waiting for a CPU (straggler_table's cause); NaN without the column.
+    t["cpu_wait_s"] = rank_steps["cpu_wait_s"].to_numpy(dtype=float) if "cpu_wait_s" in rank_steps else np.nan
     t["peer_group"] = 0
     if peers is not None and len(peers):
         t["peer_group"] = t["rank"].map(peers.set_index("rank")["peer_group"]).fillna(-1)
     by = t.groupby(["step", "peer_group"], sort=False)
-    t["peers_compute_s"] = by["compute_s"].transform(lambda x: _others_median(x.to_numpy(dtype=float)))
-    peers_exposed = by["exposed_comm_s"].transform(lambda x: _others_median(x.to_numpy(dtype=float)))
+
+    def others(col: str) -> pd.Series:
+        return by[col].transform(lambda x: _others_median(x.to_numpy(dtype=float)))
+
+    t["peers_compute_s"] = others("compute_s")
+    peers_exposed = others("exposed_comm_s")
     t["excess_s"] = t["compute_s"] - t["peers_compute_s"]
     last_to_arrive = t["exposed_comm_s"] - by["exposed_comm_s"].transform("min") <= rel * t["compute_s"]
     t["slow"] = (t["excess_s"] >= np.maximum(rel * t["peers_compute_s"], abs_s)) & last_to_arrive
     t["cost_s"] = (peers_exposed - t["exposed_comm_s"]).clip(lower=0.0)
-    t["cpu_wait_excess_s"] = np.nan
-    if "cpu_wait_s" in rank_steps:  # what of the excess was waiting for a CPU (see straggler_table's cause)
-        t["cpu_wait_s"] = rank_steps["cpu_wait_s"].to_numpy(dtype=float)
-        t["cpu_wait_excess_s"] = t["cpu_wait_s"] - t.groupby(["step", "peer_group"], sort=False)["cpu_wait_s"].transform(
-            lambda x: _others_median(x.to_numpy(dtype=float)))
+    t["cpu_wait_excess_s"] = t["cpu_wait_s"] - others("cpu_wait_s")
     return t
 
 

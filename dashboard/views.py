@@ -217,28 +217,8 @@ class Pipeline:
     m: int = 0
     v: int = 1
     theory: float | None = None
-    stages: pd.DataFrame | None = None  # pipeline_stages: the bubble split per stage (report and page)
+    stages: pd.DataFrame | None = None  # analysis.pipeline_stages: the bubble split per stage (report, page)
     figures: dict[str, go.Figure] = field(default_factory=dict)
-
-
-def pipeline_stages(per: pd.DataFrame, replayed: pd.DataFrame) -> pd.DataFrame:
-    """Per stage, means over steps: ``bubble`` (its idle over the pipeline's extent), split into
-    ``imbalance`` (lighter than the slowest stage), ``schedule_share`` (the rest: what the closed form
-    describes, with the transfers in it), and of that ``schedule_idle`` (fill and drain the schedule
-    implies for the measured op times, ``pipeline_sim.replay``), ``p2p_share`` (replayed transfer time and
-    host gaps between ops) and ``unexplained`` (schedule share beyond the replay). The replay's columns
-    are means over the replayed steps (NaN when none)."""
-    t = per.groupby("stage", as_index=False)[["bubble", "imbalance", "schedule_bubble"]].mean()
-    t = t.rename(columns={"schedule_bubble": "schedule_share"})
-    if len(replayed):
-        r = per[per["step"].isin(replayed["step"])].groupby("step")["schedule_bubble"].first().rename("share")
-        rp = replayed.set_index("step").join(r, how="inner")
-        t["schedule_idle"] = float(rp["schedule_idle"].mean())
-        t["p2p_share"] = float((rp["replay_bubble"] - rp["schedule_idle"]).mean())
-        t["unexplained"] = float((rp["share"] - rp["replay_bubble"]).mean())
-    else:
-        t["schedule_idle"] = t["p2p_share"] = t["unexplained"] = np.nan
-    return t
 
 
 def pipeline(load: Loader, *, run: str, steps, gantt_step: int | None = None) -> Pipeline:
@@ -266,7 +246,7 @@ def pipeline(load: Loader, *, run: str, steps, gantt_step: int | None = None) ->
         # Without the microbatch count the schedule's actions are unknown: no replay (empty input).
         rs = d["replay_spans"] if view.m else d["replay_spans"].iloc[:0]
         replayed = replay(rs, schedule=view.schedule or "", p=view.p, m=max(view.m, 1), v=view.v)
-        view.stages = pipeline_stages(per, replayed)
+        view.stages = analysis.pipeline_stages(per, replayed)
         view.figures["by_stage"] = figures.bubble_by_stage(view.stages, theory=view.theory)
         view.figures["trend"] = figures.bubble_trend(per, theory=view.theory)
     spans, windows = d["spans"], d["windows"]
