@@ -72,13 +72,14 @@ def breakdown_bars(bd: pd.DataFrame) -> go.Figure:
 
 def compute_heatmap(hm: pd.DataFrame, *, rank_width: int, step_width: int, first_steady: int | None = None) -> go.Figure:
     """Rank x step heatmap of compute seconds (downsampled: mean over a step bin, max over a rank bin). The
-    colour scale spans the cells from ``first_steady`` on: one warm-up step 9x slower would otherwise take
-    the whole scale and leave every steady cell one colour; warm-up cells show at the scale's top."""
+    colour scale runs from 0 to the largest cell from ``first_steady`` on: one warm-up step 9x slower would
+    otherwise take the whole scale and leave every steady cell one colour; warm-up cells show at its top."""
     grid = hm.pivot(index="rank_bin", columns="step_bin", values="compute_s")
     steady = grid.loc[:, grid.columns >= first_steady] if first_steady is not None else grid
     scale = {}
     if steady.notna().to_numpy().any():
-        scale = {"zmin": float(np.nanmin(steady.to_numpy())), "zmax": float(np.nanmax(steady.to_numpy()))}
+        # From zero: 2 ms of noise on 15 ms must not look like a straggler's 100 ms.
+        scale = {"zmin": 0.0, "zmax": float(np.nanmax(steady.to_numpy()))}
     note = [] if rank_width == 1 and step_width == 1 else [f"{rank_width} ranks x {step_width} steps per cell; "
                                                            "max over ranks of the mean over steps"]
     fig = go.Figure(go.Heatmap(z=grid.to_numpy(), x=grid.columns, y=grid.index, colorscale="Viridis",
@@ -98,6 +99,8 @@ def straggler_cost(cost: pd.DataFrame) -> go.Figure:
     fig = _layout(fig, title="Straggler cost per step: how long peers waited for the slowest rank", x="step",
                   y="seconds lost", height=260)
     fig.update_yaxes(rangemode="tozero")
+    span = int(cost["step"].max() - cost["step"].min()) if len(cost) else 0
+    fig.update_xaxes(tick0=0, dtick=max(1, -(-span // 10)))  # whole steps, never 1.5
     return fig
 
 
@@ -141,7 +144,7 @@ def gantt(spans: pd.DataFrame, *, gaps: pd.DataFrame, t0: float, labels: dict[in
 def bubble_by_stage(stages: pd.DataFrame, *, theory: float | None) -> go.Figure:
     """Each stage's idle over the pipeline's extent, stacked: the schedule's fill and drain for the op
     times measured, transfers and host gaps (P2P), what the replay does not explain, and stage imbalance;
-    the closed-form theory as a line (``views.pipeline_stages``' columns). Without a replay the schedule
+    the closed-form theory as a line (``analysis.pipeline_stages``' columns). Without a replay the schedule
     share is one bar."""
     x = "stage " + stages["stage"].astype(str)
     if stages["schedule_idle"].notna().all():

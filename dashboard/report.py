@@ -10,7 +10,7 @@ import math
 import sys
 from typing import Any
 
-from dashboard import stragglers, views
+from dashboard import environment, stragglers, views
 from dashboard.config import ArgParser, ConfigError, run_command
 from dashboard.store import Store, StoreError
 
@@ -33,6 +33,8 @@ def build(load: views.Loader, *, run: str, steps: tuple[int, int] | None = None)
         "loss": _num(ov.metrics.get("loss")), "straggler_verdict": ov.has_peers, "stragglers": [],
         "straggler_cost_s_per_step": None,
         "breakdown": None, "pipeline": None, "warnings": list(ov.warnings),
+        "attempts": _int(meta.get("attempts", 0)) + 1 if meta.get("attempts") is not None else None,
+        "events": _events(load("events", run=run)),
     }
     if ov.first_steady_step is not None and rng[0] is not None:
         out["warmup_steps_excluded"] = int(ov.first_steady_step) - int(rng[0])
@@ -48,6 +50,20 @@ def build(load: views.Loader, *, run: str, steps: tuple[int, int] | None = None)
                                          for r in ov.breakdown.to_dict("records")]}
     if int(meta["mesh"].get("pp", 1)) > 1:
         out["pipeline"] = _pipeline(load, run=run, steps=steps)
+    return out
+
+
+def _events(ev) -> dict[str, Any]:
+    """The run's timeline events other than start and end (restarts, crashes, aborted steps, hangs,
+    non-finite losses, telemetry errors): a count per kind and the key event (the newest; a crash or
+    hang before anything else, since the other ranks' aborted steps follow from it)."""
+    out: dict[str, Any] = {"counts": {str(k): int(n) for k, n in ev["kind"].value_counts().sort_index().items()},
+                           "key_event": None}
+    if len(ev):
+        causes = ev[ev["kind"].isin(["crash", "hang"])]
+        r = (causes if len(causes) else ev).iloc[0]  # data.events: newest first
+        out["key_event"] = {"kind": r["kind"], "rank": _int(r["rank"]), "step": _int(r["step"]),
+                         "message": str(r["message"])[:300]}
     return out
 
 
@@ -85,6 +101,8 @@ def format_text(rep: dict[str, Any]) -> str:
             lines.append(f"  STRAGGLER rank {s['rank']}: {s['cause']}; its peers wait "
                          f"{_fmt(s['cost_s_per_step'] * 1e3 if s['cost_s_per_step'] is not None else None, '.1f')} "
                          f"ms per step for it")
+    elif rep["verdict_steps"] < environment.MIN_STEADY_STEPS:
+        lines.append(f"  no straggler verdict: only {rep['verdict_steps']} steps after warm-up")
     elif rep["verdict_steps"] and not rep["straggler_verdict"]:
         lines.append("  no straggler verdict: every rank is alone in its pipeline stage (no peers doing the same work)")
     elif rep["verdict_steps"]:
@@ -99,6 +117,15 @@ def format_text(rep: dict[str, Any]) -> str:
                          f"{_fmt(s['imbalance'], '.1%')} + schedule share {_fmt(s['schedule_share'], '.1%')} "
                          f"(fill & drain {_fmt(s['schedule_idle'], '.1%')}, P2P & host gaps "
                          f"{_fmt(s['p2p_share'], '.1%')}, other {_fmt(s['unexplained'], '.1%')})")
+    ev = rep["events"]
+    if ev["counts"]:
+        counts = ", ".join(f"{k} x{n}" for k, n in ev["counts"].items())
+        last = ev["key_event"]
+        lines.append(f"  events: {counts}; key event: rank {last['rank']} step {last['step']} {last['kind']}: "
+                     f"{last['message'][:160]}")
+    if (rep["attempts"] or 1) > 1:
+        lines.append(f"  the run was restarted: {rep['attempts']} attempts (steps re-executed after a restart "
+                     f"count once, the newest attempt's)")
     for w in rep["warnings"]:
         lines.append(f"  WARNING {w}")
     return "\n".join(lines)

@@ -57,3 +57,11 @@ def test_cli_json_and_one_line_errors(store):
         bad = cli(*args)
         assert bad.returncode == 2 and needle in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_short_run_gets_no_straggler_verdict_and_events_are_reported(store):
+    load = views.direct_loader(Store.open(store))
+    rep = report.build(load, run="slow", steps=(5, 7))
+    assert rep["verdict_steps"] == 3 and any(w.startswith("Only 3 steps") for w in rep["warnings"])
+    assert "no straggler verdict: only 3 steps" in report.format_text({**rep, "stragglers": []})
+    assert rep["events"] == {"counts": {}, "key_event": None} and rep["attempts"] == 1

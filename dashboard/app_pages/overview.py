@@ -3,7 +3,7 @@ stragglers (each rank against its peers in the same step), what they cost their 
 
 import streamlit as st
 
-from dashboard import stragglers, ui, views
+from dashboard import environment, stragglers, ui, views
 
 
 def _fmt(value: float, spec: str) -> str:
@@ -22,6 +22,13 @@ def main(ctx: ui.Context) -> None:
     m, f = view.metrics, view.figures
     for text in view.warnings:  # the environment qualifies every figure below: say so first
         st.warning(text, icon="⚠️")
+    ev = ui.load("events", ctx.store, run=run)
+    failures = ev[ev["kind"].isin(["crash", "hang", "aborted_step", "restart", "nonfinite_loss"])]
+    if len(failures):  # a restarted or failed run: its figures cover the steps it completed
+        kinds = failures["kind"].value_counts().sort_index()
+        counts = ", ".join(f"{k.replace('_', ' ')} ×{n}" for k, n in kinds.items())
+        st.warning(f"This run had failures: {counts} (newest at step {int(failures['step'].iloc[0])}); the Events "
+                   "table below says which rank and why.", icon="⚠️")
     if view.stragglers is not None and len(view.stragglers):  # the headline verdict; details below
         st.warning(_verdict(view) + " Details under Stragglers below.", icon="🐢")
     c = st.columns(4)
@@ -59,7 +66,9 @@ def main(ctx: ui.Context) -> None:
     else:
         st.info("Every rank is alone in its pipeline stage: no peers doing the same work to compare it with, so "
                 "no straggler verdict on compute (the Pipeline page shows stage imbalance).")
-    if view.stragglers.empty:
+    if view.stragglers.empty and view.verdict_steps < environment.MIN_STEADY_STEPS:
+        st.info(f"No straggler verdict: only {view.verdict_steps} steps after warm-up.")
+    elif view.stragglers.empty:
         st.success(f"No straggler: no rank held its peers up (≥ {threshold:.0%} slower than them and last to "
                    "arrive) in most steps, and no rank's bus bandwidth stands out.")
     else:
@@ -79,7 +88,6 @@ def main(ctx: ui.Context) -> None:
                                     "Throttled samples": st.column_config.NumberColumn(format="percent")})
         for r in view.stragglers.itertuples():
             st.caption(f"Rank {int(r.rank)}: {r.cause}")
-    ev = ui.load("events", ctx.store, run=run)
     if len(ev):
         st.subheader("Events")
         st.dataframe(ev, hide_index=True)
