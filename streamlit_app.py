@@ -14,8 +14,12 @@ from dashboard import ui
 
 st.set_page_config(page_title="meshscope", layout="wide")
 ui.init(sys.argv[1:])
+RUNS = st.Page("dashboard/app_pages/runs.py", title="Runs", url_path="runs")
 PAGES = [
-    st.Page("dashboard/app_pages/runs.py", title="Runs", url_path="runs", default=True),
+    # Streamlit serves its default page at "/" only, so a default Runs page would make "/runs" a "Page not
+    # found": the default is a hidden page that sends "/" to "/runs", and every page has its own path.
+    st.Page(lambda: st.switch_page(RUNS), title="meshscope", url_path="home", default=True, visibility="hidden"),
+    RUNS,
     st.Page("dashboard/app_pages/overview.py", title="Overview", url_path="overview"),
     st.Page("dashboard/app_pages/pipeline.py", title="Pipeline", url_path="pipeline"),
     st.Page("dashboard/app_pages/communication.py", title="Communication", url_path="communication"),

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -23,7 +24,8 @@ pytestmark = pytest.mark.browser
 CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parent.parent
 SHOTS = ROOT / "artifacts" / "screenshots"
-PAGES = ["",  # the default page (Runs) lives at the root URL
+PAGES = ["",  # the root URL opens the Runs page
+         "runs",
          "overview", "pipeline", "communication", "memory", "scaling", "gpu", "live"]
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
@@ -96,13 +98,20 @@ def test_every_page_draws_a_chart_without_exceptions(served):
                 # Let the script run finish so a late exception would be on the page.
                 page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"] "
                                        "button')", timeout=30_000)
-                page.screenshot(path=str(SHOTS / f"{name or 'runs'}.png"), full_page=True)
+                page.screenshot(path=str(SHOTS / f"{name or 'root'}.png"), full_page=True)
+                text = page.locator('[data-testid="stMain"]').inner_text()
+                assert "Page not found" not in text, name
+                if name in ("", "runs"):  # the root URL opens the Runs page, and so does its own path
+                    assert urllib.parse.urlparse(page.url).path == "/runs", page.url
+                    assert "Runs" in page.locator("h1").first.inner_text()
                 errors = page.locator('[data-testid="stException"]')
                 assert errors.count() == 0, f"{name}: {errors.first.inner_text()}"
                 assert page.locator(".js-plotly-plot").count() >= 1, name
                 if name == "overview":  # the verdict a user reads, as the browser shows it
-                    text = page.locator('[data-testid="stMain"]').inner_text()
                     assert "Straggler: rank 5 (GPU throttling" in text, text[:2000]
                     assert "A rank is a straggler when" in text
+            # A shared link to the root keeps its run: it opens the Runs page with that run in focus.
+            page.goto(f"{served}/?run=ddp-8", wait_until="domcontentloaded", timeout=30_000)
+            page.wait_for_url("**/runs?run=ddp-8*", timeout=30_000)
         finally:
             browser.close()
