@@ -10,6 +10,7 @@ import math
 import sys
 from typing import Any
 
+from agent.collector.catchup import catch_up
 from dashboard import environment, stragglers, views
 from dashboard.config import ArgParser, ConfigError, run_command
 from dashboard.store import Store, StoreError
@@ -158,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
             store = Store.open_many(a.store)
         except StoreError as e:
             raise ConfigError(str(e)) from None
+        for root in store.roots:  # records still only in spools (no agent ran) count too
+            if note := catch_up(root).message():
+                print(f"meshscope report: {note}", file=sys.stderr)
         rep = build(views.direct_loader(store), run=a.run, steps=steps)
         print(json.dumps(rep, indent=2) if a.json else format_text(rep))
         return 0

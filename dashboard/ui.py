@@ -14,6 +14,7 @@ import plotly.graph_objects as go
 import streamlit as st
 from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ctx
 
+from agent.collector.catchup import catch_up
 from dashboard import data, views
 from dashboard.config import AppConfig, ConfigError, parse_app_args
 from dashboard.live import LiveError, PrometheusClient
@@ -47,6 +48,16 @@ class Context:
 def _cached(name: str, roots: tuple[str, ...], kwargs: tuple):
     # Keyed by every root: the same run read over another set of stores is another result.
     return LOADERS[name](Store.open_many(roots), **dict(kwargs))
+
+
+@st.cache_data(ttl=CACHE_TTL_S, max_entries=16, show_spinner="Ingesting the store's spools…")
+def _catch_up(roots: tuple[str, ...]) -> tuple[str, ...]:
+    """Records still only in spools (a job run with ``--store`` and no agent) reach the tables before the
+    pages read them, at most once per cache period; an agent writing the store is left to it."""
+    results = [catch_up(root) for root in roots]
+    if any(r.outcome == "ingested" for r in results):
+        _cached.clear()  # frames read before the ingest lack its records
+    return tuple(note for r in results if (note := r.message()))
 
 
 def load(name: str, store: Store, **kwargs):
@@ -103,6 +114,8 @@ def sidebar() -> None:
         return
     try:
         store = Store.open_many(config.stores)
+        for note in _catch_up(tuple(map(str, store.roots))):
+            st.sidebar.caption(note)
         runs = load("runs_table", store)
     except StoreError as e:
         st.sidebar.error(str(e))
@@ -166,8 +179,8 @@ def render(main: Callable[[Context], None], *, needs_run: bool = True) -> None:
         st.info("No store is open (see the message above).")
         return
     if ctx.runs.empty and needs_run:
-        st.info(f"No runs in the store at {ctx.store.describe()} yet. Runs appear here once the node agent "
-                "has written records under `tables/`.")
+        st.info(f"No runs in the store at {ctx.store.describe()} yet. Runs appear here once a job has written "
+                "records there: its spools are read when a page opens, or by a node agent.")
         return
     st.session_state[WARNED_KEY] = set()
     if needs_run:

@@ -60,8 +60,12 @@ def test_once_ingests_and_exits(tmp_path, capsys):
     assert f"ingested {sum(counts.values())} records" in capsys.readouterr().out
 
 
-def test_one_agent_per_store(tmp_path, capsys):
+def test_one_agent_per_store(tmp_path, capsys, monkeypatch):
     import fcntl
+
+    from agent.collector import cli
+
+    monkeypatch.setattr(cli, "LOCK_WAIT_S", 0.3)  # how long a second writer waits before giving up
 
     (tmp_path / "agent").mkdir()
     with open(tmp_path / "agent" / "agent.lock", "w") as held:

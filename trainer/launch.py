@@ -93,12 +93,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _next_steps(store: str | None, run: str | None) -> None:
-    """Where the records are and the commands that show them (the spools become the store's tables when an
-    agent or ``meshscope ingest`` reads them)."""
+    """Where the records are and the commands that show them. Both read the spools an agent has not
+    ingested yet (``agent.collector.catchup``), so no ingest step comes between."""
     if not store:
         return
     q = shlex.quote
     print(f"meshscope train: run {run!r} recorded in {store}. Next:\n"
-          f"  meshscope ingest --store {q(store)}          # spools -> the run store (skip if an agent runs)\n"
           f"  meshscope report --store {q(store)} --run {q(run or '')}\n"
           f"  meshscope dashboard --store {q(store)}", file=sys.stderr)

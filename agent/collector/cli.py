@@ -15,7 +15,6 @@ the agent warns.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import ipaddress
 import os
 import signal
@@ -27,11 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.collector.agent import Agent, AgentConfig
+from agent.collector.catchup import lock_store
 from agent.collector.gpu import load_nvml
 from agent.collector.ingest import IngestConfig
 from agent.collector.server import WebConfig, serve_metrics
 from agent.instrument.recorder import AnchoredClock
 from agent.security import Credentials
+
+
+LOCK_WAIT_S = 10.0  # longer than a reader's catch-up of a tour-sized store
 
 
 class UsageError(Exception):
@@ -82,14 +85,11 @@ def _check_store(store: Path) -> None:
 
 
 def _lock_store(store: Path) -> int:
-    """One agent per store: a second one would race the first on parts and offsets. The kernel drops
-    the lock when the process dies, SIGKILL included."""
-    fd = os.open(store / "agent" / "agent.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise UsageError(f"another meshscope agent or ingest is already writing store {str(store)!r}") from None
+    """One writer per store: a second one would race the first on parts and offsets. A dashboard or
+    ``report`` that is catching the store up holds the lock for a moment: wait for it a little."""
+    fd = lock_store(store, wait_s=LOCK_WAIT_S)
+    if fd is None:
+        raise UsageError(f"another meshscope agent or ingest is already writing store {str(store)!r}")
     return fd
 
 
