@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # The parallel dimensions a collective can belong to (taken from the DeviceMesh dim names).
 DIMS = ("dp", "fsdp", "tp", "pp", "world", "other")
@@ -92,6 +92,9 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("active_bytes", _i64), ("active_peak_bytes", _i64),
         ("alloc_retries", _i64), ("ooms", _i64),
         ("device_free_bytes", _i64), ("device_total_bytes", _i64),  # -1 where not applicable (CPU)
+        # The bytes the rank's tensors hold (local shards; one storage counted once), measured once after
+        # the first optimizer step that leaves state; -1 in the other samples.
+        ("param_bytes", _i64), ("grad_bytes", _i64), ("optimizer_bytes", _i64),
     ]),
     # Timeline events: start, end, crash, non-finite loss, restarts, telemetry errors.
     "event": pa.schema([
@@ -108,10 +111,19 @@ SCHEMAS: dict[str, pa.Schema] = {
 
 KINDS = tuple(SCHEMAS)
 
-# Version 1 had no ``step.cpu_s`` and ``step.cpu_wait_s``. Readers lift v1 batches to the current schema
-# (the columns NULL).
-SCHEMAS_V1: dict[str, pa.Schema] = {
-    **SCHEMAS, "step": pa.schema([f for f in SCHEMAS["step"] if f.name not in ("cpu_s", "cpu_wait_s")])}
+# Older versions, as the columns added since: readers lift their batches to the current schema (the
+# columns NULL). Version 2 added ``step.cpu_s`` and ``step.cpu_wait_s``; version 3 ``memory.param_bytes``,
+# ``memory.grad_bytes`` and ``memory.optimizer_bytes``.
+_ADDED = {2: {"step": ("cpu_s", "cpu_wait_s")}, 3: {"memory": ("param_bytes", "grad_bytes", "optimizer_bytes")}}
+
+
+def _before(version: int) -> dict[str, pa.Schema]:
+    later = [added for v, added in _ADDED.items() if v > version]
+    return {kind: pa.schema([f for f in schema if not any(f.name in a.get(kind, ()) for a in later)])
+            for kind, schema in SCHEMAS.items()}
+
+
+SCHEMAS_V1, SCHEMAS_V2 = _before(1), _before(2)
 
 
 def empty_table(kind: str) -> pa.Table:

@@ -299,13 +299,16 @@ def pipeline_data(store: Store, *, run: str, steps: tuple[int, int] | None,
 # -------------------------------------------------------------------------------------- memory
 def memory_data(store: Store, *, run: str, steps: tuple[int, int] | None) -> dict[str, pd.DataFrame]:
     """``per_rank``: current (latest sample) and peak allocated / reserved / RSS bytes, device capacity
-    (NULL for CPU), alloc retries and OOMs; ``per_step``: max and median over ranks of the peaks."""
+    (NULL for CPU), alloc retries and OOMs, the bytes of parameters, gradients and optimizer state measured
+    from the tensors (-1 or NULL where not measured); ``per_step``: max and median over ranks of the peaks."""
     per_rank, per_step = store.query_all([
         ("SELECT rank, arg_max(allocated_bytes, t) AS allocated, max(allocated_peak_bytes) AS allocated_peak, "
          "arg_max(reserved_bytes, t) AS reserved, max(reserved_peak_bytes) AS reserved_peak, "
          "arg_max(rss_bytes, t) AS rss, max(rss_peak_bytes) AS rss_peak, "
          "max(CASE WHEN device_total_bytes > 0 THEN device_total_bytes END) AS capacity, "
-         "max(alloc_retries) AS alloc_retries, max(ooms) AS ooms FROM memory GROUP BY rank ORDER BY rank", None),
+         "max(alloc_retries) AS alloc_retries, max(ooms) AS ooms, max(param_bytes) AS param_bytes, "
+         "max(grad_bytes) AS grad_bytes, max(optimizer_bytes) AS optimizer_bytes "
+         "FROM memory GROUP BY rank ORDER BY rank", None),
         ("SELECT step, max(allocated_peak_bytes) AS allocated_peak_max, median(allocated_peak_bytes) AS "
          "allocated_peak_median, max(rss_peak_bytes) AS rss_peak_max, median(rss_peak_bytes) AS rss_peak_median "
          "FROM memory GROUP BY step ORDER BY step", None),
@@ -314,7 +317,8 @@ def memory_data(store: Store, *, run: str, steps: tuple[int, int] | None) -> dic
 
 
 _MEMORY_COLS = ("rank", "step", "t", "allocated_bytes", "allocated_peak_bytes", "reserved_bytes", "reserved_peak_bytes",
-                "rss_bytes", "rss_peak_bytes", "device_total_bytes", "alloc_retries", "ooms")
+                "rss_bytes", "rss_peak_bytes", "device_total_bytes", "alloc_retries", "ooms", "param_bytes", "grad_bytes",
+                "optimizer_bytes")
 
 
 # ----------------------------------------------------------------------------------------- gpu

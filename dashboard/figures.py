@@ -258,6 +258,21 @@ def memory_model_vs_measured(model: pd.DataFrame, *, measured: dict[str, float])
     return _layout(fig, title="Analytic model vs measured peak per device", x="", y="GiB")
 
 
+def memory_states_vs_tensors(table: pd.DataFrame) -> go.Figure:
+    """Model states per device, analytic next to measured from the tensors (``memory_model.states_vs_tensors``),
+    in MiB or GiB by magnitude."""
+    top = float(table[["model_bytes", "measured_max"]].to_numpy().max())
+    unit, div = ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20)
+    fig = go.Figure()
+    fig.add_trace(go.Bar(x=table["component"], y=table["model_bytes"] / div, name="model (per device)",
+                         marker_color="#90a4ae"))
+    fig.add_trace(go.Bar(x=table["component"], y=table["measured_max"] / div, name="measured (max rank)",
+                         marker_color="#1565c0"))
+    fig.update_layout(barmode="group")
+    fig.update_yaxes(rangemode="tozero")
+    return _layout(fig, title="Parameters, gradients, optimizer state: model vs the tensors", x="", y=unit)
+
+
 # --------------------------------------------------------------------------------------- scaling
 def scaling_speedup(table: pd.DataFrame, *, fits: pd.DataFrame) -> go.Figure:
     """Speedup vs world size per family (``scaling.scaling_table``), each against its own baseline n0, with
@@ -315,9 +330,11 @@ def gpu_lines(series: pd.DataFrame, *, gpus: list[str], value: str, title: str) 
 
 
 # ------------------------------------------------------------------------------------------ live
-def live_bars(df: pd.DataFrame, *, value: str, title: str, percent: bool = False) -> go.Figure:
-    """Current per-rank values from Prometheus."""
-    fig = go.Figure(go.Bar(x=df["rank"].astype(str), y=df[value], marker_color="#1565c0"))
-    if percent:
-        fig.update_yaxes(tickformat=".0%")
-    return _layout(fig, title=title, x="rank", y=title, height=280)
+def live_series(df: pd.DataFrame, *, title: str, percent: bool = False) -> go.Figure:
+    """One Live series over the last minutes, a line per rank (``rank``, ``t`` Unix seconds, ``value``)."""
+    fig = go.Figure()
+    for i, (rank, g) in enumerate(df.sort_values("t").groupby("rank", sort=True)):
+        fig.add_trace(go.Scatter(x=_dt(g["t"]), y=g["value"], mode="lines",
+                                 name=f"rank {rank}", line=dict(color=_PALETTE[i % len(_PALETTE)], width=1.5)))
+    fig.update_yaxes(rangemode="tozero", tickformat=".0%" if percent else None)
+    return _layout(fig, title=title, x="time (UTC)", y=title, height=280)

@@ -24,6 +24,10 @@ METRICS: dict[str, str] = {
     "wall": "meshscope_rank_step_wall_seconds_total",  # counter: step wall time
     "phase": "meshscope_rank_step_phase_seconds_total",  # counter: wall time by phase (label below)
     "mfu": "meshscope_rank_mfu_ratio",  # gauge: MFU of the rank's last step, 0-1
+    "steps": "meshscope_rank_steps_total",  # counter: optimizer steps completed
+    "last_record": "meshscope_run_last_record_timestamp_seconds",  # gauge: newest record of the run (Unix s)
+    "world_size": "meshscope_run_world_size",  # gauge
+    "events": "meshscope_run_events_total",  # counter by kind (agent.schema.EVENT_KINDS)
 }
 RANK_LABEL = "rank"
 RUN_LABEL = "run"
@@ -59,6 +63,14 @@ def queries(*, run: str | None, window: str = "1m") -> dict[str, str]:
     }
 
 
+def series_queries(*, run: str | None, window: str = "1m") -> dict[str, str]:
+    """PromQL per time series of the Live page: the snapshot's shares and MFU, and the step rate."""
+    by = f"by ({RANK_LABEL})"
+    q = queries(run=run, window=window)
+    return {"steps_per_s": f"sum {by} (rate({METRICS['steps']}{_selector(run)}[{window}]))",
+            "compute_ratio": q["compute_ratio"], "exposed_comm_ratio": q["exposed_comm_ratio"], "mfu": q["mfu"]}
+
+
 Opener = Callable[..., object]
 
 
@@ -75,9 +87,25 @@ class PrometheusClient:
 
     def query(self, promql: str) -> list[tuple[dict[str, str], float]]:
         """Instant vector query -> [(labels, value)]."""
-        q = urllib.parse.urlencode({"query": promql})
+        data = self._get("query", {"query": promql})
+        if data.get("resultType") != "vector":
+            return []
+        return [(r.get("metric", {}), float(r["value"][1])) for r in data.get("result", [])]
+
+    def query_range(self, promql: str, *, start: float, end: float, step_s: float
+                    ) -> list[tuple[dict[str, str], list[tuple[float, float]]]]:
+        """Range query -> [(labels, [(unix time, value)])]."""
+        data = self._get("query_range", {"query": promql, "start": f"{start:.3f}", "end": f"{end:.3f}",
+                                          "step": f"{step_s:g}"})
+        if data.get("resultType") != "matrix":
+            return []
+        return [(r.get("metric", {}), [(float(t), float(v)) for t, v in r.get("values", [])])
+                for r in data.get("result", [])]
+
+    def _get(self, endpoint: str, params: dict[str, str]) -> dict:
+        q = urllib.parse.urlencode(params)
         try:
-            with self._open(f"{self.url}/api/v1/query?{q}", timeout=self.timeout) as resp:
+            with self._open(f"{self.url}/api/v1/{endpoint}?{q}", timeout=self.timeout) as resp:
                 body = json.loads(resp.read().decode())
         except urllib.error.HTTPError as e:
             detail = _error_detail(e)
@@ -88,10 +116,7 @@ class PrometheusClient:
             raise LiveError(f"Prometheus at {self.url} answered with something other than JSON") from e
         if body.get("status") != "success":
             raise LiveError(f"Prometheus query failed: {body.get('error', 'unknown error')}")
-        data = body.get("data", {})
-        if data.get("resultType") != "vector":
-            return []
-        return [(r.get("metric", {}), float(r["value"][1])) for r in data.get("result", [])]
+        return body.get("data", {})
 
     def check(self) -> None:
         """Raise LiveError unless Prometheus answers a trivial query."""
@@ -126,3 +151,52 @@ def snapshot(client: PrometheusClient, *, run: str | None, window: str = "1m") -
         return pd.DataFrame(columns=cols)
     df = pd.DataFrame.from_dict(table, orient="index").rename_axis("rank").reset_index()
     return df.reindex(columns=cols).sort_values("rank").reset_index(drop=True)
+
+
+def history(client: PrometheusClient, *, run: str | None, now: float, minutes: float = 10.0,
+            step_s: float = 5.0, window: str = "1m") -> pd.DataFrame:
+    """The Live page's time series over the last ``minutes``: ``rank``, ``t`` (Unix seconds), ``series``
+    (a key of :func:`series_queries`) and ``value``."""
+    rows = []
+    for series, promql in series_queries(run=run, window=window).items():
+        for labels, points in client.query_range(promql, start=now - minutes * 60, end=now, step_s=step_s):
+            try:
+                rank = int(labels.get(RANK_LABEL, ""))
+            except ValueError:
+                continue
+            rows.extend((rank, t, series, v) for t, v in points if math.isfinite(v))
+    out = pd.DataFrame(rows, columns=["rank", "t", "series", "value"])
+    # A share is a rate over a rate, and Prometheus extrapolates each counter's rate to its window on its
+    # own (stopping at zero near a series' start), so the first points of a run can exceed 1 (1.10 seen
+    # over a real job): a fraction of wall time is at most 1.
+    shares = out["series"].str.endswith("_ratio")
+    out.loc[shares, "value"] = out.loc[shares, "value"].clip(0.0, 1.0)
+    return out
+
+
+STALE_AFTER_S = 60.0  # no record for this long, no end: the run may have stopped without saying so
+
+
+def run_status(client: PrometheusClient, *, run: str, now: float) -> dict:
+    """Whether ``run`` is still going, from the agent's run series: ``state`` is "ended" once every rank
+    has an end event, "crashed" after a crash event, "quiet" when no record came for ``STALE_AFTER_S``,
+    else "running"; with ``last_record`` (Unix seconds), ``world_size``, ``ended_ranks`` and ``crashes``."""
+    sel = _selector(run)
+
+    def one(promql: str) -> float | None:
+        rows = client.query(promql)
+        return rows[0][1] if rows and math.isfinite(rows[0][1]) else None
+
+    last = one(f"max({METRICS['last_record']}{sel})")
+    world = one(f"max({METRICS['world_size']}{sel})")
+    ended = one(f"sum({METRICS['events']}{_selector(run, kind='end')})") or 0.0
+    crashes = one(f"sum({METRICS['events']}{_selector(run, kind='crash')})") or 0.0
+    if world and ended >= world:
+        state = "ended"
+    elif crashes:
+        state = "crashed"
+    elif last is not None and now - last > STALE_AFTER_S:
+        state = "quiet"
+    else:
+        state = "running"
+    return {"state": state, "last_record": last, "world_size": world, "ended_ranks": ended, "crashes": crashes}

@@ -130,3 +130,27 @@ def memory_model(spec: ModelSpec) -> pd.DataFrame:
     rows.append(("activations", per_mb * flight + extra,
                  f"{note}; b = {b:.3g}, s = {s}, h = {h}, {layers:.3g} layers/stage, /tp; {fnote}"))
     return pd.DataFrame(rows, columns=["component", "bytes", "formula"])
+
+
+STATES = {"parameters": "param_bytes", "gradients": "grad_bytes", "optimizer state": "optimizer_bytes"}
+
+
+def states_vs_tensors(model: pd.DataFrame, per_rank: pd.DataFrame) -> pd.DataFrame | None:
+    """The model's parameters, gradients and optimizer state per device against the bytes measured from
+    each rank's tensors (``memory.param_bytes`` ...; local shards, each storage once): ``component``,
+    ``model_bytes``, ``measured_max``, ``measured_min`` (over ranks) and ``error`` = measured max / model
+    - 1 (the model is per device at the worst stage, so the max rank is its counterpart). None when no
+    rank measured its tensors."""
+    rows = []
+    for component, col in STATES.items():
+        if col not in per_rank:
+            return None
+        measured = pd.to_numeric(per_rank[col], errors="coerce")
+        measured = measured[measured >= 0]
+        hit = model.loc[model["component"] == component, "bytes"]
+        if measured.empty or hit.empty:
+            return None
+        m = float(hit.iloc[0])
+        rows.append((component, m, float(measured.max()), float(measured.min()),
+                     float(measured.max()) / m - 1 if m > 0 else float("nan")))
+    return pd.DataFrame(rows, columns=["component", "model_bytes", "measured_max", "measured_min", "error"])

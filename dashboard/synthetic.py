@@ -224,7 +224,8 @@ def write_store(root: str | Path, *, config: SyntheticConfig) -> dict[str, int]:
             "active_bytes": np.full(K, mem_static * 1.01, dtype=np.int64),
             "active_peak_bytes": peak.astype(np.int64), "alloc_retries": np.zeros(K, np.int64),
             "ooms": np.zeros(K, np.int64), "device_total_bytes": np.full(K, GPU_MEMORY),
-            "device_free_bytes": (GPU_MEMORY - reserved - 600 * 2**20).clip(0).astype(np.int64)})
+            "device_free_bytes": (GPU_MEMORY - reserved - 600 * 2**20).clip(0).astype(np.int64),
+            **{c: np.full(K, -1, np.int64) for c in ("param_bytes", "grad_bytes", "optimizer_bytes")}})
         rows["run"] += _put(base, "run", cfg.run, r, part, table=_run_row(cfg, rank=r, coord=coords[r], model=model,
                                                                       flops_per_token=flops_per_token))
         rows["event"] += _put(base, "event", cfg.run, r, part, table={

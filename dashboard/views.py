@@ -19,7 +19,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from dashboard import analysis, data, environment, figures, stragglers
-from dashboard.memory_model import memory_model, spec_from_meta
+from dashboard.memory_model import memory_model, spec_from_meta, states_vs_tensors
 from dashboard.pipeline_sim import replay
 from dashboard.scaling import amdahl_fits, no_family_reason, run_throughput, scaling_table
 from dashboard.store import Store
@@ -305,6 +305,7 @@ class Memory:
     label: str = ""
     peak_col: str = ""
     model: pd.DataFrame | None = None
+    states: pd.DataFrame | None = None  # model states vs the tensors (memory_model.states_vs_tensors)
     model_missing: list[str] = field(default_factory=list)
     meta: dict = field(default_factory=dict)
     figures: dict[str, go.Figure] = field(default_factory=dict)
@@ -325,6 +326,9 @@ def memory(load: Loader, *, run: str, steps) -> Memory:
     view.model_missing = [f for f in _MODEL_FIELDS if f not in meta]
     if not view.model_missing:
         view.model = memory_model(spec_from_meta(meta))
+        view.states = states_vs_tensors(view.model, mem)
+        if view.states is not None:
+            view.figures["states"] = figures.memory_states_vs_tensors(view.states)
         if on_device:  # host RSS is mostly the runtime: no comparison with what the model describes
             measured = {"measured peak (max rank)": float(mem[view.peak_col].max()),
                         "measured peak (median rank)": float(mem[view.peak_col].median())}

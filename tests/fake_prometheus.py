@@ -1,6 +1,7 @@
-"""A real HTTP server on 127.0.0.1 that answers ``/api/v1/query`` the way Prometheus does, for the
-dashboard's Live page tests (unit, AppTest and browser tiers). Values per rank are fixed so tests can
-assert on them; every query received is recorded."""
+"""A real HTTP server on 127.0.0.1 that answers ``/api/v1/query`` and ``/api/v1/query_range`` the way
+Prometheus does, for the dashboard's Live page tests (unit, AppTest and browser tiers). Values per rank are
+fixed so tests can assert on them; the run is running (its last record 1 s old, no end event); every query
+received is recorded. The real-Prometheus tests are in test_dashboard_live.py."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def value_for(query: str, rank: int) -> float | None:
         return 0.2
     if METRICS["mfu"] in query:
         return 0.4
+    if METRICS["steps"] in query:
+        return 2.0
     if METRICS["step"] in query:
         return 100.0 + rank
     return None
@@ -43,13 +46,18 @@ class FakePrometheus:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 (http.server API)
                 url = urllib.parse.urlparse(self.path)
-                if url.path != "/api/v1/query":
+                args = {k: v[0] for k, v in urllib.parse.parse_qs(url.query).items()}
+                query = args.get("query", "")
+                if url.path == "/api/v1/query":
+                    data = {"resultType": "vector", "result": fake.result(query)}
+                elif url.path == "/api/v1/query_range":
+                    data = {"resultType": "matrix", "result": fake.range_result(
+                        query, float(args["start"]), float(args["end"]), float(args["step"]))}
+                else:
                     self.send_error(404)
                     return
-                query = urllib.parse.parse_qs(url.query).get("query", [""])[0]
                 fake.queries.append(query)
-                body = json.dumps({"status": "success", "data": {"resultType": "vector",
-                                                                  "result": fake.result(query)}}).encode()
+                body = json.dumps({"status": "success", "data": data}).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
@@ -72,12 +80,21 @@ class FakePrometheus:
             return [{"metric": {}, "value": [now, "1"]}]
         if query.startswith("count by (run)"):
             return [{"metric": {"run": self.run}, "value": [now, str(self.ranks)]}]
+        whole_run = {METRICS["last_record"]: now - 1, METRICS["world_size"]: self.ranks, METRICS["events"]: 0}
+        for name, value in whole_run.items():
+            if name in query:
+                return [{"metric": {}, "value": [now, repr(float(value))]}]
         out = []
         for rank in range(self.ranks):
             v = value_for(query, rank)
             if v is not None:
                 out.append({"metric": {"rank": str(rank)}, "value": [now, repr(v)]})
         return out
+
+    def range_result(self, query: str, start: float, end: float, step: float) -> list[dict]:
+        times = [start + i * step for i in range(int((end - start) // step) + 1)]
+        return [{"metric": {"rank": str(rank)}, "values": [[t, repr(v)] for t in times]}
+                for rank in range(self.ranks) if (v := value_for(query, rank)) is not None]
 
     def __enter__(self) -> FakePrometheus:
         self._thread.start()

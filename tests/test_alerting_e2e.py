@@ -177,7 +177,8 @@ def write_gpu_run(store: Path, *, run: str = "gpu-node", world_size: int = 2) ->
                   "allocated_bytes": [40 * gib] * n, "allocated_peak_bytes": [52 * gib] * n,
                   "reserved_bytes": [56 * gib] * n, "reserved_peak_bytes": [60 * gib] * n,
                   "active_bytes": [40 * gib] * n, "active_peak_bytes": [52 * gib] * n, "alloc_retries": [0] * n,
-                  "ooms": [0] * n, "device_free_bytes": [19 * gib] * n, "device_total_bytes": [80 * gib] * n}
+                  "ooms": [0] * n, "device_free_bytes": [19 * gib] * n, "device_total_bytes": [80 * gib] * n,
+                  "param_bytes": [-1] * n, "grad_bytes": [-1] * n, "optimizer_bytes": [-1] * n}
         events = {"t": [t0, now - 5], "step": [0, 9], "kind": ["start", "end"], "message": ["", "finished"]}
         with open(path, "wb") as fh:
             fh.write(encode_file_header(run=run, rank=rank, attempt=0, host="gpu-node", stream_id=secrets.token_hex(8),

@@ -118,7 +118,7 @@ def test_series_budget_holds_for_every_op_and_dim():
     mesh = {"dp": 2, "fsdp": 2, "tp": 2, "pp": 2}
     st.observe("run", run_table(rank=0, world_size=16, t0=1.0, mesh=mesh),
                run="r", rank=0, attempt=0, now=1.0)
-    st.observe("memory", table("memory", [(0, 1.0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 0, 9, 10)]), run="r", rank=0,
+    st.observe("memory", table("memory", [(0, 1.0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 0, 9, 10, -1, -1, -1)]), run="r", rank=0,
                attempt=0, now=1.0)
     st.observe("step", table("step", [step(0)]), run="r", rank=0, attempt=0, now=1.0)
     st.observe("collective", collective_table(n=5000, seq0=0, step0=0, per_step=50, t0=1.0, rng=rng,
@@ -142,8 +142,8 @@ def test_series_budget_holds_for_every_op_and_dim():
 
 def test_memory_events_run_info_and_cpu_only_fields():
     st = MetricsState()
-    st.observe("memory", table("memory", [(0, 1.0, 100, 150, -1, -1, -1, -1, -1, -1, 0, 0, -1, -1),
-                                          (1, 2.0, 120, 160, -1, -1, -1, -1, -1, -1, 2, 1, -1, -1)]),
+    st.observe("memory", table("memory", [(0, 1.0, 100, 150, -1, -1, -1, -1, -1, -1, 0, 0, -1, -1, -1, -1, -1),
+                                          (1, 2.0, 120, 160, -1, -1, -1, -1, -1, -1, 2, 1, -1, -1, -1, -1, -1)]),
                run="r", rank=0, attempt=0, now=1.0)
     st.observe("event", table("event", [(1.0, 0, "crash", "x"), (2.0, 0, "crash", "y"), (3.0, 1, "end", "")]),
                run="r", rank=0, attempt=0, now=1.0)

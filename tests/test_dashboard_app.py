@@ -160,9 +160,10 @@ def test_live_page_reads_prometheus(monkeypatch, synthetic):
         at = _app(monkeypatch, "--store", str(synthetic), "--prometheus", prom.url).run()
         _visit(at, "live")
         assert not at.exception
-        assert len(at.get("plotly_chart")) == 4
+        assert len(at.get("plotly_chart")) == 4  # steps/s, compute, exposed comm, MFU over the last minutes
         assert any(m.value == "103" for m in at.metric)  # latest step = 100 + highest rank
-        expected = set(live.queries(run="live-run").values())
+        assert "Running: last record 1 s ago" in _texts(at.caption)
+        expected = set(live.queries(run="live-run").values()) | set(live.series_queries(run="live-run").values())
         assert expected <= set(prom.queries)
 
 

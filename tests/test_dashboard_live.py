@@ -1,13 +1,18 @@
 """Live page client: PromQL built from the one metric mapping, parsed per rank; errors as messages.
-The ``server`` test runs the queries against a real Prometheus scraping a real exporter."""
+The ``server`` tests run the queries against a real Prometheus scraping a real exporter, and the page over
+a real 2-rank training job seen through ``meshscope agent``: its time series while it runs, then that it
+ended."""
 
 from __future__ import annotations
 
 import math
 import shutil
+import signal
 import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -31,11 +36,14 @@ def test_queries_use_the_metric_mapping():
 def test_metric_names_and_types_are_the_agents_catalog():
     from agent import catalog
 
-    want = {"step": "gauge", "wall": "counter", "phase": "counter", "mfu": "gauge"}
+    want = {"step": "gauge", "wall": "counter", "phase": "counter", "mfu": "gauge", "steps": "counter",
+            "last_record": "gauge", "world_size": "gauge", "events": "counter"}
     for key, name in live.METRICS.items():
         spec = catalog.BY_NAME[name]
         assert spec.type == want[key], name
-        assert {live.RUN_LABEL, live.RANK_LABEL} <= set(spec.labels), name
+        per_run = key in ("last_record", "world_size", "events")  # run-level series: no rank label
+        assert ({live.RUN_LABEL} if per_run else {live.RUN_LABEL, live.RANK_LABEL}) <= set(spec.labels), name
+    assert "end" in catalog.BY_NAME[live.METRICS["events"]].values["kind"]
     phase = catalog.BY_NAME[live.METRICS["phase"]]
     assert live.PHASE_LABEL in phase.labels and {"compute", "exposed_comm"} <= set(phase.values["phase"])
 
@@ -130,3 +138,88 @@ def test_queries_against_a_real_prometheus(tmp_path):
             prom.wait(timeout=10)
         server.shutdown()
         worker.join(timeout=5)
+
+
+def _prometheus(tmp_path: Path, target_port: int) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    (tmp_path / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"scrape_configs: [{{job_name: meshscope, static_configs: [{{targets: ['127.0.0.1:{target_port}']}}]}}]\n")
+    proc = subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, port
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.mark.server
+@pytest.mark.gloo
+def test_live_page_over_a_real_job_shows_series_then_its_end(tmp_path, monkeypatch):
+    if not shutil.which("prometheus"):
+        pytest.skip("prometheus not installed (apt-get install -y prometheus)")
+    from streamlit.testing.v1 import AppTest
+
+    from tests.conftest import ROOT, torchrun, trainer_env
+
+    store = tmp_path / "store"
+    store.mkdir()
+    agent_port = free_port()
+    agent = subprocess.Popen([sys.executable, "-m", "meshscope_cli", "agent", "--store", str(store), "--port",
+                              str(agent_port), "--poll-interval", "0.2", "--gpu-interval", "0", "--part-age", "1"], cwd=ROOT,
+                             env=trainer_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    prom, prom_port = _prometheus(tmp_path, agent_port)
+    try:
+        client = live.PrometheusClient(f"http://127.0.0.1:{prom_port}", timeout=2)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # Prometheus up and scraping the agent
+            try:
+                if client.query("up") and client.query("up")[0][1] == 1:
+                    break
+            except live.LiveError:
+                pass
+            time.sleep(0.3)
+        # ~6 s of steps (0.15 s added to every step of both ranks): several scrapes while it runs.
+        torchrun(2, "--store", str(store), "--run-name", "live-job", "--steps", "40", "--straggler-ranks", "0,1",
+                 "--straggler-seconds", "0.15")
+        deadline, status = time.monotonic() + 30, None
+        while time.monotonic() < deadline:
+            status = live.run_status(client, run="live-job", now=time.time())
+            if status["state"] == "ended":
+                break
+            time.sleep(0.5)
+        assert status is not None and status["state"] == "ended", status
+        assert status["world_size"] == 2 and status["ended_ranks"] == 2 and status["crashes"] == 0
+        assert live.live_runs(client) == ["live-job"]
+        hist = live.history(client, run="live-job", now=time.time(), minutes=2, step_s=1)
+        for series in ("steps_per_s", "compute_ratio", "exposed_comm_ratio", "mfu"):
+            part = hist[hist["series"] == series]
+            assert sorted(part["rank"].unique()) == [0, 1], (series, hist)
+        steps = hist[hist["series"] == "steps_per_s"]
+        # 40 steps of at least 0.15 s: never more than 1 / 0.15 steps per second on any rank.
+        assert steps["value"].max() > 0 and steps["value"].max() < 1 / 0.15, steps
+        ratios = hist[hist["series"].isin(["compute_ratio", "exposed_comm_ratio"])]["value"]
+        assert ((ratios >= 0) & (ratios <= 1)).all() and ratios.median() > 0.005
+
+        deadline = time.monotonic() + 20  # the agent's parts (written within its 1 s part age): the sidebar's run
+        while not (store / "tables" / "step" / "run=live-job").is_dir() and time.monotonic() < deadline:
+            time.sleep(0.3)
+        monkeypatch.setattr(sys, "argv", ["streamlit_app.py", "--store", str(store), "--prometheus",
+                                          f"http://127.0.0.1:{prom_port}"])
+        at = AppTest.from_file(str(ROOT / "streamlit_app.py"), default_timeout=60).run()
+        at.switch_page("dashboard/app_pages/live.py")
+        at.run()
+        assert not at.exception
+        assert at.selectbox(key="live.run.live-job").value == "live-job"  # the sidebar's run
+        assert any("The run ended: all 2 ranks recorded their end" in s.value for s in at.success)
+        assert len(at.get("plotly_chart")) == 4
+    finally:
+        _stop(prom)
+        _stop(agent)

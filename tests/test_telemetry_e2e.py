@@ -289,6 +289,21 @@ def test_clean_runs_flag_no_straggler(profiled_run):
     assert ov.metrics["cost_s"] == 0.0
 
 
+def test_memory_model_states_match_the_tensors(profiled_run):
+    """The Memory page's comparison, every strategy: the analytic parameters, gradients and optimizer state
+    per device against the bytes of each rank's own tensors (AdamW in fp32: 4 + 4 + 8 B per parameter,
+    divided as the strategy shards them) agree within 1 %, and the page draws it."""
+    from dashboard import views
+    from dashboard.store import Store
+
+    strategy, store, _, _ = profiled_run
+    view = views.memory(views.direct_loader(Store.open(store)), run="r", steps=None)
+    assert view.states is not None and "states" in view.figures, strategy
+    assert list(view.states["component"]) == ["parameters", "gradients", "optimizer state"]
+    assert (view.states["error"].abs() < 0.01).all(), (strategy, view.states.to_string())
+    assert (view.states["measured_min"] > 0).all()
+
+
 def _contended(warnings: list[str]) -> bool:
     """Whether the product warned that ranks waited for a CPU (dashboard.environment): then the truths
     that assume a core per rank do not hold, and the tests say what holds instead."""

@@ -92,7 +92,8 @@ def memory_table(*, steps: np.ndarray, t0: float) -> pa.Table:
         "allocated_peak_bytes": np.full(n, -1), "reserved_bytes": np.full(n, -1),
         "reserved_peak_bytes": np.full(n, -1), "active_bytes": np.full(n, -1), "active_peak_bytes": np.full(n, -1),
         "alloc_retries": np.zeros(n), "ooms": np.zeros(n), "device_free_bytes": np.full(n, -1),
-        "device_total_bytes": np.full(n, -1),
+        "device_total_bytes": np.full(n, -1), "param_bytes": np.full(n, -1), "grad_bytes": np.full(n, -1),
+        "optimizer_bytes": np.full(n, -1),
     })
 
 

@@ -26,11 +26,61 @@ def rss_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
-def sample(step: int, t: float, device: torch.device) -> tuple:
-    """A row of the ``memory`` kind (field order of agent.schema). -1 marks what this device lacks."""
+NOT_MEASURED = (-1, -1, -1)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The part of a tensor this rank holds: a DTensor's local shard (FSDP2, TP), else the tensor."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
+def _nbytes(tensors, seen: set) -> int:
+    """Bytes of the tensors' storages, each storage once (tied weights, views of one flat buffer)."""
+    total = 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        t = _local(t)
+        if t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        key = (t.device.type, t.device.index, storage.data_ptr())
+        if storage.data_ptr() and key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def tensor_bytes(*, modules, optimizers) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer state) bytes this rank holds, read from the tensors: what the
+    analytic model describes (RSS also holds the runtime; the allocator also holds activations).
+
+    Parameters: the modules' and the optimizers' parameters. Gradients: each trainable parameter's
+    ``.grad``, or as many bytes as the parameter where it is None at this moment (``zero_grad`` sets it
+    to None between steps; backward re-creates it at the parameter's size). Optimizer state: every
+    tensor in ``optimizer.state``."""
+    params: dict[int, torch.Tensor] = {}
+    for m in modules:
+        params.update((id(p), p) for p in m.parameters())
+    for opt in optimizers:
+        params.update((id(p), p) for g in opt.param_groups for p in g["params"])
+    seen: set = set()
+    param_b = _nbytes(params.values(), seen)
+    grads = [p.grad for p in params.values() if p.grad is not None]
+    grad_b = _nbytes(grads, seen)
+    grad_b += sum(_local(p).numel() * _local(p).element_size() for p in params.values()
+                  if p.requires_grad and p.grad is None)
+    state = [v for opt in optimizers for st in opt.state.values() for v in st.values()]
+    return param_b, grad_b, _nbytes(state, seen)
+
+
+def sample(step: int, t: float, device: torch.device, tensors: tuple[int, int, int] = NOT_MEASURED) -> tuple:
+    """A row of the ``memory`` kind (field order of agent.schema). -1 marks what this device lacks and the
+    tensor bytes when they were not measured with this sample."""
     rss, peak = rss_bytes(), rss_peak_bytes()
     if device.type != "cuda":
-        return (step, t, rss, peak, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1)
+        return (step, t, rss, peak, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, *tensors)
     s = torch.cuda.memory_stats(device)
     free, total = torch.cuda.mem_get_info(device)
     return (
@@ -39,5 +89,5 @@ def sample(step: int, t: float, device: torch.device) -> tuple:
         s.get("reserved_bytes.all.current", 0), s.get("reserved_bytes.all.peak", 0),
         s.get("active_bytes.all.current", 0), s.get("active_bytes.all.peak", 0),
         s.get("num_alloc_retries", 0), s.get("num_ooms", 0),
-        free, total,
+        free, total, *tensors,
     )

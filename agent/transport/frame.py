@@ -40,7 +40,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from agent.schema import SCHEMA_VERSION, SCHEMAS, SCHEMAS_V1
+from agent.schema import SCHEMA_VERSION, SCHEMAS, SCHEMAS_V1, SCHEMAS_V2
 
 MAGIC = b"MSPL"
 FORMAT_VERSION = 1
@@ -59,7 +59,7 @@ assert set(KIND_CODES) - {HEADER_KIND} == set(SCHEMAS), "every schema kind needs
 # Schemas by the version the agent can read. Older versions join here when SCHEMA_VERSION is bumped; their
 # batches are lifted to the current schema on decode (columns added since are NULL), so everything past the
 # reader sees one schema per kind.
-KNOWN_SCHEMAS: dict[int, dict[str, pa.Schema]] = {1: SCHEMAS_V1, SCHEMA_VERSION: SCHEMAS}
+KNOWN_SCHEMAS: dict[int, dict[str, pa.Schema]] = {1: SCHEMAS_V1, 2: SCHEMAS_V2, SCHEMA_VERSION: SCHEMAS}
 
 # Why a reader rejected bytes (the label values of meshscope_agent_frames_rejected_total).
 REJECT_REASONS = (

@@ -31,12 +31,26 @@ def main(ctx: ui.Context) -> None:
     if view.model is None:
         st.info(f"No analytic model: the run records lack {', '.join(view.model_missing)}.")
         return
+    if view.states is not None:
+        ui.chart(view.figures["states"])
+        states = view.states
+        mib = 2**20
+        st.dataframe(pd.DataFrame({
+            "component": states["component"], "model per device (MiB)": states["model_bytes"] / mib,
+            "measured, max rank (MiB)": states["measured_max"] / mib,
+            "measured, min rank (MiB)": states["measured_min"] / mib, "model error": states["error"]}),
+            hide_index=True, column_config={"model error": st.column_config.NumberColumn(format="percent")})
+        st.caption("Measured from each rank's tensors once, after the first optimizer step: local shards, "
+                   "each storage counted once; gradients at the parameters' size where `zero_grad` has freed them.")
+    else:
+        st.caption("The run's ranks did not measure their tensors (recorded by meshscope ≥ schema 3, after an "
+                   "optimizer step): the model states are shown without a measurement.")
     if "model" in view.figures:
         ui.chart(view.figures["model"])
     else:
-        st.info("Host RSS is not what the model describes (it holds the Python runtime and torch's own "
-                "libraries, ~0.4 GiB before any tensor): on a CPU run the model is shown alone. On GPU it is "
-                "compared with the allocator's peak.")
+        st.info("Activations are not measured on a CPU run: host RSS holds the Python runtime and torch's own "
+                "libraries (~0.4 GiB before any tensor), so the model's total is not compared with it. On GPU "
+                "it is compared with the allocator's peak.")
     model = view.model
     st.dataframe(model.assign(GiB=model["bytes"] / 2**30)[["component", "GiB", "formula"]], hide_index=True)
     st.caption(f"Strategy `{view.meta.get('strategy')}`, mesh {view.meta['mesh']}. The model is per device at "
