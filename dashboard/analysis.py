@@ -334,3 +334,22 @@ def step_throughput(per_step: pd.DataFrame, *, dp: int) -> pd.DataFrame:
     t = per_step.copy()
     t["tokens_per_s"] = np.where(t["step_time_s"] > 0, t["tokens_mean"] * dp / t["step_time_s"], np.nan)
     return t
+
+
+# -------------------------------------------------------------------------------------------- events
+FAILURE_KINDS = ("crash", "hang", "aborted_step", "restart", "nonfinite_loss")
+
+
+def event_summary(ev: pd.DataFrame, *, kinds: tuple[str, ...] | None = None) -> dict:
+    """Events (``data.events``: newest first; ``kind``, ``rank``, ``step``, ``message``), those of ``kinds``
+    if given: ``counts`` per kind and the ``key_event`` (kind, rank, step, message): the newest crash or
+    hang before anything else, since the other ranks' aborted steps follow from it; else the newest."""
+    if kinds is not None:
+        ev = ev[ev["kind"].isin(kinds)]
+    out = {"counts": {str(k): int(n) for k, n in ev["kind"].value_counts().sort_index().items()}, "key_event": None}
+    if len(ev):
+        causes = ev[ev["kind"].isin(["crash", "hang"])]
+        r = (causes if len(causes) else ev).iloc[0]
+        out["key_event"] = {"kind": str(r["kind"]), "rank": None if pd.isna(r["rank"]) else int(r["rank"]),
+                            "step": None if pd.isna(r["step"]) else int(r["step"]), "message": str(r["message"])[:300]}
+    return out

@@ -22,27 +22,38 @@ import pandas as pd
 from dashboard.analysis import normalize_schedule
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "interleavedzerobubble")
+# Schedules whose order ``_order`` reproduces as torch runs it; ``replay`` takes any other schedule's order
+# from the run itself (torch's zero-bubble, looped BFS, V-shaped schedules).
+ORDERED = ("gpipe", "1f1b", "interleaved1f1b")
 
 
 def simulate(*, schedule: str, p: int, m: int, v: int = 1, f: float = 1.0, b: float = 2.0,
              w: float = 0.0, durations: Mapping[tuple[str, int, int], float] | None = None,
-             hop: float = 0.0, gap: float = 0.0) -> pd.DataFrame:
+             hop: float = 0.0, gap: float = 0.0, order: Mapping[int, list] | None = None,
+             stage_rank: Mapping[int, int] | None = None) -> pd.DataFrame:
     """Spans of one step: ``rank``, ``stage``, ``microbatch``, ``kind`` (forward/backward/weight),
     ``t_start``, ``t_end`` (relative to the step's first span). ``f``, ``b``, ``w`` are per stage chunk
     (with v chunks per rank, each holds 1/v of the rank's layers). ``durations`` (optional) gives single
     actions their own time, keyed ("F" | "B" | "W", stage, microbatch); the others take f, b, w. ``hop``:
     the time an activation or gradient takes from one rank to the next (P2P); ``gap``: the host's time
-    between two actions of a rank (issuing sends and receives, the schedule's own Python)."""
+    between two actions of a rank (issuing sends and receives, the schedule's own Python). ``order``
+    (optional): each rank's actions in the order it ran them (W included), for a schedule whose order is
+    taken from a run instead of ``_order`` (``schedule`` is then only a label); ``stage_rank``: which rank
+    holds each stage (default stage % p; V-shaped schedules place them otherwise)."""
     s = normalize_schedule(schedule)
-    if s not in SCHEDULES:
+    if order is None and s not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"p ({p}), m ({m}) and v ({v}) must be >= 1")
     v = v if s.startswith("interleaved") else 1
-    zero_bubble = s == "interleavedzerobubble"
-    n_stages = p * v
+    zero_bubble = order is None and s == "interleavedzerobubble"
+    if order is None:
+        order = {r: _order(s, rank=r, p=p, v=v, m=m) for r in range(p)}
+    else:
+        order = {r: list(order.get(r, [])) for r in range(p)}
+    n_stages = 1 + max((a[1] for acts in order.values() for a in acts), default=p * v - 1)
+    where = dict(stage_rank) if stage_rank is not None else {j: j % p for j in range(n_stages)}
     dur = {"F": f, "B": b, "W": w}
-    order = {r: _order(s, rank=r, p=p, v=v, m=m) for r in range(p)}
     nxt = [0] * p
     deferred_w: dict[int, list] = {r: [] for r in range(p)}  # zero-bubble: weight grads waiting to fill
     done: dict[tuple[str, int, int], float] = {}
@@ -54,7 +65,7 @@ def simulate(*, schedule: str, p: int, m: int, v: int = 1, f: float = 1.0, b: fl
             cand = None
             if nxt[r] < len(order[r]):
                 act = order[r][nxt[r]]
-                ready = _deps_finish(act, done=done, n_stages=n_stages, p=p, hop=hop)
+                ready = _deps_finish(act, done=done, n_stages=n_stages, where=where, hop=hop)
                 if ready is not None:
                     cand = (max(free[r] + (gap if nxt[r] else 0.0), ready), act)
                 # Zero-bubble: run a pending weight gradient rather than sit idle.
@@ -67,7 +78,7 @@ def simulate(*, schedule: str, p: int, m: int, v: int = 1, f: float = 1.0, b: fl
         assert best is not None, "schedule deadlocked"  # internal invariant of the fixed orders
         start, act, r = best
         kind, j, k = act
-        if kind == "W":
+        if deferred_w[r] and deferred_w[r][0] == act:
             deferred_w[r].pop(0)
         else:
             nxt[r] += 1
@@ -103,7 +114,7 @@ def _order(s: str, *, rank: int, p: int, v: int, m: int) -> list[tuple[str, int,
     return out + bwd[bi:]
 
 
-def _deps_finish(act, *, done, n_stages: int, p: int, hop: float) -> float | None:
+def _deps_finish(act, *, done, n_stages: int, where: Mapping[int, int], hop: float) -> float | None:
     """Time all dependencies are done (and, for one on another rank, its output has arrived: + hop), or
     None if one is not scheduled yet."""
     kind, j, k = act
@@ -117,7 +128,7 @@ def _deps_finish(act, *, done, n_stages: int, p: int, hop: float) -> float | Non
     for d in deps:
         if d not in done:
             return None
-        t = max(t, done[d] + (hop if d[1] % p != j % p else 0.0))
+        t = max(t, done[d] + (hop if where[d[1]] != where[j] else 0.0))
     return t
 
 
@@ -140,21 +151,36 @@ def replay(spans: pd.DataFrame, *, schedule: str, p: int, m: int, v: int = 1) ->
       sends and receives, the schedule's Python);
     - ``replay_bubble``: the same with ``hop_s`` per transfer and ``gap_s`` per op: fill, drain, transfers
       and the schedule's host overhead. A measured schedule share above it is waiting the schedule does
-      not explain (host stalls, a wrong order).
+      not explain (host stalls, a wrong order);
+    - ``balanced_idle``: the schedule's theory, the same order with balanced stages, equal op times and
+      free transfers (equal to the closed form where one exists; for zero-bubble and other schedules
+      without one, the theory of the order the run used).
 
-    One pipeline replica is replayed: per stage, the spans of its lowest rank (PP x DP runs have one
+    The order is ``_order``'s for the schedules in ``ORDERED``, else each rank's own, from its spans. One
+    pipeline replica is replayed: per stage, the spans of its lowest rank (PP x DP runs have one
     replica per data-parallel rank, all running the same schedule). Steps whose spans do not cover the
     schedule's actions (other p, m, v) are left out."""
     s = normalize_schedule(schedule)
-    cols = ["step", "schedule_idle", "hop_s", "gap_s", "replay_bubble"]
-    if s not in SCHEDULES or spans.empty:
-        return pd.DataFrame({c: pd.Series(dtype="int64" if c == "step" else float) for c in cols})
-    chunks = v if s.startswith("interleaved") else 1
-    expected = {a for r in range(p) for a in _order(s, rank=r, p=p, v=chunks, m=m)}
-    out = []
+    cols = ["step", "schedule_idle", "hop_s", "gap_s", "replay_bubble", "balanced_idle"]
+    empty = pd.DataFrame({c: pd.Series(dtype="int64" if c == "step" else float) for c in cols})
+    from_run = s not in ORDERED
+    if spans.empty or (from_run and not s):
+        return empty
+    chunks = v if s.startswith("interleaved") or from_run else 1
+    if from_run:  # every stage's forward and backward of every microbatch (W comes on top where split)
+        expected = {(kind, j, k) for kind in "FB" for j in range(p * chunks) for k in range(m)}
+    else:
+        expected = {a for r in range(p) for a in _order(s, rank=r, p=p, v=chunks, m=m)}
     if "rank" in spans:
         first = spans.groupby(["step", "stage"])["rank"].transform("min")
         spans = spans[spans["rank"] == first]
+        ranks = sorted(spans["rank"].unique())
+        where = {int(j): ranks.index(r) for j, r in spans.groupby("stage")["rank"].first().items()}
+        if len(ranks) != p:
+            return empty
+    else:
+        where = {j: j % p for j in range(p * chunks)}
+    out = []
     for step, g in spans.groupby("step", sort=True):
         keys = [(_KIND_LETTER.get(k, "?"), int(j), int(mb)) for k, j, mb in zip(g["kind"], g["stage"], g["microbatch"])]
         durations: dict[tuple[str, int, int], float] = {}
@@ -162,33 +188,48 @@ def replay(spans: pd.DataFrame, *, schedule: str, p: int, m: int, v: int = 1) ->
         for key, a, b in zip(keys, g["t_start"].to_numpy(float), g["t_end"].to_numpy(float)):
             durations[key] = durations.get(key, 0.0) + (b - a)
             start[key], end[key] = min(start.get(key, a), a), max(end.get(key, b), b)
-        if not expected <= set(durations):  # W spans may come on top of B (zero-bubble): not required
+        if not expected <= set(durations) or not set(where) >= {k[1] for k in durations}:
             continue
-        hop, gap = _transfer_and_gap(start=start, end=end, p=p)
+        order = None
+        if from_run:
+            order = {r: [] for r in range(p)}
+            for key in sorted(start, key=start.get):
+                order[where[key[1]]].append(key)
+        hop, gap = _transfer_and_gap(start=start, end=end, where=where)
         row = [int(step)]
         for h, gp in ((0.0, 0.0), (hop, gap)):
-            sim = simulate(schedule=s, p=p, m=m, v=v, durations=durations, hop=h, gap=gp)
-            extent = float(sim["t_end"].max() - sim["t_start"].min())
-            busy = float((sim["t_end"] - sim["t_start"]).groupby(sim["rank"]).sum().max())
-            row.append(1.0 - busy / extent if extent > 0 else np.nan)
-        out.append([*row[:2], hop, gap, row[2]])
-    return pd.DataFrame(out, columns=cols)
+            row.append(_idle(simulate(schedule=s, p=p, m=m, v=v, durations=durations, hop=h, gap=gp, order=order,
+                                      stage_rank=where)))
+        # The schedule's own theory: balanced stages, F = B = W (B = 2F when W is not split off, as in the
+        # closed forms), free transfers; the closed form where one exists, for any order a run used.
+        split = any(k[0] == "W" for k in durations)
+        row.append(_idle(simulate(schedule=s, p=p, m=m, v=v, f=1.0, b=1.0 if split else 2.0, w=1.0,
+                                  order=order, stage_rank=where)))
+        out.append([row[0], row[1], hop, gap, row[2], row[3]])
+    return pd.DataFrame(out, columns=cols) if out else empty
 
 
-def _transfer_and_gap(*, start: dict, end: dict, p: int) -> tuple[float, float]:
+def _idle(sim: pd.DataFrame) -> float:
+    """1 - the busiest rank's busy time / the extent."""
+    extent = float(sim["t_end"].max() - sim["t_start"].min())
+    busy = float((sim["t_end"] - sim["t_start"]).groupby(sim["rank"]).sum().max())
+    return 1.0 - busy / extent if extent > 0 else np.nan
+
+
+def _transfer_and_gap(*, start: dict, end: dict, where: Mapping[int, int]) -> tuple[float, float]:
     """(hop, gap) measured in one step: ``hop``, the median time from an op's end to the start of the op
     on the next rank that waited for it (its rank idle until its input came); ``gap``, the median time
     between two ops of a rank when the second's input was already there (host work between actions)."""
     by_rank: dict[int, list] = {}
     for key, t in start.items():
-        by_rank.setdefault(key[1] % p, []).append((t, key))
+        by_rank.setdefault(where[key[1]], []).append((t, key))
     hops, gaps = [], []
     for ops in by_rank.values():
         ops.sort()
         for (_, prev), (t0, key) in zip(ops, ops[1:]):
             kind, j, k = key
             dep = ("F", j - 1, k) if kind == "F" else ("B", j + 1, k) if kind == "B" else None
-            remote = dep is not None and dep in end and dep[1] % p != j % p
+            remote = dep is not None and dep in end and where[dep[1]] != where[j]
             if remote and end[dep] >= end[prev]:  # the rank was free before its input came: it waited
                 hops.append(t0 - end[dep])
             else:

@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from agent.collector.catchup import catch_up
-from dashboard import environment, stragglers, views
+from dashboard import analysis, environment, stragglers, views
 from dashboard.config import ArgParser, ConfigError, run_command
 from dashboard.store import Store, StoreError
 
@@ -35,7 +35,7 @@ def build(load: views.Loader, *, run: str, steps: tuple[int, int] | None = None)
         "straggler_cost_s_per_step": None,
         "breakdown": None, "pipeline": None, "warnings": list(ov.warnings),
         "attempts": _int(meta.get("attempts", 0)) + 1 if meta.get("attempts") is not None else None,
-        "events": _events(load("events", run=run)),
+        "events": analysis.event_summary(load("events", run=run)),
     }
     if ov.first_steady_step is not None and rng[0] is not None:
         out["warmup_steps_excluded"] = int(ov.first_steady_step) - int(rng[0])
@@ -54,26 +54,12 @@ def build(load: views.Loader, *, run: str, steps: tuple[int, int] | None = None)
     return out
 
 
-def _events(ev) -> dict[str, Any]:
-    """The run's timeline events other than start and end (restarts, crashes, aborted steps, hangs,
-    non-finite losses, telemetry errors): a count per kind and the key event (the newest; a crash or
-    hang before anything else, since the other ranks' aborted steps follow from it)."""
-    out: dict[str, Any] = {"counts": {str(k): int(n) for k, n in ev["kind"].value_counts().sort_index().items()},
-                           "key_event": None}
-    if len(ev):
-        causes = ev[ev["kind"].isin(["crash", "hang"])]
-        r = (causes if len(causes) else ev).iloc[0]  # data.events: newest first
-        out["key_event"] = {"kind": r["kind"], "rank": _int(r["rank"]), "step": _int(r["step"]),
-                         "message": str(r["message"])[:300]}
-    return out
-
-
 def _pipeline(load: views.Loader, *, run: str, steps) -> dict[str, Any] | None:
     pipe = views.pipeline(load, run=run, steps=steps)
     if pipe.stages is None:
         return None
     return {"schedule": pipe.schedule, "p": pipe.p, "m": pipe.m, "v": pipe.v, "theory": _num(pipe.theory),
-            "steps": list(pipe.steps) if pipe.steps else None,
+            "theory_source": pipe.theory_source or None, "steps": list(pipe.steps) if pipe.steps else None,
             "stages": [{"stage": int(r["stage"]), "bubble": _num(r["bubble"]),
                         "schedule_share": _num(r["schedule_share"]), "schedule_idle": _num(r["schedule_idle"]),
                         "p2p_share": _num(r["p2p_share"]), "unexplained": _num(r["unexplained"]),
@@ -112,7 +98,7 @@ def format_text(rep: dict[str, Any]) -> str:
     p = rep["pipeline"]
     if p:
         lines.append(f"  pipeline {p['schedule']} p={p['p']} m={p['m']} v={p['v']}: theory "
-                     f"{_fmt(p['theory'], '.1%')}")
+                     f"{_fmt(p['theory'], '.1%')}" + (f" ({p['theory_source']})" if p["theory_source"] else ""))
         for s in p["stages"]:
             lines.append(f"    stage {s['stage']}: bubble {_fmt(s['bubble'], '.1%')} = imbalance "
                          f"{_fmt(s['imbalance'], '.1%')} + schedule share {_fmt(s['schedule_share'], '.1%')} "

@@ -217,6 +217,7 @@ class Pipeline:
     m: int = 0
     v: int = 1
     theory: float | None = None
+    theory_source: str = ""  # "closed form", or the balanced replay of the order the run used
     stages: pd.DataFrame | None = None  # analysis.pipeline_stages: the bubble split per stage (report, page)
     figures: dict[str, go.Figure] = field(default_factory=dict)
 
@@ -242,11 +243,17 @@ def pipeline(load: Loader, *, run: str, steps, gantt_step: int | None = None) ->
     view.m, view.v, view.schedule = m, v, meta.get("schedule")
     if view.m:
         view.theory = analysis.bubble_theory(schedule=view.schedule, p=view.p, m=view.m, v=view.v)
+        view.theory_source = "closed form" if view.theory is not None else ""
     if len(per):
         # Without the microbatch count the schedule's actions are unknown: no replay (empty input).
         rs = d["replay_spans"] if view.m else d["replay_spans"].iloc[:0]
         replayed = replay(rs, schedule=view.schedule or "", p=view.p, m=max(view.m, 1), v=view.v)
         view.stages = analysis.pipeline_stages(per, replayed)
+        if view.theory is None and replayed["balanced_idle"].notna().any():
+            # No closed form (zero-bubble, looped BFS, a user's own order): the theory of the order the
+            # ranks ran, with balanced stages, equal op times and free transfers.
+            view.theory = float(replayed["balanced_idle"].median())
+            view.theory_source = "the run's own order replayed with balanced stages"
         view.figures["by_stage"] = figures.bubble_by_stage(view.stages, theory=view.theory)
         view.figures["trend"] = figures.bubble_trend(per, theory=view.theory)
     spans, windows = d["spans"], d["windows"]

@@ -71,6 +71,29 @@ def test_replay_of_balanced_ops_is_the_closed_form_and_recovers_transfer_and_hos
     extent = spans["t_end"].max() - spans["t_start"].min()
     busy = (spans["t_end"] - spans["t_start"]).groupby(spans["rank"]).sum().max()
     assert row["replay_bubble"] == pytest.approx(1 - busy / extent)  # the measured timeline, reproduced
+    assert row["balanced_idle"] == pytest.approx(bubble_theory(schedule=schedule, p=p, m=m, v=v))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_an_order_taken_from_the_run_replays_as_the_known_order(schedule):
+    # A schedule name replay has no order for (torch's zero-bubble, looped BFS, a user's own) is replayed
+    # in the order its spans ran: on a 1F1B or interleaved timeline, that gives the very same figures.
+    p, m, v = 2, 4, (2 if schedule == "interleaved" else 1)
+    spans = simulate(schedule=schedule, p=p, m=m, v=v, f=1.0, b=2.0, hop=0.1, gap=0.05).assign(step=3)
+    known = replay(spans, schedule=schedule, p=p, m=m, v=v)
+    taken = replay(spans, schedule="SomeoneElsesSchedule", p=p, m=m, v=v)
+    pd.testing.assert_frame_equal(known, taken)
+
+
+def test_zero_bubble_theory_is_below_1f1b_and_its_replay_is_the_timeline():
+    # Split weight gradients fill the drain: with F = I = W the schedule's own theory is well under 1F1B's.
+    p, m, v = 2, 4, 2
+    spans = simulate(schedule="interleavedzerobubble", p=p, m=m, v=v, f=1.0, b=1.0, w=1.0, hop=0.05).assign(step=0)
+    (row,) = replay(spans, schedule="interleaved-zb", p=p, m=m, v=v).to_dict("records")
+    extent = spans["t_end"].max() - spans["t_start"].min()
+    busy = (spans["t_end"] - spans["t_start"]).groupby(spans["rank"]).sum().max()
+    assert row["replay_bubble"] == pytest.approx(1 - busy / extent)
+    assert row["balanced_idle"] < bubble_theory(schedule="interleaved", p=p, m=m, v=v)
 
 
 def test_replay_follows_uneven_op_times_where_the_closed_form_cannot():
@@ -91,7 +114,7 @@ def test_replay_follows_uneven_op_times_where_the_closed_form_cannot():
 def test_replay_skips_steps_that_do_not_fit_the_schedule():
     spans = simulate(schedule="1f1b", p=2, m=4).assign(step=1)
     assert replay(spans, schedule="1f1b", p=2, m=8).empty  # half the microbatches missing
-    assert replay(spans, schedule="unknown", p=2, m=4).empty
+    assert replay(spans, schedule="1f1b", p=3, m=4).empty  # ranks missing
 
 
 def test_replay_takes_one_pipeline_replica_of_a_pp_x_dp_run():

@@ -126,6 +126,34 @@ def test_crash_other_ranks_records_intact_and_the_run_records_the_crash(crashed)
     assert all(r["lost"] == 0 and r["duplicated"] == 0 for r in report.values()), report
 
 
+def test_report_and_overview_name_the_crash_not_the_peers_aborts(crashed, monkeypatch):
+    """What a user reads first about a failed run: `report` and the Overview's banner give the crash (rank,
+    step, message) as the key event, though the survivors' aborted steps are newer."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    from dashboard import report
+
+    o = crashed
+    events = read_table(o.store, "event", run=o.run)
+    assert (events["kind"] == "aborted_step").any()  # the peers' aborts are there, and newer than the crash
+    rep = report.build(report.views.direct_loader(report.Store.open(o.store)), run=o.run)
+    key = rep["events"]["key_event"]
+    assert (key["kind"], key["rank"], key["step"]) == ("crash", CRASH_RANK, CRASH_STEP), json.dumps(rep["events"])
+
+    monkeypatch.setattr(sys, "argv", ["streamlit_app.py", "--store", str(o.store)])
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "streamlit_app.py"), default_timeout=60).run()
+    at.switch_page("dashboard/app_pages/overview.py")
+    at.run()
+    assert not at.exception
+    banner = " ".join(w.value for w in at.warning if "This run had failures" in w.value)
+    assert f"Key event: rank {CRASH_RANK} at step {CRASH_STEP}, crash: injected crash of rank 1 at step 12" in banner, banner
+    assert "crash ×1" in banner and "aborted step ×" in banner
+
+
 def test_crash_survivors_do_not_record_the_aborted_step(crashed):
     o = crashed
     step = read_table(o.store, "step", run=o.run)

@@ -215,6 +215,31 @@ def test_interleaved_bubble_is_reported_against_its_theory(tmp_path):
     _theory_holds_unless_contended(both, theory=theory, contended=contended)
 
 
+def test_zero_bubble_is_reported_against_the_theory_of_its_own_order(tmp_path):
+    """torch's ScheduleInterleavedZeroBubble has no closed form: the theory is its own order (taken from the
+    spans) replayed with balanced stages, F = I = W and free transfers. The page and report show that
+    number, it is below interleaved 1F1B's closed form (the split weight gradients fill the drain), and the
+    measured schedule share is what the replay of the measured op times implies."""
+    from dashboard import views
+    from dashboard.store import Store
+
+    p, m, v = 2, 4, 2
+    frac, contended = _bubble(tmp_path, "zb", "--schedule", "interleaved-zb", "--microbatches", str(m),
+                              schedule="interleaved-zb", p=p, m=m, v=v)
+    view = views.pipeline(views.direct_loader(Store.open(tmp_path)), run="zb", steps=None)
+    interleaved = (p - 1) / (v * m + p - 1)
+    assert view.theory_source.startswith("the run's own order") and view.theory < interleaved - 0.03, view.theory
+    spans = read_table(tmp_path, "span", run="zb")
+    assert set(spans["kind"]) == {"forward", "backward", "weight"}  # the weight gradients are split off
+    for rank, row in frac.iterrows():
+        assert abs(row["schedule_bubble"] - row["replay_bubble"]) <= 0.03, (rank, row.to_dict())
+        if not contended:
+            # Fill and drain as the theory says; the transfers (4·v hops per microbatch) come on top.
+            assert abs(row["schedule_idle"] - view.theory) <= 0.03, (rank, row.to_dict(), view.theory)
+            assert row["schedule_bubble"] < (p - 1) / (m + p - 1) - 0.03, (rank, row.to_dict())
+    _theory_holds_unless_contended(frac, theory=view.theory, contended=contended)
+
+
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (make install-servers)")
 def test_metrics_of_a_running_job_pass_promtool_and_stay_in_budget(tmp_path):
     agent = subprocess.Popen(

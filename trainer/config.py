@@ -18,7 +18,8 @@ from pathlib import Path
 
 from trainer.model import FLAVORS
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "looped-bfs")
+MULTI_STAGE = ("interleaved", "interleaved-zb", "looped-bfs")  # several stages per rank (virtual_stages)
 DATA_SOURCES = ("synthetic", "corpus")
 
 
@@ -73,7 +74,7 @@ class ParallelConfig:
             self.microbatches = self.pp
         if self.pp == 1:
             self.virtual_stages = 1
-        elif self.schedule != "interleaved":
+        elif self.schedule not in MULTI_STAGE:
             self.virtual_stages = 1
 
     @property
@@ -261,7 +262,7 @@ class TrainConfig:
                 per_micro_step % par.microbatches == 0,
                 f"microbatches={par.microbatches} does not divide the per-replica batch {per_micro_step}",
             )
-            if par.schedule in ("1f1b", "interleaved"):
+            if par.schedule in ("1f1b", "interleaved", "interleaved-zb"):
                 _check(
                     par.microbatches >= par.pp,
                     f"microbatches={par.microbatches} must be >= pp={par.pp} for the {par.schedule} schedule",
@@ -346,7 +347,7 @@ FLAGS: dict[str, tuple[str, type, str]] = {
     "--dp": ("parallel.dp", int, "data-parallel degree (default: world / (tp*pp))"),
     "--tp": ("parallel.tp", int, "tensor-parallel degree"),
     "--pp": ("parallel.pp", int, "pipeline-parallel degree"),
-    "--schedule": ("parallel.schedule", str, "pipeline schedule: gpipe, 1f1b or interleaved"),
+    "--schedule": ("parallel.schedule", str, "pipeline schedule: " + ", ".join(SCHEDULES)),
     "--microbatches": ("parallel.microbatches", int, "pipeline microbatches per step (default: pp)"),
     "--virtual-stages": ("parallel.virtual_stages", int, "stages per rank for the interleaved schedule"),
     "--model": ("model.flavor", str, f"model flavor: {', '.join(FLAVORS)}"),

@@ -21,6 +21,8 @@ from torch.distributed.pipelining.schedules import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
     _PipelineSchedule,
 )
 from torch.distributed.tensor import Replicate, Shard
@@ -149,8 +151,10 @@ def build_schedule(
     ]
     # scale_grads=False: loss_fn already divides by the microbatch count, so the losses it returns sum
     # to the step's mean loss and gradient accumulation across schedule.step calls stays correct.
-    if p.schedule == "interleaved":
-        return ScheduleInterleaved1F1B(stages, n_microbatches=p.microbatches, loss_fn=loss_fn, scale_grads=False)
+    multi = {"interleaved": ScheduleInterleaved1F1B, "interleaved-zb": ScheduleInterleavedZeroBubble,
+             "looped-bfs": ScheduleLoopedBFS}.get(p.schedule)
+    if multi is not None:
+        return multi(stages, n_microbatches=p.microbatches, loss_fn=loss_fn, scale_grads=False)
     cls = ScheduleGPipe if p.schedule == "gpipe" else Schedule1F1B
     return cls(stages[0], n_microbatches=p.microbatches, loss_fn=loss_fn, scale_grads=False)
 

@@ -3,7 +3,7 @@ stragglers (each rank against its peers in the same step), what they cost their 
 
 import streamlit as st
 
-from dashboard import environment, stragglers, ui, views
+from dashboard import analysis, environment, stragglers, ui, views
 
 
 def _fmt(value: float, spec: str) -> str:
@@ -23,12 +23,12 @@ def main(ctx: ui.Context) -> None:
     for text in view.warnings:  # the environment qualifies every figure below: say so first
         st.warning(text, icon="⚠️")
     ev = ui.load("events", ctx.store, run=run)
-    failures = ev[ev["kind"].isin(["crash", "hang", "aborted_step", "restart", "nonfinite_loss"])]
-    if len(failures):  # a restarted or failed run: its figures cover the steps it completed
-        kinds = failures["kind"].value_counts().sort_index()
-        counts = ", ".join(f"{k.replace('_', ' ')} ×{n}" for k, n in kinds.items())
-        st.warning(f"This run had failures: {counts} (newest at step {int(failures['step'].iloc[0])}); the Events "
-                   "table below says which rank and why.", icon="⚠️")
+    failures = analysis.event_summary(ev, kinds=analysis.FAILURE_KINDS)
+    if key := failures["key_event"]:  # a restarted or failed run: its figures cover the steps it completed
+        counts = ", ".join(f"{k.replace('_', ' ')} ×{n}" for k, n in failures["counts"].items())
+        st.warning(f"This run had failures: {counts}. Key event: rank {key['rank']} at step {key['step']}, "
+                   f"{key['kind'].replace('_', ' ')}: {key['message'][:200]}. The Events table below lists them "
+                   "all.", icon="⚠️")
     if view.stragglers is not None and len(view.stragglers):  # the headline verdict; details below
         st.warning(_verdict(view) + " Details under Stragglers below.", icon="🐢")
     c = st.columns(4)

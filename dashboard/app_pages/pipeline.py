@@ -8,7 +8,9 @@ from dashboard import data, ui, views
 DEFINITION = ("Bubble = idle fraction of the schedule: 1 − (Σ the stage's F/B/W spans) / (the pipeline's "
               "extent: first span start to last span end of the step, all stages; the optimizer and work "
               "before the schedule are outside it). Theory: (p−1)/(m+p−1) for GPipe and 1F1B, "
-              "(p−1)/(v·m+p−1) interleaved, for balanced stages with equal op times and free transfers "
+              "(p−1)/(v·m+p−1) interleaved, for balanced stages with equal op times and free transfers; for "
+              "schedules without a closed form (zero-bubble, looped BFS) the order the ranks ran, replayed "
+              "under the same assumptions (F = I = W where the weight gradient is split off) "
               "((p−1)/m, found in some texts, is relative to ideal compute). Per stage the bubble splits "
               "into stage imbalance (orange: lighter than the slowest stage; balance the stages) and the "
               "schedule share, which is what to compare with the theory. The replay runs the schedule with "
@@ -31,7 +33,8 @@ def main(ctx: ui.Context) -> None:
         return
     c = st.columns(5)
     c[0].metric("schedule · p · m · v", f"{view.schedule or 'unknown'} · {view.p} · {view.m or '?'} · {view.v}")
-    c[1].metric("theory (idle fraction)", f"{view.theory:.1%}" if view.theory is not None else "no closed form")
+    c[1].metric("theory (idle fraction)", f"{view.theory:.1%}" if view.theory is not None else "no theory",
+                help=f"From {view.theory_source}." if view.theory_source else "Neither a closed form nor a replay.")
     st_ = view.stages
     c[2].metric("schedule share (measured)", _pct(st_["schedule_share"].mean() if st_ is not None else None),
                 help="Compare with the theory: the idle the schedule leaves, stage imbalance split off.")
