@@ -21,8 +21,10 @@ LABELS = {"compute_s": "compute", "exposed_comm_s": "exposed comm", "bubble_s": 
 
 
 def _layout(fig: go.Figure, *, title: str, x: str, y: str, height: int = 380) -> go.Figure:
-    fig.update_layout(title=title, xaxis_title=x, yaxis_title=y, height=height, margin=dict(l=60, r=20, t=50, b=50),
-                      legend=dict(orientation="h", y=-0.2))
+    # The legend sits at the bottom of the figure, below the x-axis title, in a margin of its own (placed
+    # relative to the plot area it ran over the axis title on short charts).
+    fig.update_layout(title=title, xaxis_title=x, yaxis_title=y, height=height, margin=dict(l=60, r=20, t=50, b=95),
+                      legend=dict(orientation="h", yref="container", y=0.0, yanchor="bottom", x=0.0))
     return fig
 
 
@@ -49,8 +51,10 @@ def runs_timeline(runs: pd.DataFrame) -> go.Figure:
 
 
 # -------------------------------------------------------------------------------------- overview
-def step_lines(series: pd.DataFrame, *, y: str, title: str, y_title: str, percent: bool = False) -> go.Figure:
-    """One line per run of column ``y`` over steps."""
+def step_lines(series: pd.DataFrame, *, y: str, title: str, y_title: str, percent: bool = False,
+               zero: bool = False) -> go.Figure:
+    """One line per run of column ``y`` over steps; ``zero``: the axis starts at 0 (for magnitudes, where a
+    dip from 4,300 to 3,300 must not look like a collapse)."""
     fig = go.Figure()
     for run, g in series.groupby("run", sort=False):
         g = g.dropna(subset=[y])
@@ -58,6 +62,8 @@ def step_lines(series: pd.DataFrame, *, y: str, title: str, y_title: str, percen
     if percent:
         # Two significant digits: CPU runs sit at fractions of a percent, where ".0%" reads "0%, 0%, 1%".
         fig.update_yaxes(tickformat=".2~%")
+    if zero:
+        fig.update_yaxes(rangemode="tozero")
     return _layout(fig, title=title, x="step", y=y_title, height=300)
 
 

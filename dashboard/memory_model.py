@@ -11,7 +11,9 @@ Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation"): 34·
 per microbatch in 16-bit with flash attention (their 5·a·s²·b attention-score term vanishes), / tp with
 sequence parallelism; with activation checkpointing only the layer input (2·b·s·h) per layer plus one
 layer's full activations for the recomputation. In flight: 1 microbatch without PP; m for GPipe;
-min(p, m) for 1F1B at stage 0 (the worst stage); p·(1 + (p-1)/(p·v)) for interleaved 1F1B.
+min(p, m) for 1F1B at stage 0 (the worst stage); p·(1 + (p-1)/(p·v)) for interleaved 1F1B and interleaved
+zero-bubble (assumed the same; not measured); m for looped BFS (all forwards
+first, as GPipe).
 """
 
 from __future__ import annotations
@@ -116,13 +118,15 @@ def memory_model(spec: ModelSpec) -> pd.DataFrame:
         per_mb = layers * 2 * b * s * h * act_bytes / 2 / tp
         extra, note = per_layer, "checkpointed: 2·b·s·h per layer + one full layer"
     else:
-        per_mb, extra, note = layers * per_layer, 0.0, "34·b·s·h per layer (16-bit, attention scores not stored: flash/SDPA kernels on GPU)"
+        per_mb, extra = layers * per_layer, 0.0
+        note = (f"34·b·s·h per layer in 16-bit{' (x2: fp32)' if fp32 else ''}; attention scores not stored "
+                "(fused attention: torch SDPA on CPU and GPU)")
     sched = normalize_schedule(spec.schedule)
     if pp == 1:
         flight, fnote = 1.0, "1 microbatch"
-    elif sched == "gpipe":
-        flight, fnote = float(m), f"GPipe: m = {m} microbatches"
-    elif sched in ("interleaved1f1b", "loopedbfs"):
+    elif sched in ("gpipe", "loopedbfs"):  # every forward before the first backward: all m held
+        flight, fnote = float(m), f"{'GPipe' if sched == 'gpipe' else 'looped BFS'}: m = {m} microbatches"
+    elif sched in ("interleaved1f1b", "interleavedzerobubble"):
         v = max(spec.virtual_stages, 1)
         flight, fnote = pp * (1 + (pp - 1) / (pp * v)), f"interleaved: p(1+(p-1)/(pv)), v = {v}"
     else:

@@ -164,8 +164,8 @@ def _overview_figures(view: Overview, d: dict, gpu_later: Pending | None, links:
     view.metrics = {"tokens_per_s": float(mine["tokens_per_s"].median()), "mfu": float(mine["mfu"].median()),
                     "step_time_s": step_time, "loss": float(loss.iloc[-1]) if len(loss) else np.nan}
     f = view.figures
-    f["tokens"] = figures.step_lines(series, y="tokens_per_s", title="Throughput", y_title="tokens/s")
-    f["mfu"] = figures.step_lines(series, y="mfu", title="MFU (mean of per-rank MFU)", y_title="MFU", percent=True)
+    f["tokens"] = figures.step_lines(series, y="tokens_per_s", title="Throughput", y_title="tokens/s", zero=True)
+    f["mfu"] = figures.step_lines(series, y="mfu", title="MFU (mean of per-rank MFU)", y_title="MFU", percent=True, zero=True)
     f["loss"] = figures.step_lines(series, y="loss", title="Loss (mean over ranks that report it)", y_title="loss")
     if gpu_later is None:  # the focus run has no step records in the range (others may)
         return view

@@ -34,11 +34,11 @@ def main(ctx: ui.Context) -> None:
     if view.states is not None:
         ui.chart(view.figures["states"])
         states = view.states
-        mib = 2**20
+        unit, div = _unit(states[["model_bytes", "measured_max"]].to_numpy().max())
         st.dataframe(pd.DataFrame({
-            "component": states["component"], "model per device (MiB)": states["model_bytes"] / mib,
-            "measured, max rank (MiB)": states["measured_max"] / mib,
-            "measured, min rank (MiB)": states["measured_min"] / mib, "model error": states["error"]}),
+            "component": states["component"], f"model per device ({unit})": states["model_bytes"] / div,
+            f"measured, max rank ({unit})": states["measured_max"] / div,
+            f"measured, min rank ({unit})": states["measured_min"] / div, "model error": states["error"]}),
             hide_index=True, column_config={"model error": st.column_config.NumberColumn(format="percent")})
         st.caption("Measured from each rank's tensors once, after the first optimizer step: local shards, "
                    "each storage counted once; gradients at the parameters' size where `zero_grad` has freed them.")
@@ -52,9 +52,16 @@ def main(ctx: ui.Context) -> None:
                 "libraries (~0.4 GiB before any tensor), so the model's total is not compared with it. On GPU "
                 "it is compared with the allocator's peak.")
     model = view.model
-    st.dataframe(model.assign(GiB=model["bytes"] / 2**30)[["component", "GiB", "formula"]], hide_index=True)
+    unit, div = _unit(model["bytes"].max())
+    # A static table: the formulas wrap instead of being cut off at the right edge.
+    st.table(pd.DataFrame({"component": model["component"], f"per device ({unit})": (model["bytes"] / div).map(
+        "{:,.3f}".format), "formula": model["formula"]}).set_index("component"))
     st.caption(f"Strategy `{view.meta.get('strategy')}`, mesh {view.meta['mesh']}. The model is per device at "
                "the worst pipeline stage; allocator caching, workspaces and fragmentation come on top.")
+
+
+def _unit(top: float) -> tuple[str, int]:
+    return ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20)
 
 
 ui.render(main)

@@ -31,16 +31,17 @@ def main(ctx: ui.Context) -> None:
     if per.empty and not view.gantt_spans:
         ui.missing("pipeline spans (is this a pipeline-parallel run?)", run=run)
         return
-    c = st.columns(5)
-    c[0].metric("schedule · p · m · v", f"{view.schedule or 'unknown'} · {view.p} · {view.m or '?'} · {view.v}")
-    c[1].metric("theory (idle fraction)", f"{view.theory:.1%}" if view.theory is not None else "no theory",
+    st.caption(f"Schedule **{view.schedule or 'unknown'}**: p = {view.p} pipeline ranks, m = {view.m or '?'} "
+               f"microbatches, v = {view.v} stage{'s' if view.v > 1 else ''} per rank.")
+    c = st.columns(4)
+    c[0].metric("theory (idle fraction)", f"{view.theory:.1%}" if view.theory is not None else "no theory",
                 help=f"From {view.theory_source}." if view.theory_source else "Neither a closed form nor a replay.")
     st_ = view.stages
-    c[2].metric("schedule share (measured)", _pct(st_["schedule_share"].mean() if st_ is not None else None),
+    c[1].metric("schedule share (measured)", _pct(st_["schedule_share"].mean() if st_ is not None else None),
                 help="Compare with the theory: the idle the schedule leaves, stage imbalance split off.")
-    c[3].metric("fill & drain (replayed)", _pct(st_["schedule_idle"].mean() if st_ is not None else None),
+    c[2].metric("fill & drain (replayed)", _pct(st_["schedule_idle"].mean() if st_ is not None else None),
                 help="The schedule run with the op times measured, transfers free.")
-    c[4].metric("P2P & host gaps", _pct(st_["p2p_share"].mean() if st_ is not None else None))
+    c[3].metric("P2P & host gaps", _pct(st_["p2p_share"].mean() if st_ is not None else None))
     st.caption(DEFINITION)
 
     if hi > lo:
