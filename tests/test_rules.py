@@ -203,3 +203,14 @@ def test_rulegen_check_cli():
     proc = subprocess.run([sys.executable, str(TOOLS / "rulegen.py"), "--check"], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_straggler_alert_uses_the_overviews_threshold(source):
+    """One rule for the user: MeshscopeStragglerRank fires at the relative margin the Overview and
+    `meshscope report` flag a rank at (dashboard.stragglers), against its peers (with two ranks, the other)."""
+    from dashboard import stragglers
+
+    params = rulegen.params_for(source, "default")
+    assert float(params["straggler_ratio"]) == pytest.approx(1 + stragglers.STRAGGLER_REL)
+    alert = next(a for a in source["alerts"] if a["alert"] == "MeshscopeStragglerRank")
+    assert "ratio_to_peers" in alert["expr"]

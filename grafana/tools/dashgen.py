@@ -120,9 +120,10 @@ RANKS = Dashboard("meshscope-ranks", "meshscope / Per-rank breakdown",
     ts("Compute seconds per second by rank, and the run median",
        (f"meshscope:rank_compute_seconds:rate{{{RR}}}", "rank {{rank}}"),
        (f"meshscope:run_compute_seconds:median{{{R}}}", "{{run}} median"), unit="percentunit"),
-    ts("Compute vs run median (straggler ratio)",
-       (f"meshscope:rank_compute_seconds:ratio_to_median{{{RR}}}", "rank {{rank}}"),
-       description="MeshscopeStragglerRank: above 1.3 and (with 3+ ranks) a robust z above 3.5."),
+    ts("Compute vs its peers' median (straggler ratio)",
+       (f"meshscope:rank_compute_seconds:ratio_to_peers{{{RR}}}", "rank {{rank}}"),
+       description="MeshscopeStragglerRank: above 1.2 for its `for:` duration (two ranks: each against the "
+                   "other), the Overview's rule."),
     ts("Robust z of compute time (median / MAD)",
        (f"meshscope:rank_compute_seconds:robust_z{{{RR}}}", "rank {{rank}}"),
        description="(x - median) / (1.4826 x MAD) across the run's ranks; a plain z-score cannot exceed "
