@@ -205,6 +205,21 @@ def warn_skipped(*frames: pd.DataFrame) -> None:
                    "The figures below leave them out.")
 
 
+def table(frame: pd.DataFrame, columns: dict[str, tuple[str, str | None]]) -> None:
+    """A table as a reader sees it: ``columns`` maps each shown column to its header (with its unit) and a
+    number format ("percent", "%.3f", "int": whole and grouped as 4,324, or None); columns absent from
+    ``frame`` are left out, the others keep that order. Milliseconds are the caller's conversion (header
+    "… (ms)")."""
+    shown = [c for c in columns if c in frame]
+    out = frame[shown].copy()
+    for c in shown:
+        if columns[c][1] == "int":
+            out[c] = pd.to_numeric(out[c], errors="coerce").round().astype("Int64")
+    config = {columns[c][0]: st.column_config.NumberColumn(format="localized" if columns[c][1] == "int" else columns[c][1])
+              for c in shown if columns[c][1]}
+    st.dataframe(out.rename(columns={c: columns[c][0] for c in shown}), hide_index=True, column_config=config)
+
+
 def chart(fig: go.Figure, *, key: str | None = None) -> None:
     st.plotly_chart(fig, width="stretch", key=key, config={"displaylogo": False})
 

@@ -67,8 +67,8 @@ def test_pages_show_what_they_found(monkeypatch, synthetic):
     assert len(at.get("plotly_chart")) == 3  # Gantt, bubble per stage, bubble trend
     assert any(m.value == "20.0%" for m in at.metric)  # theory (p-1)/(m+p-1) = 1/5 for p = 2, m = 4
     _visit(at, "scaling")
-    table = at.dataframe[0].value
-    best = table.loc[table["tokens_per_s"].idxmax(), "run"]
+    table = at.dataframe[0].value  # human headers: "tokens/s", not tokens_per_s
+    best = table.loc[table["tokens/s"].idxmax(), "run"]
     assert table["best"].sum() == 1 and table.loc[table["best"], "run"].item() == best
     assert any(m.label == "best configuration" and m.value == best for m in at.metric)
 

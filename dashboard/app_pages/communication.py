@@ -36,13 +36,22 @@ def main(ctx: ui.Context) -> None:
     ui.chart(f["skew"])
     st.caption("For each (group, seq) collective: each rank's start minus the earliest start; the last to "
                "arrive made the others wait the sum of their differences.")
-    st.dataframe(view.skew.head(10), hide_index=True)
+    skew = view.skew.head(10)
+    ui.table(skew.assign(**{c: skew[c] * 1e3 for c in ("mean_skew_s", "p95_skew_s", "max_skew_s")}), SKEW_COLUMNS)
     if view.slow_groups is None or view.slow_groups.empty:
         st.success("No group's bus bandwidth stands out against the other groups of its dim.")
     else:
         st.warning(f"{len(view.slow_groups)} group(s) run clearly slower than the other groups of their dim: "
                    "a slow link or NIC on one of their members.")
-        st.dataframe(view.slow_groups, hide_index=True)
+        ui.table(view.slow_groups, SLOW_GROUP_COLUMNS)
+
+
+SKEW_COLUMNS = {"rank": ("rank", None), "mean_skew_s": ("mean skew (ms)", "%.2f"), "p95_skew_s": ("p95 skew (ms)", "%.2f"),
+                "max_skew_s": ("max skew (ms)", "%.2f"), "last_share": ("arrived last", "percent"),
+                "collectives": ("collectives", None), "caused_wait_s": ("wait it caused others (s)", "%.3f")}
+SLOW_GROUP_COLUMNS = {"dim": ("dim", None), "group": ("group", None),
+                      "busbw_ratio": ("bus bandwidth vs the dim's other groups", "%.2f"),
+                      "robust_z": ("robust z", "%.1f")}
 
 
 ui.render(main)

@@ -5,8 +5,12 @@ import streamlit as st
 
 from dashboard import ui, views
 
-COLUMNS = ["gpu_id", "name", "samples", "util", "clock_ratio", "clock_ratio_min", "throttle_share", "throttle",
-           "power_w", "temp_max_c", "xid_errors", "ecc_errors"]
+COLUMNS = {"gpu_id": ("GPU", None), "name": ("model", None), "samples": ("samples", None),
+           "util": ("utilisation", "percent"), "clock_ratio": ("SM clock / max (mean)", "percent"),
+           "clock_ratio_min": ("SM clock / max (min)", "percent"), "throttle_share": ("throttled samples", "percent"),
+           "throttle": ("throttle reasons", None), "power_w": ("power (W)", "%.0f"),
+           "temp_max_c": ("max temperature (°C)", "%.0f"), "xid_errors": ("XID errors", None),
+           "ecc_errors": ("ECC errors", None)}
 
 
 def main(ctx: ui.Context) -> None:
@@ -31,7 +35,7 @@ def main(ctx: ui.Context) -> None:
     for i, (value, _) in enumerate(views.GPU_LINES):
         with cols[i % 2]:
             ui.chart(view.figures[value])
-    st.dataframe(s[COLUMNS], hide_index=True)
+    ui.table(s, COLUMNS)
 
 
 ui.render(main)

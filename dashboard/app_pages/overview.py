@@ -1,6 +1,7 @@
 """Overview: throughput, MFU and loss over steps; per-rank time breakdown; rank x step compute heatmap;
 stragglers (each rank against its peers in the same step), what they cost their peers and a cause hint."""
 
+import pandas as pd
 import streamlit as st
 
 from dashboard import analysis, environment, stragglers, ui, views
@@ -90,7 +91,11 @@ def main(ctx: ui.Context) -> None:
             st.caption(f"Rank {int(r.rank)}: {r.cause}")
     if len(ev):
         st.subheader("Events")
-        st.dataframe(ev, hide_index=True)
+        ui.table(ev.assign(t=pd.to_datetime(ev["t"], unit="s", utc=True).dt.strftime("%Y-%m-%d %H:%M:%S")), EVENT_COLUMNS)
+
+
+EVENT_COLUMNS = {"t": ("time (UTC)", None), "rank": ("rank", None), "step": ("step", None), "kind": ("event", None),
+                 "message": ("message", None)}
 
 
 def _verdict(view) -> str:

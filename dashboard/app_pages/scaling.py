@@ -7,10 +7,16 @@ import streamlit as st
 
 from dashboard import scaling, ui, views
 
-RUN_COLUMNS = ["run", "strategy", "mesh", "world_size", "global_batch", "steady_from", "steps_used", "step_time_s",
-               "tokens_per_s", "tokens_per_s_per_device", "comm_fraction", "mfu", "best"]
-FAMILY_COLUMNS = ["family", "run", "world_size", "global_batch", "tokens_per_s", "baseline", "n0", "speedup",
-                  "efficiency"]
+RUN_COLUMNS = {"run": ("run", None), "strategy": ("strategy", None), "mesh": ("mesh", None),
+               "world_size": ("ranks", None), "global_batch": ("global batch", None),
+               "steady_from": ("steady from step", None), "steps_used": ("steps used", None),
+               "step_time_s": ("step time (s)", "%.3f"), "tokens_per_s": ("tokens/s", "int"),
+               "tokens_per_s_per_device": ("tokens/s per rank", "int"),
+               "comm_fraction": ("exposed comm", "percent"), "mfu": ("MFU", "percent"), "best": ("best", None)}
+FAMILY_COLUMNS = {"family": ("family", None), "run": ("run", None), "world_size": ("ranks", None),
+                  "global_batch": ("global batch", None), "tokens_per_s": ("tokens/s", "int"),
+                  "baseline": ("baseline run", None), "n0": ("baseline ranks", None),
+                  "speedup": ("speedup", "%.2f"), "efficiency": ("efficiency", "percent")}
 
 
 def main(ctx: ui.Context) -> None:
@@ -19,7 +25,8 @@ def main(ctx: ui.Context) -> None:
     view = views.scaling(ui.loader(ctx), selected=list(ctx.selected), focus=ctx.focus, model=model)
     ui.warn_skipped(*view.frames)
     if len(ctx.selected) < 2:
-        st.caption(f"Fewer than two runs selected: comparing the {len(view.runs)} runs of the focus run's model.")
+        n = len(view.runs)
+        st.caption(f"Fewer than two runs selected: comparing the {n} run{'s' if n != 1 else ''} of the focus run's model.")
     per_run = view.per_run
     if per_run is None or per_run.empty:
         st.info("No run with both run records and step records among the selection.")
@@ -32,14 +39,14 @@ def main(ctx: ui.Context) -> None:
     c[1].metric("best tokens/s", f"{best['tokens_per_s']:,.0f}")
     st.caption(f"Best: `{best['run']}` — {best['strategy']}, mesh {best['mesh']}, {best['world_size']:.0f} ranks "
                f"(highest throughput of the runs shown; across families it compares different batches).")
-    st.dataframe(per_run[[c for c in RUN_COLUMNS if c in per_run]], hide_index=True)
+    ui.table(per_run, RUN_COLUMNS)
     if view.table.empty:
         st.info(view.note)
     else:
         baselines = view.table.groupby("family")["baseline"].first()
         for fit in view.fits.itertuples():
             st.markdown(f"**{fit.family}** (baseline: {baselines[fit.family]}) — {fit.note}")
-        st.dataframe(view.table[FAMILY_COLUMNS], hide_index=True)
+        ui.table(view.table, FAMILY_COLUMNS)
     for col, name in zip(st.columns(2), ("speedup", "bars")):
         if name in view.figures:
             with col:
