@@ -171,3 +171,31 @@ def test_sigterm_during_close_is_held_until_the_records_are_written():
         assert signal.getsignal(signal.SIGTERM) is not None and signal.getsignal(signal.SIGTERM) != signal.SIG_IGN
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_tensor_census_counts_parameters_gradients_and_optimizer_state_once():
+    """The bytes the Memory page compares with the model: from the tensors, after the first optimizer step
+    that leaves state (found through torch's global hook, no reference to the optimizer needed), once."""
+    import torch
+
+    from agent.instrument.memory import NOT_MEASURED, TensorCensus
+
+    errors = []
+    census = TensorCensus(on_error=lambda where, exc: errors.append((where, exc)))
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        model[1].weight = torch.nn.Parameter(torch.zeros(4, 16))
+        census.add_modules([model])
+        opt = torch.optim.AdamW(model.parameters())
+        assert census.take() == NOT_MEASURED  # no optimizer step yet
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        n = sum(p.numel() for p in model.parameters())
+        params, grads, state = census.take()
+        assert params == grads == 4 * n
+        # exp_avg and exp_avg_sq per parameter (8 B), plus one 4-byte step counter per parameter tensor
+        assert state == 8 * n + 4 * len(list(model.parameters()))
+        assert census.take() == NOT_MEASURED  # once
+        assert errors == []
+    finally:
+        census.close()

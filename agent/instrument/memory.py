@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import resource
+import weakref
 
 import torch
 
@@ -73,6 +74,45 @@ def tensor_bytes(*, modules, optimizers) -> tuple[int, int, int]:
                   if p.requires_grad and p.grad is None)
     state = [v for opt in optimizers for st in opt.state.values() for v in st.values()]
     return param_b, grad_b, _nbytes(state, seen)
+
+
+class TensorCensus:
+    """The bytes of parameters, gradients and optimizer state, taken once, at the end of the first step
+    after which an optimizer holds state. Optimizers are found by torch's global step hook, so a loop need
+    not name them; modules come from ``add_modules``. ``on_error(where, exc)`` counts failures: the
+    census never raises into training."""
+
+    def __init__(self, *, on_error) -> None:
+        self._on_error = on_error
+        self._modules: weakref.WeakSet = weakref.WeakSet()
+        self._optimizers: weakref.WeakSet = weakref.WeakSet()
+        self._taken = False
+        self._hook = None
+        try:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            self._hook = register_optimizer_step_post_hook(lambda opt, *_: self._optimizers.add(opt))
+        except Exception as exc:  # an old torch: no tensor bytes, nothing else lost
+            on_error("optimizer_hook", exc)
+
+    def add_modules(self, modules) -> None:
+        self._modules.update(modules)
+
+    def take(self) -> tuple[int, int, int]:
+        """The bytes once, when due; ``NOT_MEASURED`` before and after."""
+        if self._taken or not any(opt.state for opt in self._optimizers):
+            return NOT_MEASURED
+        self._taken = True
+        try:
+            return tensor_bytes(modules=list(self._modules), optimizers=list(self._optimizers))
+        except Exception as exc:
+            self._on_error("tensor_bytes", exc)
+            return NOT_MEASURED
+
+    def close(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
 
 def sample(step: int, t: float, device: torch.device, tensors: tuple[int, int, int] = NOT_MEASURED) -> tuple:

@@ -37,7 +37,6 @@ import socket
 import sys
 import threading
 import time
-import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,19 +146,7 @@ class Telemetry:
         self._last_coll: tuple[str, str, int] | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
-        # The tensor bytes of parameters, gradients and optimizer state, measured once after the first
-        # optimizer step that leaves state. Optimizers are found by torch's global step hook, so a loop
-        # need not name them; modules come from ``attach``.
-        self._modules: weakref.WeakSet = weakref.WeakSet()
-        self._optimizers: weakref.WeakSet = weakref.WeakSet()
-        self._tensors_measured = False
-        self._opt_hook = None
-        try:
-            from torch.optim.optimizer import register_optimizer_step_post_hook
-
-            self._opt_hook = register_optimizer_step_post_hook(lambda opt, *_: self._optimizers.add(opt))
-        except Exception as exc:  # an old torch: no tensor bytes, nothing else lost
-            self.record_error("optimizer_hook", exc)
+        self._census = memory.TensorCensus(on_error=self.record_error)
         self._flusher = threading.Thread(target=self._flush_loop, name="meshscope-flush", daemon=True)
         self._flusher.start()
 
@@ -200,7 +187,7 @@ class Telemetry:
         from agent.instrument.pipeline import PipelineTracer
 
         try:
-            self._modules.update(model_parts or [])
+            self._census.add_modules(model_parts or [])
             tracer = CollectiveTracer(self, mesh_info=MeshInfo(mesh))
             tracer.attach(model_parts or [])
             self._tracers.append(tracer)
@@ -222,9 +209,7 @@ class Telemetry:
 
     def close(self, timeout_s: float = 5.0) -> None:
         self.detach()
-        if self._opt_hook is not None:
-            self._opt_hook.remove()
-            self._opt_hook = None
+        self._census.close()
         self._stop.set()
         self._wake.set()
         self._flusher.join(timeout_s)
@@ -376,7 +361,7 @@ class Telemetry:
                 _as_float(v.get("grad_norm")), _as_float(v.get("lr"), 0.0), bool(v.get("skipped", False)),
                 state.n_collectives, dropped, cpu, cpu_wait,
             ))
-            tensors = self._tensor_bytes()
+            tensors = self._census.take()
             if state.step % self.config.memory_every == 0 or tensors is not memory.NOT_MEASURED:
                 self._push("memory", memory.sample(state.step, t_end, self._device_or_cpu(), tensors))
         except Exception as exc:
@@ -386,17 +371,6 @@ class Telemetry:
             self._cur = None
             self._progress(self.clock.now())
             self._wake.set()
-
-    def _tensor_bytes(self) -> tuple[int, int, int]:
-        """Measured once, at the end of the first step after which an optimizer holds state."""
-        if self._tensors_measured or not any(opt.state for opt in self._optimizers):
-            return memory.NOT_MEASURED
-        self._tensors_measured = True
-        try:
-            return memory.tensor_bytes(modules=list(self._modules), optimizers=list(self._optimizers))
-        except Exception as exc:
-            self.record_error("tensor_bytes", exc)
-            return memory.NOT_MEASURED
 
     def _device_or_cpu(self):
         if self._device is None:
