@@ -39,7 +39,7 @@ def resolve(argv: list[str], world: int):
         (["--hang-rank", "1"], 2, "hang_rank=1 and hang_step=-1 must be set together"),
         (["--sequence-parallel"], 1, "sequence_parallel needs tp > 1"),
         (["--seq-len", "4096"], 1, "seq_len=4096 exceeds the tiny flavor's max_seq_len=64"),
-        (["--run", "../escape"], 1, "run name '../escape' may only contain"),
+        (["--run", "../escape"], 1, "run name '../escape' is not usable as a directory name"),
         (["--set", "optim.nope=1"], 1, "unknown config key(s) optim.nope"),
         (["--set", "nonsense"], 1, "--set 'nonsense' must look like KEY=VALUE"),
         (["--config", "/no/such/file.toml"], 1, "config file '/no/such/file.toml' does not exist"),
@@ -81,6 +81,12 @@ def test_resolved_strategy_names():
          "--run NAME is required with --store when --nnodes > 1"),
         ([sys.executable, "-m", "meshscope_cli", "train", "--config", "missing.toml"],
          "config file 'missing.toml' does not exist"),
+        # The contract's one run-name rule, before any rank starts (the trainer's own check let it through
+        # and every rank died in the spool writer).
+        ([sys.executable, "-m", "meshscope_cli", "train", "--nproc", "2", "--steps", "2", "--run", "run-ü",
+          "--store", "never-created"], "run name 'run-ü' is not usable as a directory name: use 1-128 letters"),
+        ([sys.executable, "-m", "meshscope_cli", "sweep", "--store", "never-created", "--name", "run-ü"],
+         "--name 'run-ü' cannot start a run name"),
     ],
 )
 def test_cli_error_is_one_line_without_traceback(cmd, message):
@@ -89,3 +95,20 @@ def test_cli_error_is_one_line_without_traceback(cmd, message):
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert not (ROOT / "never-created").exists()  # refused before anything started or wrote
+
+
+def test_one_run_name_rule_everywhere():
+    """Telemetry, the spool writer's path, the trainer's config and the store reader refuse the same names."""
+    from agent.collector.store import read_table
+    from agent.instrument.telemetry import TelemetryConfig
+    from agent.transport.frame import spool_path
+    from trainer.config import TelemetryConfig as TrainerTelemetry
+
+    for bad in ("run-ü", "../escape", ".hidden", "a b", "x" * 129):
+        for make in (lambda: TelemetryConfig(store="s", run=bad), lambda: spool_path("s", run=bad, rank=0, attempt=0),
+                     lambda: TrainerTelemetry(run=bad), lambda: read_table("s", "step", run=bad)):
+            with pytest.raises(ValueError):
+                make()
+    TelemetryConfig(store="s", run="ok-run_1.2")
+    TrainerTelemetry(run="ok-run_1.2")

@@ -16,6 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent.transport.frame import check_run_name
 from trainer.model import FLAVORS
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "looped-bfs")
@@ -183,11 +184,11 @@ class TelemetryConfig:
         _check(self.peak_flops >= 0, f"peak_flops={self.peak_flops} must be >= 0")
         _check(self.hang_after_s >= 0, f"hang_after_s={self.hang_after_s} must be >= 0 (0 disables)")
         _check(self.spool_hold_bytes >= 0, f"spool_hold_bytes={self.spool_hold_bytes} must be >= 0")
-        if self.run:
-            _check(
-                all(c.isalnum() or c in "-_." for c in self.run) and not self.run.startswith("."),
-                f"run name {self.run!r} may only contain letters, digits, '-', '_' and '.'",
-            )
+        if self.run:  # the contract's one rule (the spool, the agent and the dashboard apply it too)
+            try:
+                check_run_name(self.run)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
 
 @dataclass(kw_only=True, slots=True)

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.transport.frame import check_run_name
 from trainer.config import ConfigError, _Parser
 from trainer.model import FLAVORS
 
@@ -121,8 +122,12 @@ def _validate(ns) -> tuple[list[int], list[str], list[int], list[str]]:
         raise ConfigError(f"--steps={ns.steps} must be >= 3 (the first step is warm-up)")
     if ns.batch_size < 1:
         raise ConfigError(f"--batch-size={ns.batch_size} must be >= 1")
-    if ns.name and not all(c.isalnum() or c in "-_." for c in ns.name):
-        raise ConfigError(f"--name {ns.name!r} may only contain letters, digits, '-', '_' and '.'")
+    if ns.name:  # the names the sweep derives from it must pass the contract's one run-name rule
+        try:
+            check_run_name(f"{ns.name}-strong-ddp-w1")
+        except ValueError:
+            raise ConfigError(f"--name {ns.name!r} cannot start a run name: use letters, digits, '.', '_' or '-', "
+                              "starting with a letter or digit") from None
     store = Path(ns.store)
     if store.exists() and not store.is_dir():
         raise ConfigError(f"store {ns.store!r} is not a directory")

@@ -46,6 +46,7 @@ from agent.instrument import bandwidth, memory
 from agent.instrument.cpu import ThreadCPU
 from agent.instrument.recorder import AnchoredClock, Clock
 from agent.schema import SCHEMAS
+from agent.transport.frame import check_run_name
 
 COMPUTE_PHASES = frozenset({"forward", "backward", "optimizer", "pipeline", "compute"})
 _P2P = frozenset({"send", "recv"})
@@ -66,7 +67,9 @@ class TelemetryConfig:
         bad = []
         if not self.store:
             bad.append(f"store={self.store!r}")
-        if not self.run or "/" in self.run or self.run.startswith("."):
+        try:
+            check_run_name(self.run)  # the contract's one rule: a run name is a directory name
+        except ValueError:
             bad.append(f"run={self.run!r}")
         if self.max_rows_per_kind < 1:
             bad.append(f"max_rows_per_kind={self.max_rows_per_kind}")
