@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 
 def _usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = ["usage: meshscope <command> [options]", "", "commands:"]
+    lines = ["usage: meshscope <command> [options]   (meshscope --version)", "", "commands:"]
     lines += [f"  {name:<{width}}  {help_}" for name, (_, _, help_) in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -33,6 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from agent import version
+
+        print(f"meshscope {version()}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

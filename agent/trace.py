@@ -179,8 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         if not args.store.is_dir():
             raise TraceError(f"store directory {str(args.store)!r} does not exist")
+        if not args.out.parent.is_dir():  # checked before the work; a typo'd path creates no directories
+            raise TraceError(f"--out {str(args.out)!r}: directory {str(args.out.parent)!r} does not exist")
         trace = build_trace(args.store, run=args.run, steps=parse_steps(args.steps))
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(trace, separators=(",", ":")))
     except (TraceError, ValueError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--store", "{tmp}/missing"], "missing' does not exist"),
+    (["--store", "{tmp}/afile/sub"], "cannot create store directory"),
     (["--store", "{tmp}/afile"], "afile' is not a directory"),
     (["--store", "{tmp}/ro"], "ro' is not writable"),
     (["--store", "{tmp}", "--port", "70000"], "port (70000)"),
@@ -36,6 +36,13 @@ def test_bad_agent_input_is_one_line_and_exit_2(tmp_path, capsys, args, needle):
 def test_ingest_reports_a_missing_store(tmp_path, capsys):
     assert ingest_main(["--store", str(tmp_path / "nope")]) == 2
     assert "nope' does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "nope").exists()
+
+
+def test_the_agent_creates_its_store(tmp_path, capsys):
+    # The live flow starts the agent first; the job that fills the store comes after.
+    assert agent_main(["--store", str(tmp_path / "new" / "runs"), "--once", "--gpu-interval", "0"]) == 0
+    assert (tmp_path / "new" / "runs" / "agent").is_dir()
 
 
 def test_port_in_use_is_a_clear_error(tmp_path):

@@ -28,6 +28,15 @@ def test_cli_dispatches_known_commands(capsys):
     assert "unknown command 'no-such-command'" in capsys.readouterr().err
 
 
+def test_version_is_the_installed_distributions(capsys):
+    from importlib import metadata
+
+    import meshscope_cli
+
+    assert meshscope_cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"meshscope {metadata.version('meshscope')}"
+
+
 def test_readme_metric_table_is_generated_from_the_catalog():
     from agent import catalog
 

@@ -111,6 +111,14 @@ def test_user_errors_are_one_line(store, tmp_path, capsys, args, needle):
     assert len(err) == 1 and needle in err[0]
 
 
+def test_an_out_path_in_a_missing_directory_is_one_line_and_creates_nothing(store, tmp_path, capsys):
+    out = tmp_path / "nonexistent" / "dir" / "x.json"
+    assert main(["--store", str(store), "--run", "pp", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not exist" in err[0] and str(out.parent) in err[0], err
+    assert not (tmp_path / "nonexistent").exists()
+
+
 def test_parse_steps():
     assert parse_steps("3:7") == (3, 7) and parse_steps("3:") == (3, None) and parse_steps(":7") == (None, 7)
     assert parse_steps("4") == (4, 5) and parse_steps(None) == (None, None)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import socket
 import threading
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from types import ModuleType
 
 from prometheus_client.registry import CollectorRegistry
 
+from agent import version
 from agent.collector.exposition import MeshscopeCollector
 from agent.collector.gpu import GpuSampler
 from agent.collector.ingest import IngestConfig, Ingestor
@@ -40,13 +40,6 @@ class AgentConfig:
         if self.gpu_interval_s < 0 or self.run_ttl_s <= 0:
             raise ValueError(f"gpu interval ({self.gpu_interval_s}) must be >= 0 and run ttl "
                              f"({self.run_ttl_s}) > 0")
-
-
-def version() -> str:
-    try:
-        return metadata.version("meshscope")
-    except metadata.PackageNotFoundError:
-        return "0+unknown"
 
 
 class Agent:

@@ -71,9 +71,14 @@ def _build_parser(prog: str, *, agent: bool) -> argparse.ArgumentParser:
     return p
 
 
-def _check_store(store: Path) -> None:
-    if not store.exists():
+def _check_store(store: Path, *, create: bool) -> None:
+    if not store.exists() and not create:
         raise UsageError(f"store directory {str(store)!r} does not exist")
+    if not store.exists():  # the live flow starts the agent before the job that fills its store
+        try:
+            store.mkdir(parents=True)
+        except OSError as exc:
+            raise UsageError(f"cannot create store directory {str(store)!r} ({exc.strerror or exc})") from None
     if not store.is_dir():
         raise UsageError(f"store {str(store)!r} is not a directory")
     try:  # a real write: as root os.access() says yes even on a read-only mount
@@ -111,7 +116,7 @@ def _main(argv: list[str] | None, *, prog: str, agent: bool) -> int:
         args = _build_parser(prog, agent=agent).parse_args(argv)
         config = _config(args, agent=agent)
         web = _web(args) if agent and not args.once else None
-        _check_store(args.store)
+        _check_store(args.store, create=agent)
         lock_fd = _lock_store(args.store)
     except UsageError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from agent import version
 from agent.instrument import bandwidth, memory
 from agent.instrument.cpu import ThreadCPU
 from agent.instrument.recorder import AnchoredClock, Clock
@@ -172,7 +173,7 @@ class Telemetry:
         row = {
             "rank": self.rank, "world_size": self.world_size, "local_rank": self.local_rank,
             "host": socket.gethostname(), "pid": os.getpid(), "attempt": self.attempt, "t_start": self.clock.now(),
-            "torch_version": torch.__version__, "meshscope_version": _version(),
+            "torch_version": torch.__version__, "meshscope_version": version(),
             "python_version": platform.python_version(),
         }
         for key, value in info.items():
@@ -486,12 +487,3 @@ def _as_float(value: Any, default: float = float("nan")) -> float:
         return float(value.item() if hasattr(value, "item") else value)
     except (TypeError, ValueError, RuntimeError):
         return default
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("meshscope")
-    except Exception:
-        return "0+unknown"
