@@ -8,23 +8,24 @@ dashboard on 1,024 ranks.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 
+from agent.instrument.bandwidth import busbw_factor as contract_busbw_factor
+
 # ------------------------------------------------------------------------------------------ busbw
-# nccl-tests bus-bandwidth factors: busbw = algbw * factor(n). Value k means k*(n-1)/n; None means 1.
-BUSBW_FACTOR: dict[str, float | None] = {
-    "all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0,
-    "broadcast": None, "reduce": None, "send": None, "recv": None, "barrier": None,
-}
-
-
 def busbw_factor(op: str, n: int) -> float:
-    """2(n-1)/n for all-reduce; (n-1)/n for all-gather, reduce-scatter, all-to-all; 1 otherwise."""
-    k = BUSBW_FACTOR.get(op)
-    if k is None or n <= 0:
-        return 1.0
-    return k * (n - 1) / n
+    """The contract's nccl-tests factor (``agent.instrument.bandwidth``, what the ranks record busbw with),
+    NaN where a bus bandwidth means nothing: a barrier (no payload) and an op the contract does not know
+    (a page must draw the other ops rather than fail)."""
+    if op == "barrier":
+        return math.nan
+    try:
+        return contract_busbw_factor(op, max(int(n), 1))
+    except ValueError:
+        return math.nan
 
 
 # -------------------------------------------------------------------------------------- breakdown

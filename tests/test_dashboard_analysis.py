@@ -15,7 +15,13 @@ from dashboard import analysis as A
     ("reduce_scatter", 2, 0.5), ("all_to_all", 8, 0.875), ("broadcast", 8, 1.0), ("send", 2, 1.0),
     ("recv", 2, 1.0), ("reduce", 4, 1.0)])
 def test_busbw_factor_follows_nccl_tests(op, n, factor):
-    assert A.busbw_factor(op, n) == pytest.approx(factor)
+    from agent.instrument.bandwidth import busbw_factor
+
+    assert A.busbw_factor(op, n) == pytest.approx(factor) == busbw_factor(op, n)  # the ranks' own factor
+
+
+def test_busbw_has_no_factor_for_a_barrier_or_an_unknown_op():
+    assert np.isnan(A.busbw_factor("barrier", 4)) and np.isnan(A.busbw_factor("other", 4))
 
 
 # -------------------------------------------------------------------------------------- breakdown
