@@ -22,6 +22,10 @@ GRAFANA_DIR = Path(__file__).resolve().parents[1]
 SOURCE = GRAFANA_DIR / "rules" / "source.yaml"
 PROMETHEUS_RULES = GRAFANA_DIR / "prometheus" / "rules" / "meshscope.rules.yml"
 GRAFANA_RULES = GRAFANA_DIR / "provisioning" / "alerting" / "rules.yaml"
+# The same rules without annotations, for the promtool tests of labels and timing (promtool compares
+# annotations verbatim; annotations.yml tests them against the full file). In a folder of its own so that
+# `promtool test rules *.yml` in grafana/prometheus/tests/ runs the tests as shipped.
+LABEL_RULES = GRAFANA_DIR / "prometheus" / "tests" / "rules" / "labels-only.rules.yml"
 PROFILES = ("default", "e2e")
 DATASOURCE_UID = "meshscope-prometheus"  # grafana/provisioning/datasources/meshscope.yaml
 GROUP = "meshscope"
@@ -154,7 +158,16 @@ def rendered(source: dict) -> dict[Path, str]:
     return {
         PROMETHEUS_RULES: dump(prometheus_rules(source), what="Prometheus rules, profile default"),
         GRAFANA_RULES: dump(grafana_rules(source), what="Grafana-managed alert rules"),
+        LABEL_RULES: dump(label_rules(source), what="Prometheus rules without annotations, for promtool tests"),
     }
+
+
+def label_rules(source: dict) -> dict:
+    """The default profile's rules with the annotations stripped (expr, for and labels untouched)."""
+    rules = prometheus_rules(source)
+    for rule in rules["groups"][0]["rules"]:
+        rule.pop("annotations", None)
+    return rules
 
 
 def stale_files(source: dict) -> list[Path]:
@@ -181,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"rulegen: {path.relative_to(GRAFANA_DIR.parent)} is out of date", file=sys.stderr)
             return 1 if stale else 0
         for path, text in rendered(source).items():
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
             print(f"rulegen: wrote {path.relative_to(GRAFANA_DIR.parent)}")
         return 0
