@@ -67,7 +67,9 @@ def series_queries(*, run: str | None, window: str = "1m") -> dict[str, str]:
     """PromQL per time series of the Live page: the snapshot's shares and MFU, and the step rate."""
     by = f"by ({RANK_LABEL})"
     q = queries(run=run, window=window)
-    return {"steps_per_s": f"sum {by} (rate({METRICS['steps']}{_selector(run)}[{window}]))",
+    # Steps per second from the last two samples (irate): a rate over the whole window divides a run shorter
+    # than the window by the window's length (a real 8-steps/s job of 8 s read 1 step/s).
+    return {"steps_per_s": f"sum {by} (irate({METRICS['steps']}{_selector(run)}[{window}]))",
             "compute_ratio": q["compute_ratio"], "exposed_comm_ratio": q["exposed_comm_ratio"], "mfu": q["mfu"]}
 
 

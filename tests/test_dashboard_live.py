@@ -203,8 +203,13 @@ def test_live_page_over_a_real_job_shows_series_then_its_end(tmp_path, monkeypat
             part = hist[hist["series"] == series]
             assert sorted(part["rank"].unique()) == [0, 1], (series, hist)
         steps = hist[hist["series"] == "steps_per_s"]
-        # 40 steps of at least 0.15 s: never more than 1 / 0.15 steps per second on any rank.
-        assert steps["value"].max() > 0 and steps["value"].max() < 1 / 0.15, steps
+        # While the job ran, the step rate is what its step records say: 1 / the median step time.
+        from agent.collector.store import read_table
+
+        truth = 1 / float(read_table(store, "step", run="live-job")["wall_s"].median())
+        running = steps[steps["value"] > 0].groupby("rank")["value"].median()
+        print(f"\nsteps/s per rank while running {running.round(2).to_dict()}, store truth {truth:.2f}")
+        assert (abs(running / truth - 1) < 0.3).all(), (running.to_dict(), truth)
         ratios = hist[hist["series"].isin(["compute_ratio", "exposed_comm_ratio"])]["value"]
         assert ((ratios >= 0) & (ratios <= 1)).all() and ratios.median() > 0.005
 
