@@ -123,7 +123,10 @@ def _before(version: int) -> dict[str, pa.Schema]:
             for kind, schema in SCHEMAS.items()}
 
 
-SCHEMAS_V1, SCHEMAS_V2 = _before(1), _before(2)
+# Every version a reader accepts, the current one included (agent.transport.frame lifts the older ones).
+SCHEMAS_BY_VERSION: dict[int, dict[str, pa.Schema]] = {
+    **{v: _before(v) for v in range(1, SCHEMA_VERSION)}, SCHEMA_VERSION: SCHEMAS}
+SCHEMAS_V1 = SCHEMAS_BY_VERSION[1]
 
 
 def empty_table(kind: str) -> pa.Table:

@@ -264,11 +264,15 @@ def memory_model_vs_measured(model: pd.DataFrame, *, measured: dict[str, float])
     return _layout(fig, title="Analytic model vs measured peak per device", x="", y="GiB")
 
 
+def byte_unit(top: float) -> tuple[str, int]:
+    """The unit to show byte counts up to ``top`` in (charts and tables alike): GiB from 1 GiB, else MiB."""
+    return ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20)
+
+
 def memory_states_vs_tensors(table: pd.DataFrame) -> go.Figure:
     """Model states per device, analytic next to measured from the tensors (``memory_model.states_vs_tensors``),
     in MiB or GiB by magnitude."""
-    top = float(table[["model_bytes", "measured_max"]].to_numpy().max())
-    unit, div = ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20)
+    unit, div = byte_unit(float(table[["model_bytes", "measured_max"]].to_numpy().max()))
     fig = go.Figure()
     fig.add_trace(go.Bar(x=table["component"], y=table["model_bytes"] / div, name="model (per device)",
                          marker_color="#90a4ae"))

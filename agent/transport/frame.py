@@ -40,7 +40,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from agent.schema import SCHEMA_VERSION, SCHEMAS, SCHEMAS_V1, SCHEMAS_V2
+from agent.schema import SCHEMA_VERSION, SCHEMAS, SCHEMAS_BY_VERSION
 
 MAGIC = b"MSPL"
 FORMAT_VERSION = 1
@@ -56,10 +56,10 @@ KIND_CODES: dict[str, int] = {
 CODE_KINDS: dict[int, str] = {code: kind for kind, code in KIND_CODES.items()}
 assert set(KIND_CODES) - {HEADER_KIND} == set(SCHEMAS), "every schema kind needs a frame code"
 
-# Schemas by the version the agent can read. Older versions join here when SCHEMA_VERSION is bumped; their
-# batches are lifted to the current schema on decode (columns added since are NULL), so everything past the
-# reader sees one schema per kind.
-KNOWN_SCHEMAS: dict[int, dict[str, pa.Schema]] = {1: SCHEMAS_V1, 2: SCHEMAS_V2, SCHEMA_VERSION: SCHEMAS}
+# Schemas by the version the agent can read (agent.schema derives the older ones from the columns each
+# version added); their batches are lifted to the current schema on decode (columns added since are NULL),
+# so everything past the reader sees one schema per kind.
+KNOWN_SCHEMAS: dict[int, dict[str, pa.Schema]] = SCHEMAS_BY_VERSION
 
 # Why a reader rejected bytes (the label values of meshscope_agent_frames_rejected_total).
 REJECT_REASONS = (

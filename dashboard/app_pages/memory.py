@@ -4,7 +4,7 @@ the run's strategy (parameters, gradients, optimizer state, activations)."""
 import pandas as pd
 import streamlit as st
 
-from dashboard import ui, views
+from dashboard import figures, ui, views
 
 
 def main(ctx: ui.Context) -> None:
@@ -34,7 +34,7 @@ def main(ctx: ui.Context) -> None:
     if view.states is not None:
         ui.chart(view.figures["states"])
         states = view.states
-        unit, div = _unit(states[["model_bytes", "measured_max"]].to_numpy().max())
+        unit, div = figures.byte_unit(states[["model_bytes", "measured_max"]].to_numpy().max())
         st.dataframe(pd.DataFrame({
             "component": states["component"], f"model per device ({unit})": states["model_bytes"] / div,
             f"measured, max rank ({unit})": states["measured_max"] / div,
@@ -52,16 +52,12 @@ def main(ctx: ui.Context) -> None:
                 "libraries (~0.4 GiB before any tensor), so the model's total is not compared with it. On GPU "
                 "it is compared with the allocator's peak.")
     model = view.model
-    unit, div = _unit(model["bytes"].max())
+    unit, div = figures.byte_unit(model["bytes"].max())
     # A static table: the formulas wrap instead of being cut off at the right edge.
     st.table(pd.DataFrame({"component": model["component"], f"per device ({unit})": (model["bytes"] / div).map(
         "{:,.3f}".format), "formula": model["formula"]}).set_index("component"))
     st.caption(f"Strategy `{view.meta.get('strategy')}`, mesh {view.meta['mesh']}. The model is per device at "
                "the worst pipeline stage; allocator caching, workspaces and fragmentation come on top.")
-
-
-def _unit(top: float) -> tuple[str, int]:
-    return ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20)
 
 
 ui.render(main)
