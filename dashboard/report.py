@@ -71,8 +71,9 @@ def format_text(rep: dict[str, Any]) -> str:
     lines = [f"run {rep['run']}: {rep['world_size']} ranks, {rep['strategy'] or '?'} on {rep['device'] or '?'}, "
              f"steps {rep['steps'][0]}..{rep['steps'][1]}"]
     if rep["first_steady_step"] is not None:
-        lines.append(f"  verdicts from step {rep['first_steady_step']} ({rep['warmup_steps_excluded']} warm-up "
-                     f"steps left out; {rep['verdict_steps']} judged)")
+        w = rep["warmup_steps_excluded"]
+        lines.append(f"  verdicts from step {rep['first_steady_step']} ({w} warm-up step{'' if w == 1 else 's'} "
+                     f"left out; {rep['verdict_steps']} judged)")
     lines.append(f"  step time {_fmt(rep['step_time_s'], '.3f')} s · {_fmt(rep['tokens_per_s'], ',.0f')} tokens/s · "
                  f"MFU {_fmt(rep['mfu'], '.1%')} · loss {_fmt(rep['loss'], '.3f')}")
     b = rep["breakdown"]

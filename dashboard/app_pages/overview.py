@@ -57,13 +57,18 @@ def main(ctx: ui.Context) -> None:
     st.slider("Slower than peers by at least", 0.05, 1.0, stragglers.STRAGGLER_REL, 0.05, key="overview.threshold",
               format="%.2f", help="Relative excess of a rank's compute over its peers' median in the same step.")
     c = st.columns(3)
-    c[0].metric("straggler cost per step (mean)", _fmt(m["cost_s"] * 1e3, ".1f") + " ms",
+    c[0].metric("flagged stragglers' cost per step", _fmt(m["cost_s"] * 1e3, ".1f") + " ms",
                 help="What the other ranks lose per step waiting for the flagged ranks (their exposed "
                      "communication beyond the straggler's own)")
     c[1].metric("share of step time", _fmt(m["cost_share"], ".1%"))
     c[2].metric("flagged ranks", f"{len(view.stragglers)}")
     if "cost" in f:
         ui.chart(f["cost"])
+        # Without a flagged rank the chart still shows each step's slowest rank: ordinary jitter, which the
+        # cost above (flagged ranks only) leaves out. Said, so that 0 ms beside a 3 ms curve is not a puzzle.
+        st.caption("The chart is each step's wait for whichever rank was slowest in that step, flagged or not; "
+                   "the cost above counts only the flagged ranks, so without one it is 0 and the chart is "
+                   "ordinary step-to-step jitter.")
     else:
         st.info("Every rank is alone in its pipeline stage: no peers doing the same work to compare it with, so "
                 "no straggler verdict on compute (the Pipeline page shows stage imbalance).")
