@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from agent.schema import EVENT_KINDS, KINDS
-from agent.transport.frame import REJECT_REASONS
+from meshscope.agent.schema import EVENT_KINDS, KINDS
+from meshscope.agent.transport.frame import REJECT_REASONS
 
 PREFIX = "meshscope_"
 SERIES_PER_RANK_MAX = 40

@@ -11,7 +11,7 @@ per line; blank lines and lines starting with ``#`` are ignored. Accepted hashes
 
 - ``$pbkdf2-sha256$<rounds>$<salt>$<checksum>``: PBKDF2-HMAC-SHA256, salt and checksum in passlib's
   "adapted base64" (``+`` written as ``.``, no padding), so ``passlib.hash.pbkdf2_sha256`` reads and
-  writes the same strings. Make one with ``python -m agent.security hash-password`` (reads the password
+  writes the same strings. Make one with ``python -m meshscope.agent.security hash-password`` (reads the password
   from stdin). No dependency beyond the standard library.
 - ``$2a$``, ``$2b$``, ``$2y$``: bcrypt, as written by ``htpasswd -B`` and accepted by Prometheus'
   own web config; needs the ``bcrypt`` package (the agent says so at start if it is missing).
@@ -117,9 +117,9 @@ def check_hash(hashed: str) -> str | None:
             import bcrypt  # noqa: F401, PLC0415 - optional: only for bcrypt entries
         except ImportError:
             return ("bcrypt hash, but the 'bcrypt' package is not installed (pip install bcrypt), or use a "
-                    "$pbkdf2-sha256$ hash from: python -m agent.security hash-password")
+                    "$pbkdf2-sha256$ hash from: python -m meshscope.agent.security hash-password")
         return None
-    return ("unsupported hash: use $pbkdf2-sha256$ (python -m agent.security hash-password) or bcrypt "
+    return ("unsupported hash: use $pbkdf2-sha256$ (python -m meshscope.agent.security hash-password) or bcrypt "
             "(htpasswd -B); plain text, {SHA}, $apr1$ and crypt are refused")
 
 
@@ -217,19 +217,19 @@ def parse_basic_authorization(header: str | None) -> tuple[str, str] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m agent.security hash-password [--rounds N]``: read a password from stdin (without echo
+    """``python -m meshscope.agent.security hash-password [--rounds N]``: read a password from stdin (without echo
     on a terminal), print its ``$pbkdf2-sha256$`` hash for a basic-auth file line ``user:<hash>``."""
     import argparse  # noqa: PLC0415
     import getpass  # noqa: PLC0415
 
-    ap = argparse.ArgumentParser(prog="python -m agent.security", description=main.__doc__.split(":")[0])
+    ap = argparse.ArgumentParser(prog="python -m meshscope.agent.security", description=main.__doc__.split(":")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     hp = sub.add_parser("hash-password", help="hash a password read from stdin")
     hp.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS)
     args = ap.parse_args(argv)
     password = getpass.getpass("password: ") if sys.stdin.isatty() else sys.stdin.readline().rstrip("\r\n")
     if not password:
-        print("python -m agent.security: error: empty password", file=sys.stderr)
+        print("python -m meshscope.agent.security: error: empty password", file=sys.stderr)
         return 2
     print(hash_password(password, rounds=args.rounds))
     return 0

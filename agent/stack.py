@@ -33,8 +33,10 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-GRAFANA = ROOT / "grafana"
+import meshscope.grafana
+
+# The shipped configs: the checkout's grafana/ folder, installed as package data (meshscope.grafana).
+GRAFANA = Path(meshscope.grafana.__file__).resolve().parent
 PROMETHEUS_CONFIG = GRAFANA / "prometheus" / "prometheus.yml"
 ALERTMANAGER_CONFIG = GRAFANA / "alertmanager" / "alertmanager.yml"
 DEFAULT_RULES = GRAFANA / "prometheus" / "rules" / "meshscope.rules.yml"
@@ -199,7 +201,7 @@ def commands(p: Plan, prom_cfg: Path, am_cfg: Path) -> list[tuple[str, list[str]
     """(name, argv, readiness URL) of each process to start, in start order."""
     out = []
     if p.store is not None:
-        out.append(("agent", [sys.executable, "-m", "agent.collector.cli", "--store", str(p.store),
+        out.append(("agent", [sys.executable, "-m", "meshscope.agent.collector.cli", "--store", str(p.store),
                               "--host", HOST, "--port", str(p.agent_port)],
                     f"http://{HOST}:{p.agent_port}/metrics"))
     out.append(("alertmanager", [p.binaries["alertmanager"], f"--config.file={am_cfg}",
@@ -237,7 +239,6 @@ class Processes:
     def start(self, name: str, argv: list[str]) -> None:
         log = self.workdir / f"{name}.log"
         env = dict(os.environ)
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         with open(log, "wb") as fh:
             # Own session: the terminal's Ctrl-C reaches only us, and we stop the children in order.
             proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

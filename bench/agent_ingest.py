@@ -40,9 +40,9 @@ def measure(store: Path) -> dict:
 
     pa.set_cpu_count(1)  # Arrow's own pool would otherwise spread over the one pinned core anyway
     pa.set_io_thread_count(1)
-    from agent.collector.ingest import Ingestor
-    from agent.collector.state import MetricsState
-    from agent.instrument.recorder import AnchoredClock
+    from meshscope.agent.collector.ingest import Ingestor
+    from meshscope.agent.collector.state import MetricsState
+    from meshscope.agent.instrument.recorder import AnchoredClock
 
     state = MetricsState()
     ingestor = Ingestor(store=store, state=state, clock=AnchoredClock())
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(args.measure)))
         return 0
 
-    from agent.collector.synthetic import write_run
+    from meshscope.testing.spools import write_run
 
     tmp = Path(tempfile.mkdtemp(prefix="meshscope-bench-"))
     try:

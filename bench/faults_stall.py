@@ -30,9 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent.collector.store import read_table  # noqa: E402
+from meshscope.agent.collector.store import read_table  # noqa: E402
 from bench.telemetry_overhead import bootstrap_ci  # noqa: E402
-from tests.workers.faults_harness import AgentProcess, Job, poll_until  # noqa: E402
+from meshscope.testing.harness import AgentProcess, Job, poll_until  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

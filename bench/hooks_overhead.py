@@ -85,11 +85,11 @@ def per_call(calls: int, blocks: int) -> dict[str, Any]:
     import torch.distributed._functional_collectives as funcol
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
-    from agent.instrument.collectives import CollectiveTracer
-    from agent.instrument.comm_ddp import _HookState, traced_allreduce_hook
-    from agent.instrument.comm_fsdp import TracedAllGather, TracedReduceScatter
-    from agent.instrument.pipeline import PipelineTracer
-    from agent.instrument.recorder import ListRecorder
+    from meshscope.agent.instrument.collectives import CollectiveTracer
+    from meshscope.agent.instrument.comm_ddp import _HookState, traced_allreduce_hook
+    from meshscope.agent.instrument.comm_fsdp import TracedAllGather, TracedReduceScatter
+    from meshscope.agent.instrument.pipeline import PipelineTracer
+    from meshscope.agent.instrument.recorder import ListRecorder
 
     _init(0, 1, _port())
     world = dist.group.WORLD
@@ -196,10 +196,10 @@ def _step_worker(rank: int, world: int, port: int, steps: int, blocks: int, call
     import torch.distributed as dist
     from torch import nn
 
-    from agent.instrument.collectives import CollectiveTracer
-    from agent.instrument.meshinfo import MeshInfo
-    from agent.instrument.pipeline import PipelineTracer
-    from agent.instrument.recorder import ListRecorder
+    from meshscope.agent.instrument.collectives import CollectiveTracer
+    from meshscope.agent.instrument.meshinfo import MeshInfo
+    from meshscope.agent.instrument.pipeline import PipelineTracer
+    from meshscope.agent.instrument.recorder import ListRecorder
 
     _init(rank, world, port)
     from torch.distributed.device_mesh import init_device_mesh

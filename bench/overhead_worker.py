@@ -13,10 +13,10 @@ import time
 
 import torch.distributed as dist
 
-from agent.instrument.telemetry import NullTelemetry, Telemetry, TelemetryConfig
-from trainer import config
-from trainer.parallel import build_mesh, schedule_stages
-from trainer.train import Trainer, _device
+from meshscope.agent.instrument.telemetry import NullTelemetry, Telemetry, TelemetryConfig
+from meshscope.trainer import config
+from meshscope.trainer.parallel import build_mesh, schedule_stages
+from meshscope.trainer.train import Trainer, _device
 
 
 def main() -> int:

@@ -3,7 +3,7 @@
 Method: the trainer profiles steps A:B (``--profile-dir``/``--profile-steps``, a Chrome trace per rank)
 with telemetry on; the agent's ``ingest`` writes the store. Per rank, step, gloo op and path, the
 telemetry's Σ(t_end − t_start) is compared with the profiler's Σ(issue → observed completion),
-``profiler_op_refs`` in ``tests/workers/hooks_common.py`` (the same one ``tests/test_telemetry_e2e.py``
+``profiler_op_refs`` in ``meshscope/testing/profiler.py`` (the same one ``tests/test_telemetry_e2e.py``
 asserts on): c10d issue event start → ``gloo:*`` range end, and for functional collectives (TP)
 ``_c10d_functional::<op>`` start → ``wait_tensor`` end.
 
@@ -33,10 +33,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent.collector.store import read_table  # noqa: E402
+from meshscope.agent.collector.store import read_table  # noqa: E402
 from bench.telemetry_overhead import STRATEGIES  # noqa: E402  (the same jobs as the overhead A/B)
-from trainer.model import FLAVORS  # noqa: E402
-from tests.workers.hooks_common import (  # noqa: E402  (the profiler mapping lives with the tests)
+from meshscope.trainer.model import FLAVORS  # noqa: E402
+from meshscope.testing.profiler import (  # noqa: E402  (the profiler mapping lives with the tests)
     OP_TO_GLOO, chrome_trace_events, init, profiler_op_refs, profiler_step_totals, spawn, tracer_op_refs,
 )
 
@@ -47,11 +47,11 @@ def run(strategy: str, *, model: str, steps: int, first: int, last: int) -> list
     with tempfile.TemporaryDirectory() as tmp:
         store = Path(tmp)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-               "trainer.train", "--store", str(store), "--run-name", "r", "--model", model,
+               "meshscope.trainer.train", "--store", str(store), "--run-name", "r", "--model", model,
                "--steps", str(steps), "--profile-dir", str(store / "prof"),
                "--profile-steps", f"{first}:{last}", *STRATEGIES[strategy]]
         subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=1800)
-        subprocess.run([sys.executable, "-m", "meshscope_cli", "ingest", "--store", str(store)], cwd=ROOT,
+        subprocess.run([sys.executable, "-m", "meshscope.cli", "ingest", "--store", str(store)], cwd=ROOT,
                        env=env, check=True, capture_output=True, timeout=300)
         coll = read_table(store, "collective", run="r")
         for rank in (0, 1):

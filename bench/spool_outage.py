@@ -35,9 +35,9 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent.transport.frame import spool_path  # noqa: E402
-from agent.transport.reader import SpoolReader  # noqa: E402
-from agent.transport.writer import DEFAULT_MAX_HOLD_BYTES, SpoolWriter  # noqa: E402
+from meshscope.agent.transport.frame import spool_path  # noqa: E402
+from meshscope.agent.transport.reader import SpoolReader  # noqa: E402
+from meshscope.agent.transport.writer import DEFAULT_MAX_HOLD_BYTES, SpoolWriter  # noqa: E402
 
 ROWS_PER_STEP = 4  # the reference DDP trainer's records per rank and step: step, memory, 2 collectives
 

@@ -28,10 +28,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent.collector.catchup import catch_up  # noqa: E402
-from agent.collector.synthetic import write_run  # noqa: E402
-from dashboard import views  # noqa: E402
-from dashboard.store import Store  # noqa: E402
+from meshscope.agent.collector.catchup import catch_up  # noqa: E402
+from meshscope.testing.spools import write_run  # noqa: E402
+from meshscope.dashboard import views  # noqa: E402
+from meshscope.dashboard.store import Store  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 WINDOW = 5
@@ -41,7 +41,7 @@ def job(store: Path, run: str, *args: str) -> float:
     """One 2-rank torchrun job of the trainer writing spools under ``store``; returns its wall seconds."""
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                    "trainer.train", "--store", str(store), "--run-name", run, *args],
+                    "meshscope.trainer.train", "--store", str(store), "--run-name", run, *args],
                    cwd=ROOT, env=ENV, check=True, capture_output=True, timeout=1800)
     return time.perf_counter() - t0
 
@@ -116,7 +116,7 @@ def catchup(tmp: Path, *, steps: int) -> None:
     store = tmp / "tour"
     train_s = job(store, "tour", "--steps", "8")
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "meshscope_cli", "report", "--store", str(store), "--run", "tour"],
+    out = subprocess.run([sys.executable, "-m", "meshscope.cli", "report", "--store", str(store), "--run", "tour"],
                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600, check=True)
     print(f"tour (2 ranks, 8 steps): train {train_s:.1f} s; report incl. catch-up {time.perf_counter() - t0:.2f} s "
           f"({out.stderr.strip()})")

@@ -3,6 +3,6 @@
 The data path, one module per step: ``store`` (confined, fault-tolerant DuckDB over the Parquet) ->
 ``data`` (SQL aggregates per page) -> ``analysis`` / ``scaling`` / ``memory_model`` (DataFrame in,
 DataFrame out) -> ``figures`` (pure Plotly) -> ``views`` (what a page shows, without Streamlit) ->
-``app_pages`` (layout only) under ``streamlit_app.py``; ``ui`` holds the Streamlit glue and caches,
+``app_pages`` (layout only) under ``app.py``; ``ui`` holds the Streamlit glue and caches,
 ``cli`` the ``meshscope dashboard`` command, ``synthetic`` a store generator for tests and benchmarks.
 """

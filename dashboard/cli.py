@@ -1,5 +1,5 @@
 """``meshscope dashboard --store DIR [--store DIR2 ...] [--prometheus URL] [--port P] [--host 127.0.0.1]``:
-serve the Streamlit dashboard over a run store (``streamlit run streamlit_app.py -- --store DIR ...``),
+serve the Streamlit dashboard over a run store (``streamlit run dashboard/app.py -- --store DIR ...``),
 headless, bound to localhost unless told otherwise. Several ``--store`` read as one store: a multi-node
 job's agents each write their node's ranks into their own store, and a run found in several is one run
 with all of their ranks."""
@@ -7,18 +7,15 @@ with all of their ranks."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 from pathlib import Path
 
-from dashboard.config import ArgParser, ConfigError, check_prometheus_url, run_command
-from dashboard.store import Store, StoreError
+from meshscope.dashboard.config import ArgParser, ConfigError, check_prometheus_url, run_command
+from meshscope.dashboard.store import Store, StoreError
 
-# The one root-level Streamlit entry file; installed as a top-level module (pyproject py-modules) so a
-# non-editable install serves it too.
-_spec = importlib.util.find_spec("streamlit_app")
-APP = Path(_spec.origin) if _spec and _spec.origin else Path(__file__).resolve().parent.parent / "streamlit_app.py"
+# Streamlit's entry file, beside the pages it names by relative path (app_pages/...).
+APP = Path(__file__).resolve().parent / "app.py"
 
 
 def _parser() -> argparse.ArgumentParser:

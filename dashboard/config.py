@@ -2,7 +2,7 @@
 
 ``meshscope dashboard`` (``dashboard.cli``) validates the user's flags and hands ``--store`` (repeatable:
 the stores of a multi-node job's agents, read as one) and ``--prometheus`` to the Streamlit script as
-script arguments (``streamlit run streamlit_app.py -- --store A --store B``); the script parses them
+script arguments (``streamlit run app.py -- --store A --store B``); the script parses them
 again with ``parse_app_args``. There are no environment variables: tests pass the same arguments through
 ``sys.argv``.
 """
@@ -72,5 +72,5 @@ def app_parser(prog: str) -> argparse.ArgumentParser:
 
 def parse_app_args(argv: list[str]) -> AppConfig:
     """Arguments the Streamlit script receives after ``--``."""
-    a = app_parser("streamlit_app.py").parse_args(argv)
+    a = app_parser("app.py").parse_args(argv)
     return AppConfig(stores=tuple(a.store), prometheus=a.prometheus, refresh_s=a.refresh)

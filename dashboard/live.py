@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import pandas as pd
 
-from agent.security import promql_label_value
+from meshscope.agent.security import promql_label_value
 
 # Logical name -> Prometheus metric name (the type the queries assume in the comment).
 METRICS: dict[str, str] = {

@@ -1,4 +1,4 @@
-"""Analytic memory per device for a run's strategy (formulas brief, "Memory per device").
+"""Analytic memory per device for a run's strategy (README, Formulas, "Memory model").
 
 Model states, mixed precision with Adam: parameters 2 B, gradients 2 B, optimizer state 12 B per
 parameter (fp32 master 4 + momentum 4 + variance 4); pure fp32: 4 + 4 + 8. Sharding:
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from dashboard.analysis import normalize_schedule
+from meshscope.dashboard.analysis import normalize_schedule
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import numpy as np
 import pandas as pd
 
-from dashboard.analysis import normalize_schedule
+from meshscope.dashboard.analysis import normalize_schedule
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "interleavedzerobubble")
 # Schedules whose order ``_order`` reproduces as torch runs it; ``replay`` takes any other schedule's order

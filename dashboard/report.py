@@ -10,10 +10,10 @@ import math
 import sys
 from typing import Any
 
-from agent.collector.catchup import catch_up
-from dashboard import analysis, environment, stragglers, views
-from dashboard.config import ArgParser, ConfigError, run_command
-from dashboard.store import Store, StoreError
+from meshscope.agent.collector.catchup import catch_up
+from meshscope.dashboard import analysis, environment, stragglers, views
+from meshscope.dashboard.config import ArgParser, ConfigError, run_command
+from meshscope.dashboard.store import Store, StoreError
 
 
 def build(load: views.Loader, *, run: str, steps: tuple[int, int] | None = None) -> dict[str, Any]:

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from dashboard.analysis import parallel_degrees
-from dashboard.data import parse_mesh
-from dashboard.stragglers import first_steady_step
+from meshscope.dashboard.analysis import parallel_degrees
+from meshscope.dashboard.data import parse_mesh
+from meshscope.dashboard.stragglers import first_steady_step
 
 MIN_FIT_SIZES = 3
 # What makes two runs the same configuration apart from the world size (and the batch, by kind).

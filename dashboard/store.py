@@ -40,8 +40,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from agent.collector.parts import PART_RE
-from agent.schema import KINDS, SCHEMAS
+from meshscope.agent.collector.parts import PART_RE
+from meshscope.agent.schema import KINDS, SCHEMAS
 
 SKIPPED = "skipped_files"  # key in DataFrame.attrs
 

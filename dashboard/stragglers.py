@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dashboard.analysis import decode_throttle, robust_z
+from meshscope.dashboard.analysis import decode_throttle, robust_z
 
 WARMUP_FACTOR = 1.5
 WARMUP_MAX_SHARE = 0.25

@@ -16,16 +16,15 @@ STEP_LINE = re.compile(r"^step=(\d+) loss=(\S+)")
 
 def trainer_env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 240, check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``torchrun --standalone --nproc_per_node=nproc -m trainer.train *args`` from the repo root."""
+    """Run ``torchrun --standalone --nproc_per_node=nproc -m meshscope.trainer.train *args`` from the repo root."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "trainer.train", *args]
+           "-m", "meshscope.trainer.train", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
@@ -34,7 +33,7 @@ def torchrun(nproc: int, *args: str, timeout: float = 240, check: bool = True) -
 
 def single(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
     """The same trainer as one plain process (a world of one)."""
-    cmd = [sys.executable, "-m", "trainer.train", *args]
+    cmd = [sys.executable, "-m", "meshscope.trainer.train", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")

@@ -12,7 +12,7 @@ import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from dashboard.live import METRICS
+from meshscope.dashboard.live import METRICS
 
 
 def free_port() -> int:

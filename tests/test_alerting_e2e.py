@@ -32,12 +32,12 @@ import pyarrow as pa
 import pytest
 import yaml
 
-from agent import stack
-from agent.collector.agent import Agent, AgentConfig
-from agent.collector.synthetic import run_table, step_table
-from agent.instrument.recorder import AnchoredClock
-from agent.schema import SCHEMAS
-from agent.transport.frame import encode_data_frame, encode_file_header, spool_path
+from meshscope.agent import stack
+from meshscope.agent.collector.agent import Agent, AgentConfig
+from meshscope.testing.spools import run_table, step_table
+from meshscope.agent.instrument.recorder import AnchoredClock
+from meshscope.agent.schema import SCHEMAS
+from meshscope.agent.transport.frame import encode_data_frame, encode_file_header, spool_path
 from tests.conftest import trainer_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -214,7 +214,7 @@ def e2e(tmp_path_factory):
     gpu_thread = threading.Thread(target=gpu_agent.run, args=(gpu_stop,), daemon=True)
     gpu_thread.start()
     ports = SimpleNamespace(agent=_free_port(), prometheus=_free_port(), alertmanager=_free_port())
-    cmd = [sys.executable, "-m", "agent.stack", "--store", str(store), "--agent-port", str(ports.agent),
+    cmd = [sys.executable, "-m", "meshscope.agent.stack", "--store", str(store), "--agent-port", str(ports.agent),
            "--agent", f"127.0.0.1:{gpu_port}", "--prometheus-port", str(ports.prometheus),
            "--alertmanager-port", str(ports.alertmanager), "--dir", str(tmp / "stack"), "--interval", "1s",
            "--rules", str(rules), "--webhook", webhook.url, "--group-wait", "1s"]
@@ -253,7 +253,7 @@ def launch(e2e, nproc: int, run: str, *args: str) -> subprocess.Popen:
     log = open(e2e.tmp / f"{run}.log", "w")
     # The run name goes through --set: torchrun's own parser takes "--run" for an abbreviation of --run-path.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "trainer.train", *TRAIN, "--store", str(e2e.store), "--set", f"telemetry.run={run}", *args]
+           "-m", "meshscope.trainer.train", *TRAIN, "--store", str(e2e.store), "--set", f"telemetry.run={run}", *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=trainer_env(), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     log.close()

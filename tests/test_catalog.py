@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 
-from agent import catalog
-from agent.catalog import BASE_UNITS, CATALOG, PREFIX, SERIES_PER_RANK_MAX
+from meshscope.agent import catalog
+from meshscope.agent.catalog import BASE_UNITS, CATALOG, PREFIX, SERIES_PER_RANK_MAX
 
 
 def test_names_follow_the_conventions():

@@ -6,9 +6,9 @@ from __future__ import annotations
 import fcntl
 import os
 
-from agent.collector.catchup import catch_up, lock_store, pending_bytes
-from agent.collector.store import read_table
-from agent.collector.synthetic import write_run
+from meshscope.agent.collector.catchup import catch_up, lock_store, pending_bytes
+from meshscope.agent.collector.store import read_table
+from meshscope.testing.spools import write_run
 
 
 def test_spools_reach_the_tables_once(tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.collector.cli import agent_main, ingest_main
+from meshscope.agent.collector.cli import agent_main, ingest_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +52,7 @@ def test_port_in_use_is_a_clear_error(tmp_path):
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
-        out = subprocess.run([sys.executable, "-m", "meshscope_cli", "agent", "--store", str(tmp_path), "--port",
+        out = subprocess.run([sys.executable, "-m", "meshscope.cli", "agent", "--store", str(tmp_path), "--port",
                               str(port), "--gpu-interval", "0"], cwd=ROOT, capture_output=True, text=True,
                              timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 2 and "Traceback" not in out.stderr
@@ -60,7 +60,7 @@ def test_port_in_use_is_a_clear_error(tmp_path):
 
 
 def test_once_ingests_and_exits(tmp_path, capsys):
-    from agent.collector.synthetic import write_run
+    from meshscope.testing.spools import write_run
 
     counts = write_run(tmp_path, run="r", world_size=2, steps=3, collectives_per_step=4, frame_rows=4)
     assert agent_main(["--store", str(tmp_path), "--once", "--gpu-interval", "0"]) == 0
@@ -70,7 +70,7 @@ def test_once_ingests_and_exits(tmp_path, capsys):
 def test_one_agent_per_store(tmp_path, capsys, monkeypatch):
     import fcntl
 
-    from agent.collector import cli
+    from meshscope.agent.collector import cli
 
     monkeypatch.setattr(cli, "LOCK_WAIT_S", 0.3)  # how long a second writer waits before giving up
 

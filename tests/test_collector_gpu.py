@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 from prometheus_client import generate_latest
 
-from agent.collector.agent import Agent, AgentConfig
-from agent.collector.gpu import GpuSampler, load_nvml
-from agent.collector.store import read_table
-from agent.schema import SCHEMAS
+from meshscope.agent.collector.agent import Agent, AgentConfig
+from meshscope.agent.collector.gpu import GpuSampler, load_nvml
+from meshscope.agent.collector.store import read_table
+from meshscope.agent.schema import SCHEMAS
 
 
 class FakeClock:
@@ -94,8 +94,8 @@ def test_nvml_absent_is_a_clean_none():
 
 
 def test_agent_exports_and_stores_gpu_samples(tmp_path):
-    from agent.transport.frame import spool_path
-    from agent.transport.writer import SpoolWriter
+    from meshscope.agent.transport.frame import spool_path
+    from meshscope.agent.transport.writer import SpoolWriter
 
     clock = FakeClock()
     w = SpoolWriter(path=spool_path(tmp_path, run="g", rank=0, attempt=0), run="g", rank=0, attempt=0, host="h",

@@ -7,13 +7,13 @@ import json
 import pandas as pd
 import pytest
 
-from agent.collector import parts as partio
-from agent.collector.ingest import IngestConfig, Ingestor
-from agent.collector.state import MetricsState
-from agent.collector.store import list_runs, read_table
-from agent.schema import SCHEMAS
-from agent.transport.frame import spool_path
-from agent.transport.writer import SpoolWriter
+from meshscope.agent.collector import parts as partio
+from meshscope.agent.collector.ingest import IngestConfig, Ingestor
+from meshscope.agent.collector.state import MetricsState
+from meshscope.agent.collector.store import list_runs, read_table
+from meshscope.agent.schema import SCHEMAS
+from meshscope.agent.transport.frame import spool_path
+from meshscope.agent.transport.writer import SpoolWriter
 
 
 class Clock:

@@ -13,12 +13,12 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
-from agent import catalog
-from agent.collector.exposition import MeshscopeCollector
-from agent.collector.state import MetricsState
-from agent.collector.synthetic import ALL_OPS_DIMS, collective_table, run_table
-from agent.schema import SCHEMAS
-from agent.transport.frame import rows_to_batch
+from meshscope.agent import catalog
+from meshscope.agent.collector.exposition import MeshscopeCollector
+from meshscope.agent.collector.state import MetricsState
+from meshscope.testing.spools import ALL_OPS_DIMS, collective_table, run_table
+from meshscope.agent.schema import SCHEMAS
+from meshscope.agent.transport.frame import rows_to_batch
 
 
 def table(kind: str, rows: list[tuple]) -> pa.Table:

@@ -19,11 +19,11 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent import catalog
-from agent.collector.store import read_table
-from agent.collector.synthetic import ALL_OPS_DIMS, write_run
-from agent.transport.frame import spool_path
-from agent.transport.writer import SpoolWriter
+from meshscope.agent import catalog
+from meshscope.agent.collector.store import read_table
+from meshscope.testing.spools import ALL_OPS_DIMS, write_run
+from meshscope.agent.transport.frame import spool_path
+from meshscope.agent.transport.writer import SpoolWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -31,7 +31,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 def start_agent(store: Path, *extra: str) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "meshscope_cli", "agent", "--store", str(store), "--port", "0",
+        [sys.executable, "-m", "meshscope.cli", "agent", "--store", str(store), "--port", "0",
          "--poll-interval", "0.05", "--gpu-interval", "0", *extra],
         cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline()  # "meshscope agent: serving http://127.0.0.1:PORT/metrics, ..."
@@ -142,7 +142,7 @@ def test_exactly_once_across_sigkill(tmp_path):
     finally:
         halt.set()
         feeder.join(timeout=20)
-    done = subprocess.run([sys.executable, "-m", "meshscope_cli", "ingest", "--store", str(tmp_path)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "meshscope.cli", "ingest", "--store", str(tmp_path)], cwd=ROOT,
                           env=ENV, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     df = read_table(tmp_path, "collective", run="kill")

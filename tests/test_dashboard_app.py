@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from dashboard import live
-from dashboard.synthetic import Straggler, SyntheticConfig, write_store
+from meshscope.dashboard import live
+from meshscope.testing.store import Straggler, SyntheticConfig, write_store
 from fake_prometheus import FakePrometheus
 
-APP = Path(__file__).resolve().parent.parent / "streamlit_app.py"
+APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
 PAGES = ["runs", "overview", "pipeline", "communication", "memory", "scaling", "gpu", "live"]
 TIMEOUT = 60  # seconds per script run; a run here takes well under one
 
@@ -29,12 +29,12 @@ def synthetic(tmp_path_factory) -> Path:
 
 
 def _app(monkeypatch, *args: str) -> AppTest:
-    monkeypatch.setattr(sys, "argv", ["streamlit_app.py", *args])  # what `streamlit run ... -- args` passes
+    monkeypatch.setattr(sys, "argv", ["app.py", *args])  # what `streamlit run ... -- args` passes
     return AppTest.from_file(str(APP), default_timeout=TIMEOUT)
 
 
 def _visit(at: AppTest, page: str) -> AppTest:
-    at.switch_page(f"dashboard/app_pages/{page}.py")
+    at.switch_page(f"app_pages/{page}.py")
     return at.run()
 
 
@@ -76,8 +76,8 @@ def test_pages_show_what_they_found(monkeypatch, synthetic):
 def test_every_page_on_a_store_written_by_the_agent(monkeypatch, tmp_path):
     # The agent's own path: rank spools -> `meshscope ingest` -> Parquet parts (its naming, encodings,
     # the run kind without its rank column, nullable columns for CPU memory).
-    from agent.collector.cli import ingest_main
-    from agent.collector.synthetic import write_run
+    from meshscope.agent.collector.cli import ingest_main
+    from meshscope.testing.spools import write_run
 
     write_run(tmp_path, run="agent-run", world_size=8, steps=20, slow_rank=3)
     assert ingest_main(["--store", str(tmp_path)]) == 0

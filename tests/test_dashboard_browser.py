@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dashboard.synthetic import Straggler, SyntheticConfig, write_store
+from meshscope.testing.store import Straggler, SyntheticConfig, write_store
 from fake_prometheus import FakePrometheus, free_port
 
 pytestmark = pytest.mark.browser
@@ -66,7 +66,7 @@ def served(tmp_path_factory):
     port = free_port()
     with FakePrometheus(ranks=4) as prom:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "meshscope_cli", "dashboard", "--store", str(store), "--port", str(port),
+            [sys.executable, "-m", "meshscope.cli", "dashboard", "--store", str(store), "--port", str(port),
              "--prometheus", prom.url, "--refresh", "2"],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         try:

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from dashboard import cli
-from dashboard.config import AppConfig, ConfigError, parse_app_args
+from meshscope.dashboard import cli
+from meshscope.dashboard.config import AppConfig, ConfigError, parse_app_args
 
 
 def test_command_binds_localhost_headless_and_passes_the_store(tmp_path):
     cmd = cli.build_command(["--store", str(tmp_path), "--port", "8600"])
     assert cmd[:5] == [sys.executable, "-m", "streamlit", "run", str(cli.APP)]
-    assert Path(cli.APP).name == "streamlit_app.py" and Path(cli.APP).is_file()
+    assert Path(cli.APP).name == "app.py" and Path(cli.APP).is_file()
     opts = dict(zip(cmd[5:cmd.index("--")][::2], cmd[5:cmd.index("--")][1::2]))
     assert opts["--server.address"] == "127.0.0.1" and opts["--server.port"] == "8600"
     assert opts["--server.headless"] == "true" and opts["--browser.gatherUsageStats"] == "false"
@@ -52,9 +52,9 @@ def test_user_mistakes_give_one_line_and_exit_2(tmp_path, capsys, args, message)
 def test_help_and_the_top_level_dispatcher(capsys):
     assert cli.main(["--help"]) == 0
     assert "--store" in capsys.readouterr().out
-    import meshscope_cli
+    import meshscope.cli
 
-    assert meshscope_cli.COMMANDS["dashboard"][:2] == ("dashboard.cli", "main")
+    assert meshscope.cli.COMMANDS["dashboard"][:2] == ("meshscope.dashboard.cli", "main")
 
 
 def test_app_arguments_are_validated():
@@ -71,7 +71,7 @@ def test_the_app_names_a_missing_second_store_in_one_line(monkeypatch, tmp_path)
     from streamlit.testing.v1 import AppTest
 
     missing = tmp_path / "node-b"
-    monkeypatch.setattr(sys, "argv", ["streamlit_app.py", "--store", str(tmp_path), "--store", str(missing)])
+    monkeypatch.setattr(sys, "argv", ["app.py", "--store", str(tmp_path), "--store", str(missing)])
     at = AppTest.from_file(str(cli.APP), default_timeout=60).run()
     assert not at.exception
     assert [e.value for e in at.sidebar.error] == [f"store directory not found: {missing}"]

@@ -6,9 +6,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dashboard import environment, stragglers
-from dashboard.analysis import bubble_theory
-from dashboard.pipeline_sim import replay, simulate
+from meshscope.dashboard import environment, stragglers
+from meshscope.dashboard.analysis import bubble_theory
+from meshscope.dashboard.pipeline_sim import replay, simulate
 
 
 def _steps(wait_share: dict[int, float], *, n: int = 8, busy: float = 0.5) -> pd.DataFrame:

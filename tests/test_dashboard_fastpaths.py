@@ -10,9 +10,9 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from dashboard import analysis, data, views
-from dashboard.store import Store
-from dashboard.synthetic import Straggler, SyntheticConfig, write_store
+from meshscope.dashboard import analysis, data, views
+from meshscope.dashboard.store import Store
+from meshscope.testing.store import Straggler, SyntheticConfig, write_store
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dashboard import live
+from meshscope.dashboard import live
 from fake_prometheus import FakePrometheus, free_port
 
 
@@ -34,7 +34,7 @@ def test_queries_use_the_metric_mapping():
 
 
 def test_metric_names_and_types_are_the_agents_catalog():
-    from agent import catalog
+    from meshscope.agent import catalog
 
     want = {"step": "gauge", "wall": "counter", "phase": "counter", "mfu": "gauge", "steps": "counter",
             "last_record": "gauge", "world_size": "gauge", "events": "counter"}
@@ -172,7 +172,7 @@ def test_live_page_over_a_real_job_shows_series_then_its_end(tmp_path, monkeypat
     store = tmp_path / "store"
     store.mkdir()
     agent_port = free_port()
-    agent = subprocess.Popen([sys.executable, "-m", "meshscope_cli", "agent", "--store", str(store), "--port",
+    agent = subprocess.Popen([sys.executable, "-m", "meshscope.cli", "agent", "--store", str(store), "--port",
                               str(agent_port), "--poll-interval", "0.2", "--gpu-interval", "0", "--part-age", "1"], cwd=ROOT,
                              env=trainer_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     prom, prom_port = _prometheus(tmp_path, agent_port)
@@ -204,7 +204,7 @@ def test_live_page_over_a_real_job_shows_series_then_its_end(tmp_path, monkeypat
             assert sorted(part["rank"].unique()) == [0, 1], (series, hist)
         steps = hist[hist["series"] == "steps_per_s"]
         # While the job ran, the step rate is what its step records say: 1 / the median step time.
-        from agent.collector.store import read_table
+        from meshscope.agent.collector.store import read_table
 
         truth = 1 / float(read_table(store, "step", run="live-job")["wall_s"].median())
         running = steps[steps["value"] > 0].groupby("rank")["value"].median()
@@ -216,10 +216,10 @@ def test_live_page_over_a_real_job_shows_series_then_its_end(tmp_path, monkeypat
         deadline = time.monotonic() + 20  # the agent's parts (written within its 1 s part age): the sidebar's run
         while not (store / "tables" / "step" / "run=live-job").is_dir() and time.monotonic() < deadline:
             time.sleep(0.3)
-        monkeypatch.setattr(sys, "argv", ["streamlit_app.py", "--store", str(store), "--prometheus",
+        monkeypatch.setattr(sys, "argv", ["app.py", "--store", str(store), "--prometheus",
                                           f"http://127.0.0.1:{prom_port}"])
-        at = AppTest.from_file(str(ROOT / "streamlit_app.py"), default_timeout=60).run()
-        at.switch_page("dashboard/app_pages/live.py")
+        at = AppTest.from_file(str(ROOT / "dashboard" / "app.py"), default_timeout=60).run()
+        at.switch_page("app_pages/live.py")
         at.run()
         assert not at.exception
         assert at.selectbox(key="live.run.live-job").value == "live-job"  # the sidebar's run

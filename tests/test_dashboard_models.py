@@ -8,8 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dashboard.memory_model import ModelSpec, memory_model, spec_from_meta
-from dashboard.scaling import amdahl_fit, scaling_table
+from meshscope.dashboard.memory_model import ModelSpec, memory_model, spec_from_meta
+from meshscope.dashboard.scaling import amdahl_fit, scaling_table
 
 N = 1e9
 

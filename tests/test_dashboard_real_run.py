@@ -12,7 +12,7 @@ from streamlit.testing.v1 import AppTest
 from tests.test_telemetry_e2e import run_job
 
 pytestmark = pytest.mark.gloo
-APP = Path(__file__).resolve().parent.parent / "streamlit_app.py"
+APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
 PAGES = ["runs", "overview", "pipeline", "communication", "memory", "scaling", "gpu", "live"]
 
 
@@ -25,13 +25,13 @@ def real_store(tmp_path_factory) -> Path:
 
 
 def test_every_page_on_a_real_training_store(monkeypatch, real_store):
-    monkeypatch.setattr(sys, "argv", ["streamlit_app.py", "--store", str(real_store)])
+    monkeypatch.setattr(sys, "argv", ["app.py", "--store", str(real_store)])
     at = AppTest.from_file(str(APP), default_timeout=60).run()
     assert not at.exception
     assert at.sidebar.selectbox[0].value == "pp-real"  # the newest run is the focus
     charts = {}
     for page in PAGES:
-        at.switch_page(f"dashboard/app_pages/{page}.py")
+        at.switch_page(f"app_pages/{page}.py")
         at.run()
         assert not at.exception, (page, at.exception)
         assert not at.error, (page, [e.value for e in at.error])

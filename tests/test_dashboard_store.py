@@ -13,10 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from agent.schema import SCHEMAS
-from dashboard import analysis, data
-from dashboard.store import SKIPPED, Store, StoreError
-from dashboard.synthetic import Straggler, SyntheticConfig, write_store
+from meshscope.agent.schema import SCHEMAS
+from meshscope.dashboard import analysis, data
+from meshscope.dashboard.store import SKIPPED, Store, StoreError
+from meshscope.testing.store import Straggler, SyntheticConfig, write_store
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dashboard import stragglers as S
+from meshscope.dashboard import stragglers as S
 
 
 def _steps(compute: list[list[float]], exposed: list[list[float]] | None = None,

@@ -9,11 +9,11 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from agent.collector.store import stored_schema
-from agent.schema import SCHEMAS
-from dashboard import analysis
-from dashboard.pipeline_sim import simulate
-from dashboard.synthetic import Straggler, SyntheticConfig, main, write_store
+from meshscope.agent.collector.store import stored_schema
+from meshscope.agent.schema import SCHEMAS
+from meshscope.dashboard import analysis
+from meshscope.dashboard.pipeline_sim import simulate
+from meshscope.testing.store import Straggler, SyntheticConfig, main, write_store
 
 
 # --------------------------------------------------------------------------------- pipeline_sim

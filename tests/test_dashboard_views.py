@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dashboard import data, views
-from dashboard.store import Store
-from dashboard.synthetic import Straggler, SyntheticConfig, write_store
+from meshscope.dashboard import data, views
+from meshscope.dashboard.store import Store
+from meshscope.testing.store import Straggler, SyntheticConfig, write_store
 
 
 def _load(root, **runs) -> tuple[Store, views.Loader]:

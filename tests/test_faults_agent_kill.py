@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from agent.collector.store import read_table
-from tests.workers.faults_harness import (
+from meshscope.agent.collector.store import read_table
+from meshscope.testing.harness import (
     AgentProcess, Job, committed_bytes, compare_store_to_truth, poll_until, private_dir, spool_truth,
 )
 
@@ -28,7 +28,7 @@ AGENT_ARGS = ("--part-age", "0", "--part-bytes", "16000")
 
 @pytest.fixture
 def tmp_path():
-    """Not pytest's (concurrent sessions on this machine clean each other's): see faults_harness.private_dir."""
+    """Not pytest's (concurrent sessions on this machine clean each other's): see harness.private_dir."""
     with private_dir() as d:
         yield d
 

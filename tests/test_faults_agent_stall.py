@@ -29,8 +29,8 @@ import pandas as pd
 import psutil
 import pytest
 
-from agent.collector.store import read_table
-from tests.workers.faults_harness import (
+from meshscope.agent.collector.store import read_table
+from meshscope.testing.harness import (
     AgentProcess, Job, compare_store_to_truth, poll_until, private_dir, spool_sizes_of, spool_truth,
 )
 
@@ -44,7 +44,7 @@ LAG_BOUND_S = 0.25 + 0.5 + 1.0 + 1.0
 
 @pytest.fixture
 def tmp_path():
-    """Not pytest's (concurrent sessions on this machine clean each other's): see faults_harness.private_dir."""
+    """Not pytest's (concurrent sessions on this machine clean each other's): see harness.private_dir."""
     with private_dir() as d:
         yield d
 

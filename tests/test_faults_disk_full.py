@@ -39,10 +39,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agent.collector.store import read_table
-from agent.transport.frame import REJECT_REASONS
-from agent.transport.writer import DEFAULT_MAX_HOLD_BYTES, SpoolWriter
-from tests.workers.faults_harness import (
+from meshscope.agent.collector.store import read_table
+from meshscope.agent.transport.frame import REJECT_REASONS
+from meshscope.agent.transport.writer import DEFAULT_MAX_HOLD_BYTES, SpoolWriter
+from meshscope.testing.harness import (
     AgentProcess, Job, compare_store_to_truth, poll_until, private_dir, spool_sizes_of, spool_truth,
 )
 
@@ -54,7 +54,7 @@ TMPFS_BYTES = 16 * 2**20
 
 @pytest.fixture
 def tmp_path():
-    """Not pytest's (concurrent sessions on this machine clean each other's): see faults_harness.private_dir."""
+    """Not pytest's (concurrent sessions on this machine clean each other's): see harness.private_dir."""
     with private_dir() as d:
         yield d
 

@@ -38,18 +38,18 @@ from prometheus_client import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.registry import CollectorRegistry
 
-from agent.collector.exposition import MeshscopeCollector
-from agent.collector.ingest import Ingestor
-from agent.collector.state import MetricsState
-from agent.collector.store import read_table
-from agent.instrument.recorder import AnchoredClock
-from agent.schema import SCHEMAS
-from agent.transport.frame import (
+from meshscope.agent.collector.exposition import MeshscopeCollector
+from meshscope.agent.collector.ingest import Ingestor
+from meshscope.agent.collector.state import MetricsState
+from meshscope.agent.collector.store import read_table
+from meshscope.agent.instrument.recorder import AnchoredClock
+from meshscope.agent.schema import SCHEMAS
+from meshscope.agent.transport.frame import (
     FORMAT_VERSION, FRAME_HEADER_SIZE, HEADER, KIND_CODES, MAGIC, MAX_PAYLOAD, REJECT_REASONS, encode_batch,
     encode_data_frame, encode_file_header, encode_frame, rows_to_batch,
 )
-from agent.transport.reader import SpoolReader
-from tests.workers.faults_harness import AgentProcess, poll_until, private_dir
+from meshscope.agent.transport.reader import SpoolReader
+from meshscope.testing.harness import AgentProcess, poll_until, private_dir
 
 RUN = "fz"
 FAST = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
@@ -58,7 +58,7 @@ FAST = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCh
 
 @pytest.fixture
 def tmp_path():
-    """Not pytest's (concurrent sessions on this machine clean each other's): see faults_harness.private_dir."""
+    """Not pytest's (concurrent sessions on this machine clean each other's): see harness.private_dir."""
     with private_dir() as d:
         yield d
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from agent.collector.store import read_table
-from tests.workers.faults_harness import (
+from meshscope.agent.collector.store import read_table
+from meshscope.testing.harness import (
     AgentProcess, Job, Metrics, compare_store_to_truth, newest_attempt, poll_until, private_dir, spool_files,
     spool_truth,
 )
@@ -135,7 +135,7 @@ def test_report_and_overview_name_the_crash_not_the_peers_aborts(crashed, monkey
 
     from streamlit.testing.v1 import AppTest
 
-    from dashboard import report
+    from meshscope.dashboard import report
 
     o = crashed
     events = read_table(o.store, "event", run=o.run)
@@ -144,9 +144,9 @@ def test_report_and_overview_name_the_crash_not_the_peers_aborts(crashed, monkey
     key = rep["events"]["key_event"]
     assert (key["kind"], key["rank"], key["step"]) == ("crash", CRASH_RANK, CRASH_STEP), json.dumps(rep["events"])
 
-    monkeypatch.setattr(sys, "argv", ["streamlit_app.py", "--store", str(o.store)])
-    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "streamlit_app.py"), default_timeout=60).run()
-    at.switch_page("dashboard/app_pages/overview.py")
+    monkeypatch.setattr(sys, "argv", ["app.py", "--store", str(o.store)])
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py"), default_timeout=60).run()
+    at.switch_page("app_pages/overview.py")
     at.run()
     assert not at.exception
     banner = " ".join(w.value for w in at.warning if "This run had failures" in w.value)
@@ -205,7 +205,7 @@ def test_restart_shows_in_the_timeline_and_the_store_keeps_both_attempts(restart
 
 
 def test_restart_newest_attempt_rule_counts_each_step_once(restarted):
-    """The store has no attempt column; the rule of ``faults_harness.newest_attempt`` (as-of join of step
+    """The store has no attempt column; the rule of ``harness.newest_attempt`` (as-of join of step
     records to the rank's ``run`` records, newest attempt per (rank, step)) recovers one record per step."""
     o = restarted
     step = read_table(o.store, "step", run=o.run)
@@ -223,8 +223,8 @@ def test_restart_newest_attempt_rule_counts_each_step_once(restarted):
 
 
 def test_restart_dashboard_does_not_double_count_reexecuted_steps(restarted):
-    from dashboard import data
-    from dashboard.store import Store
+    from meshscope.dashboard import data
+    from meshscope.dashboard.store import Store
 
     o = restarted
     store = Store.open(o.store)

@@ -19,8 +19,8 @@ import time
 
 import pytest
 
-from agent.collector.store import read_table
-from tests.workers.faults_harness import AgentProcess, Job, poll_until, private_dir
+from meshscope.agent.collector.store import read_table
+from meshscope.testing.harness import AgentProcess, Job, poll_until, private_dir
 
 pytestmark = pytest.mark.gloo
 

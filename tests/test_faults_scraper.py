@@ -29,16 +29,16 @@ import pytest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import CollectorRegistry
 
-from agent.collector.server import WebConfig, serve_metrics
-from agent.collector.store import read_table
-from tests.workers.faults_harness import (
+from meshscope.agent.collector.server import WebConfig, serve_metrics
+from meshscope.agent.collector.store import read_table
+from meshscope.testing.harness import (
     AgentProcess, Job, compare_store_to_truth, poll_until, private_dir, self_signed, spool_truth,
 )
 
 
 @pytest.fixture
 def tmp_path():
-    """Not pytest's (concurrent sessions on this machine clean each other's): see faults_harness.private_dir."""
+    """Not pytest's (concurrent sessions on this machine clean each other's): see harness.private_dir."""
     with private_dir() as d:
         yield d
 

@@ -36,9 +36,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.collector.cli import agent_main
-from agent.security import Credentials, hash_password, promql_label_value, promql_regex_value, verify_password
-from tests.workers.faults_harness import (
+from meshscope.agent.collector.cli import agent_main
+from meshscope.agent.security import Credentials, hash_password, promql_label_value, promql_regex_value, verify_password
+from meshscope.testing.harness import (
     ROOT, AgentProcess, env, parse_metrics, poll_until, private_dir, self_signed,
 )
 
@@ -47,7 +47,7 @@ USER, PASSWORD = "prometheus", "s3cret:with colon ü"
 
 @pytest.fixture
 def tmp_path():
-    """Not pytest's (concurrent sessions on this machine clean each other's): see faults_harness.private_dir."""
+    """Not pytest's (concurrent sessions on this machine clean each other's): see harness.private_dir."""
     with private_dir() as d:
         yield d
 
@@ -102,7 +102,7 @@ def test_agent_binds_localhost_by_default(tmp_path):
 
 def test_dashboard_binds_localhost_by_default(tmp_path):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "meshscope_cli", "dashboard", "--store", str(tmp_path),
+    proc = subprocess.Popen([sys.executable, "-m", "meshscope.cli", "dashboard", "--store", str(tmp_path),
                              "--port", str(port)], cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -266,7 +266,7 @@ def test_basic_auth_without_tls_warns(tmp_path):
 
 
 def test_hash_password_cli_and_verification(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "agent.security", "hash-password", "--rounds", "2000"],
+    out = subprocess.run([sys.executable, "-m", "meshscope.agent.security", "hash-password", "--rounds", "2000"],
                          input="correct horse\n", capture_output=True, text=True, cwd=ROOT, env=env(), timeout=60)
     assert out.returncode == 0, out.stderr
     hashed = out.stdout.strip()
@@ -281,7 +281,7 @@ def test_hash_password_cli_and_verification(tmp_path):
 # --------------------------------------------------------------------------- dashboard file confinement
 
 def _part(directory: Path, step: int) -> Path:
-    from agent.collector.store import stored_schema
+    from meshscope.agent.collector.store import stored_schema
 
     directory.mkdir(parents=True, exist_ok=True)
     schema = stored_schema("step")
@@ -308,8 +308,8 @@ def planted(tmp_path):
 
 
 def test_dashboard_store_access_stays_under_the_root(planted):
-    from dashboard import data
-    from dashboard.store import Store
+    from meshscope.dashboard import data
+    from meshscope.dashboard.store import Store
 
     root, outside, real = planted
     store = Store.open(root)
@@ -329,7 +329,7 @@ def test_dashboard_store_access_stays_under_the_root(planted):
 
 
 def test_dashboard_ignores_a_symlinked_tables_directory(tmp_path):
-    from dashboard.store import Store
+    from meshscope.dashboard.store import Store
 
     root, outside = tmp_path / "store", tmp_path / "outside"
     _part(outside / "tables" / "step" / "run=secret" / "rank=0", 666)

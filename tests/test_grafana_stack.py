@@ -12,7 +12,7 @@ import sys
 import pytest
 import yaml
 
-from agent import stack
+from meshscope.agent import stack
 
 HAVE_SERVERS = not stack.missing_binaries()[1]
 
@@ -92,4 +92,4 @@ def test_rendered_configs_are_valid_and_point_at_the_agents(tmp_path):
     assert "--enable-feature=exemplar-storage" in commands["prometheus"]
     assert f"--web.listen-address=127.0.0.1:{p.prometheus_port}" in commands["prometheus"]
     assert "--cluster.listen-address=" in commands["alertmanager"]
-    assert commands["agent"][:3] == [sys.executable, "-m", "agent.collector.cli"]
+    assert commands["agent"][:3] == [sys.executable, "-m", "meshscope.agent.collector.cli"]

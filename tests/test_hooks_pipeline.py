@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
-from agent.instrument.pipeline import PipelineTracer
-from agent.instrument.recorder import ListRecorder
+from meshscope.agent.instrument.pipeline import PipelineTracer
+from meshscope.agent.instrument.recorder import ListRecorder
 
 
 class FakeClock:

@@ -8,11 +8,11 @@ import types
 
 import pytest
 
-from agent.instrument.collectives import CollectiveTracer
-from agent.instrument.comm_ddp import split_window
-from agent.instrument.comm_nccl import CudaCommTimer, _CudaOp
-from agent.instrument.meshinfo import GroupInfo, MeshInfo
-from agent.instrument.recorder import ListRecorder
+from meshscope.agent.instrument.collectives import CollectiveTracer
+from meshscope.agent.instrument.comm_ddp import split_window
+from meshscope.agent.instrument.comm_nccl import CudaCommTimer, _CudaOp
+from meshscope.agent.instrument.meshinfo import GroupInfo, MeshInfo
+from meshscope.agent.instrument.recorder import ListRecorder
 
 
 class FixedMesh(MeshInfo):

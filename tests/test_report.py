@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from dashboard import report, views
-from dashboard.store import Store
-from dashboard.synthetic import Straggler, SyntheticConfig, write_store
+from meshscope.dashboard import report, views
+from meshscope.dashboard.store import Store
+from meshscope.testing.store import Straggler, SyntheticConfig, write_store
 from tests.conftest import ROOT
 
 
@@ -42,7 +42,7 @@ def test_report_is_what_the_pages_compute(store):
 
 def test_cli_json_and_one_line_errors(store):
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "meshscope_cli", "report", *args], cwd=ROOT,
+        return subprocess.run([sys.executable, "-m", "meshscope.cli", "report", *args], cwd=ROOT,
                               capture_output=True, text=True, timeout=120)
 
     ok = cli("--store", str(store), "--run", "slow", "--json", "--steps", "3:11")

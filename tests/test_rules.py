@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agent.catalog import sample_names
+from meshscope.agent.catalog import sample_names
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ROOT / "grafana" / "tools"
@@ -200,7 +200,7 @@ def test_rulegen_check_cli():
 def test_the_straggler_alert_uses_the_overviews_threshold(source):
     """One rule for the user: MeshscopeStragglerRank fires at the relative margin the Overview and
     `meshscope report` flag a rank at (dashboard.stragglers), against its peers (with two ranks, the other)."""
-    from dashboard import stragglers
+    from meshscope.dashboard import stragglers
 
     params = rulegen.params_for(source, "default")
     assert float(params["straggler_ratio"]) == pytest.approx(1 + stragglers.STRAGGLER_REL)

@@ -26,9 +26,9 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from agent import stack
-from dashboard import data, views
-from dashboard.store import Store
+from meshscope.agent import stack
+from meshscope.dashboard import data, views
+from meshscope.dashboard.store import Store
 from tests.conftest import ROOT, trainer_env
 
 pytestmark = [
@@ -82,7 +82,7 @@ def _start_node(tmp: Path, *, node: int, master_port: int, store: Path) -> subpr
     """One node's torchrun (its own process group: ending it ends its rank too)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
            "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(master_port),
-           "-m", "trainer.train", *TRAIN, "--store", str(store)]
+           "-m", "meshscope.trainer.train", *TRAIN, "--store", str(store)]
     with open(tmp / f"node{node}.log", "w") as log:
         return _popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -90,7 +90,7 @@ def _start_node(tmp: Path, *, node: int, master_port: int, store: Path) -> subpr
 def _start_agent(store: Path) -> tuple[subprocess.Popen, Lines]:
     # --part-age 1: the store trails /metrics by about a second, so the dashboard check does not wait
     # for the default 30 s flush.
-    cmd = [sys.executable, "-m", "meshscope_cli", "agent", "--store", str(store), "--port", "0",
+    cmd = [sys.executable, "-m", "meshscope.cli", "agent", "--store", str(store), "--port", "0",
            "--poll-interval", "0.5", "--gpu-interval", "0", "--part-age", "1"]
     proc = _popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc, Lines(proc)
@@ -145,7 +145,7 @@ def job(tmp_path_factory):
             assert proc.poll() is None, logs()
             ports.append(int(line.group(1)))
         prom_port = _free_port()
-        stack_proc = _popen([sys.executable, "-m", "meshscope_cli", "stack",
+        stack_proc = _popen([sys.executable, "-m", "meshscope.cli", "stack",
                              *[arg for p in ports for arg in ("--agent", f"127.0.0.1:{p}")],
                              "--prometheus-port", str(prom_port), "--alertmanager-port", str(_free_port()),
                              "--dir", str(tmp / "stack"), "--interval", "1s"],
@@ -234,14 +234,14 @@ def test_the_overview_page_over_both_stores(job, monkeypatch):
     from streamlit.testing.v1 import AppTest
 
     a, b = job.stores
-    monkeypatch.setattr(sys, "argv", ["streamlit_app.py", "--store", str(a), "--store", str(b)])
-    at = AppTest.from_file(str(ROOT / "streamlit_app.py"), default_timeout=60).run()
+    monkeypatch.setattr(sys, "argv", ["app.py", "--store", str(a), "--store", str(b)])
+    at = AppTest.from_file(str(ROOT / "dashboard" / "app.py"), default_timeout=60).run()
     assert not at.exception and not at.error
     caption = " ".join(str(c.value) for c in at.sidebar.caption)
     assert str(a.resolve()) in caption and str(b.resolve()) in caption
     runs = at.dataframe[0].value.set_index("run")
     assert runs.loc[RUN, "ranks with steps"] == 2 and runs.loc[RUN, "status"] == "ok"
-    at.switch_page("dashboard/app_pages/overview.py")
+    at.switch_page("app_pages/overview.py")
     at.run()
     assert not at.exception and not at.error, [str(e.value) for e in at.error]
     assert len(at.get("plotly_chart")) >= 4  # throughput, MFU, loss, per-rank breakdown, ...

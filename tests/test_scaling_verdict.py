@@ -7,12 +7,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from agent.collector.store import read_table
-from dashboard import views
-from dashboard.scaling import MIN_FIT_SIZES, amdahl_fits, no_family_reason, run_throughput, scaling_table
-from dashboard.store import Store
-from dashboard.synthetic import SyntheticConfig, write_store
-from trainer import sweep
+from meshscope.agent.collector.store import read_table
+from meshscope.dashboard import views
+from meshscope.dashboard.scaling import MIN_FIT_SIZES, amdahl_fits, no_family_reason, run_throughput, scaling_table
+from meshscope.dashboard.store import Store
+from meshscope.testing.store import SyntheticConfig, write_store
+from meshscope.trainer import sweep
 
 
 def _runs(rows: list[tuple]) -> pd.DataFrame:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from agent.collector.store import read_table
+from meshscope.agent.collector.store import read_table
 from tests.conftest import ROOT, trainer_env
 
 pytestmark = pytest.mark.gloo
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gloo
 
 def test_smallest_sweep_records_strong_and_weak_scaling(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "meshscope_cli", "sweep", "--store", str(tmp_path), "--world-sizes", "1,2",
+        [sys.executable, "-m", "meshscope.cli", "sweep", "--store", str(tmp_path), "--world-sizes", "1,2",
          "--strategies", "ddp", "--scaling", "strong,weak", "--steps", "5", "--name", "s"],
         cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
@@ -32,8 +32,8 @@ def test_smallest_sweep_records_strong_and_weak_scaling(tmp_path):
     assert len(step) == sum(5 * w for w, _ in names.values())
 
     # The Scaling page's view over this store.
-    from dashboard import views
-    from dashboard.store import Store
+    from meshscope.dashboard import views
+    from meshscope.dashboard.store import Store
 
     view = views.scaling(views.direct_loader(Store.open(tmp_path)), selected=list(names), focus=None)
     per_run = view.per_run.set_index("run")
@@ -71,7 +71,7 @@ def test_smallest_sweep_records_strong_and_weak_scaling(tmp_path):
 
 
 def test_sweep_bad_input_is_one_line():
-    proc = subprocess.run([sys.executable, "-m", "meshscope_cli", "sweep", "--store", "x", "--strategies", "zz"],
+    proc = subprocess.run([sys.executable, "-m", "meshscope.cli", "sweep", "--store", "x", "--strategies", "zz"],
                           cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == "meshscope sweep: error: unknown strategy 'zz' (choose from ddp, fsdp, tp, pp, fsdp-tp)"

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from agent.instrument.telemetry import NullTelemetry, Telemetry, TelemetryConfig
-from agent.schema import SCHEMAS
+from meshscope.agent.instrument.telemetry import NullTelemetry, Telemetry, TelemetryConfig
+from meshscope.agent.schema import SCHEMAS
 
 
 class MemoryWriter:
@@ -148,7 +148,7 @@ def test_sigterm_during_close_is_held_until_the_records_are_written():
     import os
     import signal
 
-    from trainer.train import _sigterm_deferred
+    from meshscope.trainer.train import _sigterm_deferred
 
     class SlowWriter(MemoryWriter):
         def close(self, timeout_s: float = 5.0) -> None:  # the signal lands in the middle of close
@@ -178,7 +178,7 @@ def test_tensor_census_counts_parameters_gradients_and_optimizer_state_once():
     that leaves state (found through torch's global hook, no reference to the optimizer needed), once."""
     import torch
 
-    from agent.instrument.memory import NOT_MEASURED, TensorCensus
+    from meshscope.agent.instrument.memory import NOT_MEASURED, TensorCensus
 
     errors = []
     census = TensorCensus(on_error=lambda where, exc: errors.append((where, exc)))

@@ -16,8 +16,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent import catalog
-from agent.collector.store import read_table
+from meshscope.agent import catalog
+from meshscope.agent.collector.store import read_table
 from tests.conftest import ROOT, torchrun, trainer_env
 
 pytestmark = pytest.mark.gloo
@@ -41,7 +41,7 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 
 def ingest(store) -> None:
-    subprocess.run([sys.executable, "-m", "meshscope_cli", "ingest", "--store", str(store)], cwd=ROOT,
+    subprocess.run([sys.executable, "-m", "meshscope.cli", "ingest", "--store", str(store)], cwd=ROOT,
                    env=trainer_env(), check=True, capture_output=True, timeout=120)
 
 
@@ -144,9 +144,9 @@ def _bubble(tmp_path, run: str, *args: str, schedule: str, p: int, m: int, v: in
     time (``pipeline_sim.replay``), an independent model of what the schedule makes the stages wait; and
     whether the run had a core per rank (``contended``: the product's CPU-contention warning, from the
     run-queue delay)."""
-    from dashboard import environment
-    from dashboard.analysis import measured_bubble
-    from dashboard.pipeline_sim import replay
+    from meshscope.dashboard import environment
+    from meshscope.dashboard.analysis import measured_bubble
+    from meshscope.dashboard.pipeline_sim import replay
 
     # tiny-wide's blocks dominate its embedding and head (balanced stages), and 8-sequence microbatches
     # (~120 ms forward) keep each P2P hop's fixed cost (~1 ms on gloo loopback) small against compute.
@@ -220,8 +220,8 @@ def test_zero_bubble_is_reported_against_the_theory_of_its_own_order(tmp_path):
     spans) replayed with balanced stages, F = I = W and free transfers. The page and report show that
     number, it is below interleaved 1F1B's closed form (the split weight gradients fill the drain), and the
     measured schedule share is what the replay of the measured op times implies."""
-    from dashboard import views
-    from dashboard.store import Store
+    from meshscope.dashboard import views
+    from meshscope.dashboard.store import Store
 
     p, m, v = 2, 4, 2
     frac, contended = _bubble(tmp_path, "zb", "--schedule", "interleaved-zb", "--microbatches", str(m),
@@ -243,7 +243,7 @@ def test_zero_bubble_is_reported_against_the_theory_of_its_own_order(tmp_path):
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (make install-servers)")
 def test_metrics_of_a_running_job_pass_promtool_and_stay_in_budget(tmp_path):
     agent = subprocess.Popen(
-        [sys.executable, "-m", "meshscope_cli", "agent", "--store", str(tmp_path), "--port", "0",
+        [sys.executable, "-m", "meshscope.cli", "agent", "--store", str(tmp_path), "--port", "0",
          "--poll-interval", "0.2", "--gpu-interval", "0"],
         cwd=ROOT, env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -252,7 +252,7 @@ def test_metrics_of_a_running_job_pass_promtool_and_stay_in_budget(tmp_path):
         port = int(line.split("127.0.0.1:")[1].split("/")[0])
         job = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-             "trainer.train", "--steps", "400", "--log-every", "50", "--tp", "2", "--store", str(tmp_path),
+             "meshscope.trainer.train", "--steps", "400", "--log-every", "50", "--tp", "2", "--store", str(tmp_path),
              "--run-name", "live"], cwd=ROOT, env=trainer_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             start_new_session=True)  # its own process group: killing it must take the ranks too
         try:
@@ -298,8 +298,8 @@ CONTENDED_WAKEUP_S = 1e-3  # the same when ranks wait for a CPU (the page warns 
 def test_clean_runs_flag_no_straggler(profiled_run):
     """No injected delay, every strategy: the Overview's verdict names nobody (PP ranks are each alone in
     their stage: no peers, no verdict; the rule must not mistake the last stage's head for a straggler)."""
-    from dashboard import views
-    from dashboard.store import Store
+    from meshscope.dashboard import views
+    from meshscope.dashboard.store import Store
 
     strategy, store, _, _ = profiled_run
     ov = views.overview(views.direct_loader(Store.open(store)), run="r", runs=["r"], steps=None)
@@ -318,8 +318,8 @@ def test_memory_model_states_match_the_tensors(profiled_run):
     """The Memory page's comparison, every strategy: the analytic parameters, gradients and optimizer state
     per device against the bytes of each rank's own tensors (AdamW in fp32: 4 + 4 + 8 B per parameter,
     divided as the strategy shards them) agree within 1 %, and the page draws it."""
-    from dashboard import views
-    from dashboard.store import Store
+    from meshscope.dashboard import views
+    from meshscope.dashboard.store import Store
 
     strategy, store, _, _ = profiled_run
     view = views.memory(views.direct_loader(Store.open(store)), run="r", steps=None)
@@ -343,7 +343,7 @@ def test_collective_time_per_op_agrees_with_the_profiler(profiled_run):
     the telemetry's Σ(issue → observed completion) against the profiler's: c10d issue event start → gloo
     range end for hooks, FSDP comms and ``torch.distributed`` calls, ``_c10d_functional::<op>`` start →
     ``wait_tensor`` end for TP's functional collectives (``profiler_op_refs`` in
-    tests/workers/hooks_common.py says why). The median of the 8 profiled steps must agree within 10 %.
+    meshscope/testing/profiler.py says why). The median of the 8 profiled steps must agree within 10 %.
 
     The median, not every step: the profiler's gloo range ends on gloo's worker thread after it has woken
     the waiting training thread, and on a 2-core machine running 2 ranks the OS often runs the woken thread
@@ -355,10 +355,10 @@ def test_collective_time_per_op_agrees_with_the_profiler(profiled_run):
     call's completion is the return of its wait, so the waiting thread's wake-up is in it. That costs
     12-62 us per op on a quiet 2-core machine (PP's ~1.4 ms all-reduces: ratio 1.03-1.05), and ~0.15 ms
     in a fresh-clone `make test` run (1.10, the strict 10 % failed there)."""
-    from tests.workers.hooks_common import OP_TO_GLOO, chrome_trace_events, profiler_op_refs, tracer_op_refs
+    from meshscope.testing.profiler import OP_TO_GLOO, chrome_trace_events, profiler_op_refs, tracer_op_refs
 
-    from dashboard import views
-    from dashboard.store import Store
+    from meshscope.dashboard import views
+    from meshscope.dashboard.store import Store
 
     strategy, tmp_path, _, _ = profiled_run
     first, last = PROFILED

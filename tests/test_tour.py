@@ -26,7 +26,7 @@ pytestmark = pytest.mark.gloo
 
 def _meshscope(argv: list[str], cwd) -> subprocess.CompletedProcess:
     assert argv[0] == "meshscope", argv
-    return subprocess.run([sys.executable, "-m", "meshscope_cli", *argv[1:]], cwd=cwd, env=trainer_env(),
+    return subprocess.run([sys.executable, "-m", "meshscope.cli", *argv[1:]], cwd=cwd, env=trainer_env(),
                           capture_output=True, text=True, timeout=300)
 
 
@@ -46,8 +46,8 @@ def test_the_tour_ends_on_charts(tmp_path):
     assert rep["breakdown"]["mean_over_ranks"]["compute_s"] > 0 and rep["tokens_per_s"] > 0
     assert rep["warmup_steps_excluded"] >= 1  # the run's first step at least
 
-    from dashboard import views
-    from dashboard.store import Store
+    from meshscope.dashboard import views
+    from meshscope.dashboard.store import Store
 
     ov = views.overview(views.direct_loader(Store.open(tmp_path / "runs")), run=run, runs=[run], steps=None)
     for name in ("tokens", "mfu", "loss", "breakdown", "heatmap", "cost"):
@@ -63,7 +63,7 @@ def _overview_in_the_browser(argv: list[str], *, cwd, run: str) -> None:
     from playwright.sync_api import sync_playwright
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "meshscope_cli", *argv[1:], "--port", str(port)], cwd=cwd,
+    proc = subprocess.Popen([sys.executable, "-m", "meshscope.cli", *argv[1:], "--port", str(port)], cwd=cwd,
                             env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:

@@ -7,11 +7,11 @@ from collections import defaultdict
 
 import pytest
 
-from agent.collector.ingest import Ingestor
-from agent.collector.state import MetricsState
-from agent.trace import main, parse_steps
-from agent.transport.frame import spool_path
-from agent.transport.writer import SpoolWriter
+from meshscope.agent.collector.ingest import Ingestor
+from meshscope.agent.collector.state import MetricsState
+from meshscope.agent.trace import main, parse_steps
+from meshscope.agent.transport.frame import spool_path
+from meshscope.agent.transport.writer import SpoolWriter
 
 
 class Clock:

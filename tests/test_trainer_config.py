@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from tests.conftest import ROOT, trainer_env
-from trainer import config
-from trainer.config import ConfigError
+from meshscope.trainer import config
+from meshscope.trainer.config import ConfigError
 
 
 def resolve(argv: list[str], world: int):
@@ -72,20 +72,20 @@ def test_resolved_strategy_names():
 @pytest.mark.parametrize(
     ("cmd", "message"),
     [
-        ([sys.executable, "-m", "trainer.train", "--tp", "3"], "tp=3 does not divide n_heads=4"),
-        ([sys.executable, "-m", "trainer.train", "--schedule", "zigzag"], "unknown schedule 'zigzag'"),
-        ([sys.executable, "-m", "meshscope_cli", "train", "--nproc", "4", "--dp", "3"],
+        ([sys.executable, "-m", "meshscope.trainer.train", "--tp", "3"], "tp=3 does not divide n_heads=4"),
+        ([sys.executable, "-m", "meshscope.trainer.train", "--schedule", "zigzag"], "unknown schedule 'zigzag'"),
+        ([sys.executable, "-m", "meshscope.cli", "train", "--nproc", "4", "--dp", "3"],
          "dp*tp*pp = 3*1*1 = 3 but the world size is 4"),
-        ([sys.executable, "-m", "meshscope_cli", "train", "--nproc", "0"], "--nproc=0 must be >= 1"),
-        ([sys.executable, "-m", "meshscope_cli", "train", "--nnodes", "2", "--store", "s"],
+        ([sys.executable, "-m", "meshscope.cli", "train", "--nproc", "0"], "--nproc=0 must be >= 1"),
+        ([sys.executable, "-m", "meshscope.cli", "train", "--nnodes", "2", "--store", "s"],
          "--run NAME is required with --store when --nnodes > 1"),
-        ([sys.executable, "-m", "meshscope_cli", "train", "--config", "missing.toml"],
+        ([sys.executable, "-m", "meshscope.cli", "train", "--config", "missing.toml"],
          "config file 'missing.toml' does not exist"),
         # The contract's one run-name rule, before any rank starts (the trainer's own check let it through
         # and every rank died in the spool writer).
-        ([sys.executable, "-m", "meshscope_cli", "train", "--nproc", "2", "--steps", "2", "--run", "run-ü",
+        ([sys.executable, "-m", "meshscope.cli", "train", "--nproc", "2", "--steps", "2", "--run", "run-ü",
           "--store", "never-created"], "run name 'run-ü' is not usable as a directory name: use 1-128 letters"),
-        ([sys.executable, "-m", "meshscope_cli", "sweep", "--store", "never-created", "--name", "run-ü"],
+        ([sys.executable, "-m", "meshscope.cli", "sweep", "--store", "never-created", "--name", "run-ü"],
          "--name 'run-ü' cannot start a run name"),
     ],
 )
@@ -100,10 +100,10 @@ def test_cli_error_is_one_line_without_traceback(cmd, message):
 
 def test_one_run_name_rule_everywhere():
     """Telemetry, the spool writer's path, the trainer's config and the store reader refuse the same names."""
-    from agent.collector.store import read_table
-    from agent.instrument.telemetry import TelemetryConfig
-    from agent.transport.frame import spool_path
-    from trainer.config import TelemetryConfig as TrainerTelemetry
+    from meshscope.agent.collector.store import read_table
+    from meshscope.agent.instrument.telemetry import TelemetryConfig
+    from meshscope.agent.transport.frame import spool_path
+    from meshscope.trainer.config import TelemetryConfig as TrainerTelemetry
 
     for bad in ("run-ü", "../escape", ".hidden", "a b", "x" * 129):
         for make in (lambda: TelemetryConfig(store="s", run=bad), lambda: spool_path("s", run=bad, rank=0, attempt=0),

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from trainer import data
-from trainer.model import FLAVORS, GPT, count_params, flops_per_token, loss_fn
+from meshscope.trainer import data
+from meshscope.trainer.model import FLAVORS, GPT, count_params, flops_per_token, loss_fn
 
 
 @pytest.mark.parametrize("flavor", list(FLAVORS))

@@ -8,12 +8,12 @@ import zlib
 import pyarrow as pa
 import pytest
 
-from agent.schema import SCHEMA_VERSION, SCHEMAS
-from agent.transport.frame import (
+from meshscope.agent.schema import SCHEMA_VERSION, SCHEMAS
+from meshscope.agent.transport.frame import (
     FRAME_HEADER_SIZE, KIND_CODES, MAGIC, FrameError, decode_payload, encode_data_frame, encode_file_header,
     encode_frame, parse_frame_header, rows_to_batch, spool_path,
 )
-from agent.transport.reader import SpoolReader
+from meshscope.agent.transport.reader import SpoolReader
 
 STEP_ROW = (7, 10.0, 11.0, 1.0, 0.6, 0.2, 0.1, 0.1, 0.01, 0.2, 0.4, 0.02, 4096, 1e12, 0.4, 2.5, False, 0.9,
             3e-4, False, 12, 0, 0.7, 0.01)
@@ -123,8 +123,8 @@ def test_reader_reads_a_written_file(tmp_path):
 
 def test_a_version_1_step_batch_is_lifted_to_the_current_schema():
     # Spools written before step.cpu_s existed (schema v1) still ingest: the column is NULL.
-    from agent.schema import SCHEMAS_V1
-    from agent.transport.frame import encode_batch
+    from meshscope.agent.schema import SCHEMAS_V1
+    from meshscope.agent.transport.frame import encode_batch
 
     v1 = pa.RecordBatch.from_arrays([pa.array([v], type=f.type) for v, f in zip(STEP_ROW[:-2], SCHEMAS_V1["step"])],
                                     schema=SCHEMAS_V1["step"])

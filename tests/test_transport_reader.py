@@ -7,10 +7,10 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.transport.frame import (
+from meshscope.agent.transport.frame import (
     FRAME_HEADER_SIZE, MAGIC, REJECT_REASONS, encode_data_frame, encode_file_header, encode_frame, rows_to_batch,
 )
-from agent.transport.reader import SpoolReader
+from meshscope.agent.transport.reader import SpoolReader
 
 HEADER = encode_file_header(run="r", rank=1, attempt=0, host="h", stream_id="0123456789abcdef", created=1.0)
 

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from agent.transport.frame import spool_path
-from agent.transport.reader import SpoolReader
-from agent.transport.writer import SpoolWriter
+from meshscope.agent.transport.frame import spool_path
+from meshscope.agent.transport.reader import SpoolReader
+from meshscope.agent.transport.writer import SpoolWriter
 
 
 class FakeClock:

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from dashboard import views
-from dashboard.store import Store
+from meshscope.dashboard import views
+from meshscope.dashboard.store import Store
 from tests.conftest import ROOT, trainer_env
 from tests.test_telemetry_e2e import run_job
 
@@ -41,7 +41,7 @@ def test_an_injected_straggler_is_named_with_what_its_peers_waited(tmp_path, lay
     assert ov.metrics["cost_s"] == pytest.approx(delay, rel=0.2)
     assert ov.stragglers["cause"].iloc[0].startswith("compute")
     # `meshscope report` says the same, as a user runs it.
-    out = subprocess.run([sys.executable, "-m", "meshscope_cli", "report", "--store", str(tmp_path), "--run", "s",
+    out = subprocess.run([sys.executable, "-m", "meshscope.cli", "report", "--store", str(tmp_path), "--run", "s",
                           "--json"], cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     rep = json.loads(out.stdout)

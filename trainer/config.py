@@ -16,8 +16,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent.transport.frame import check_run_name
-from trainer.model import FLAVORS
+from meshscope.agent.transport.frame import check_run_name
+from meshscope.trainer.model import FLAVORS
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "looped-bfs")
 MULTI_STAGE = ("interleaved", "interleaved-zb", "looped-bfs")  # several stages per rank (virtual_stages)
@@ -343,7 +343,7 @@ def load(path: str | None, overrides: dict[str, object]) -> TrainConfig:
 
 
 # ------------------------------------------------------------------------------------------------- CLI
-# The flags both entry points share (`torchrun -m trainer.train` and `meshscope train`): flag -> dotted key.
+# The flags both entry points share (`torchrun -m meshscope.trainer.train` and `meshscope train`): flag -> dotted key.
 FLAGS: dict[str, tuple[str, type, str]] = {
     "--dp": ("parallel.dp", int, "data-parallel degree (default: world / (tp*pp))"),
     "--tp": ("parallel.tp", int, "tensor-parallel degree"),

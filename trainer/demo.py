@@ -3,8 +3,9 @@
 Starts a node agent on a store, runs short CPU jobs of the reference trainer for DDP, FSDP2, TP, PP
 (1F1B and GPipe) and one 2-D layout (FSDP2×TP) with a progress bar per job, starts Prometheus and
 Alertmanager when they are installed (``meshscope stack``), then serves the dashboard on 127.0.0.1 and
-prints its URL. Ctrl-C stops everything it started. Everything runs as child processes through the
-``meshscope`` command line, the way a user would run it.
+prints its URL. Ctrl-C or SIGTERM stops everything it started. Everything runs as child processes through
+the ``meshscope`` command line, the way a user would run it, and every file it writes is under the store
+(the stack's configs and data in ``<store>/stack``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tqdm import tqdm
+
 JOBS: list[tuple[str, int, list[str]]] = [
     ("ddp", 2, []),
     ("fsdp2", 2, ["--fsdp"]),
@@ -37,37 +39,32 @@ def _free_port() -> int:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "meshscope_cli", *args]
+    return [sys.executable, "-m", "meshscope.cli", *args]
 
 
-def _bar(name: str, done: int, total: int, note: str = "") -> None:
-    filled = int(24 * done / max(total, 1))
-    sys.stdout.write(f"\r  {name:<9} [{'#' * filled}{'.' * (24 - filled)}] {done:>3}/{total} {note:<30}")
-    sys.stdout.flush()
-
-
-def run_job(name: str, nproc: int, extra: list[str], *, store: Path, steps: int, prefix: str) -> bool:
+def run_job(name: str, nproc: int, extra: list[str], *, store: Path, steps: int, prefix: str,
+            procs: list[subprocess.Popen]) -> bool:
+    """One training job with a progress bar; the job is in ``procs`` while it runs, so a signal stops it."""
     cmd = _cli("train", "--nproc", str(nproc), "--steps", str(steps), "--store", str(store),
                "--run", f"{prefix}-{name}", *extra)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
-    done, loss = 0, ""
-    _bar(name, 0, steps)
-    for line in proc.stdout:
-        if line.startswith("step="):
-            fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
-            done = int(fields["step"]) + 1
-            loss = f"loss {float(fields['loss']):.3f}"
-            _bar(name, done, steps, loss)
-    err = proc.stderr.read()
-    ok = proc.wait() == 0
-    _bar(name, done, steps, loss if ok else "FAILED")
-    print()
+    procs.append(proc)
+    with tqdm(total=steps, desc=f"  {name:<9}", unit="step", file=sys.stdout, dynamic_ncols=True) as bar:
+        for line in proc.stdout:
+            if line.startswith("step="):
+                fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+                bar.update(int(fields["step"]) + 1 - bar.n)
+                bar.set_postfix_str(f"loss {float(fields['loss']):.3f}")
+        err = proc.stderr.read()
+        ok = proc.wait() == 0
+        if not ok:
+            bar.set_postfix_str("FAILED")
+    procs.remove(proc)
     if not ok:
         print(err[-2000:], file=sys.stderr)
     return ok
@@ -103,7 +100,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="meshscope demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--store", default=str(ROOT / ".runs" / "demo"))
+    ap.add_argument("--store", default=".runs/demo", help="run store (default .runs/demo)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--port", type=int, default=8501, help="dashboard port")
     ap.add_argument("--no-serve", action="store_true", help="run the jobs, print the summary, exit")
@@ -115,10 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     store = Path(ns.store)
     store.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen] = []
+    # SIGTERM (kill, a container stop) stops everything the way Ctrl-C does: through the finally below.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         agent_port = _free_port()
         agent = subprocess.Popen(_cli("agent", "--store", str(store), "--port", str(agent_port),
-                                      "--poll-interval", "0.5"), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                                      "--poll-interval", "0.5"), env=_env(), stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True, start_new_session=True)
         procs.append(agent)
         print(f"meshscope demo: agent on http://127.0.0.1:{agent_port}/metrics, store {store}")
@@ -129,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             stack = subprocess.Popen(_cli("stack", "--agent", f"127.0.0.1:{agent_port}", "--interval", "5s",
                                           "--prometheus-port", str(prom_port),
                                           "--alertmanager-port", str(_free_port()),
-                                          "--dir", str(store.parent / ".meshscope-stack")),
-                                     cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          "--dir", str(store / "stack")),
+                                     env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True)
             procs.append(stack)
             print(f"meshscope demo: Prometheus on {prom_url} + Alertmanager (meshscope stack)")
@@ -140,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         prefix = f"demo-{time.strftime('%H%M%S')}"
         print(f"meshscope demo: training {len(JOBS)} jobs ({ns.steps} steps each, CPU/gloo):")
         failed = [name for name, nproc, extra in JOBS
-                  if not run_job(name, nproc, extra, store=store, steps=ns.steps, prefix=prefix)]
+                  if not run_job(name, nproc, extra, store=store, steps=ns.steps, prefix=prefix, procs=procs)]
         if failed:
             print(f"meshscope demo: error: job(s) failed: {', '.join(failed)}", file=sys.stderr)
             return 1
@@ -148,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         dash = subprocess.Popen(_cli("dashboard", "--store", str(store), "--port", str(ns.port),
                                      *(["--prometheus", prom_url] if prom_url else [])),
-                                cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)
         procs.append(dash)
         url = f"http://127.0.0.1:{ns.port}"
@@ -164,4 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         print("\nmeshscope demo: stopping")
         return 0
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the clean-up short
         _stop(procs)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt

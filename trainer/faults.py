@@ -16,7 +16,7 @@ import time
 import torch
 from torch import nn
 
-from trainer.config import FaultConfig
+from meshscope.trainer.config import FaultConfig
 
 
 class Faults:

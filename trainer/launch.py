@@ -2,7 +2,7 @@
 
 It validates the whole configuration for the world it is about to launch *before* starting any process
 (so a bad value gets one clear line, not a traceback from every rank), names the run once for all ranks,
-then runs ``torchrun -m trainer.train`` with the same flags.
+then runs ``torchrun -m meshscope.trainer.train`` with the same flags.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import shlex
 import sys
 import time
 
-from trainer import config
-from trainer.config import ConfigError
+from meshscope.trainer import config
+from meshscope.trainer.config import ConfigError
 
 
 def _launcher_parser() -> argparse.ArgumentParser:
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         targs += ["--nnodes", str(launch.nnodes), "--node_rank", str(launch.node_rank),
                   "--master_addr", launch.master_addr, "--master_port", str(launch.master_port)]
-    targs += ["-m", "trainer.train", *rest]
+    targs += ["-m", "meshscope.trainer.train", *rest]
     if launch.max_restarts > 0:
         # torchrun's shared rendezvous TCP store has no per-attempt prefix: a restarted attempt can meet
         # the previous attempt's keys and fail to connect its gloo mesh. One store per attempt avoids it.

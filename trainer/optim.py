@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainer.config import OptimConfig
+from meshscope.trainer.config import OptimConfig
 
 
 def build_optimizers(parts: list[nn.Module], cfg: OptimConfig) -> list[torch.optim.Optimizer]:

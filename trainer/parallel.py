@@ -35,8 +35,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.config import ParallelConfig
-from trainer.model import GPT
+from meshscope.trainer.config import ParallelConfig
+from meshscope.trainer.model import GPT
 
 
 @dataclass(kw_only=True)

@@ -1,7 +1,7 @@
 """Optional torch.profiler capture of a step range: one Chrome trace per rank, ``<dir>/rank-<r>.json``.
 
 The profiler is the independent truth the telemetry is tested against; it is never always-on (it costs
-+1…+14 % per step on CPU, see the brief)."""
++1…+14 % per step on CPU in this project's runs; ``bench/profiler_agreement.py`` runs both)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from trainer.config import ProfileConfig
+from meshscope.trainer.config import ProfileConfig
 
 
 class Profiler:

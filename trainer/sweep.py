@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.transport.frame import check_run_name
-from trainer.config import ConfigError, _Parser
-from trainer.model import FLAVORS
+from meshscope.agent.transport.frame import check_run_name
+from meshscope.trainer.config import ConfigError, _Parser
+from meshscope.trainer.model import FLAVORS
 
 STRATEGY_ARGS = {
     "ddp": lambda n: [],
@@ -137,7 +137,7 @@ def _validate(ns) -> tuple[list[int], list[str], list[int], list[str]]:
 def _ingest(store: Path, env: dict) -> None:
     """Bring the spools into the store; when an agent already follows the store (it holds the lock), it
     ingests them itself and this is a no-op."""
-    proc = subprocess.run([sys.executable, "-m", "meshscope_cli", "ingest", "--store", str(store)], env=env,
+    proc = subprocess.run([sys.executable, "-m", "meshscope.cli", "ingest", "--store", str(store)], env=env,
                           capture_output=True, text=True, timeout=600)
     if proc.returncode != 0 and "lock" not in (proc.stderr + proc.stdout).lower():
         print(f"meshscope sweep: warning: ingest failed: {proc.stderr.strip()}", file=sys.stderr)
@@ -149,8 +149,8 @@ def report(store: Path, runs: list[str]) -> dict:
     (throughput over steady steps), ``table`` (per family and run: speedup, efficiency), ``fits`` (per
     family: the Amdahl verdict or why there is none) and ``note`` (why there is no family, if none)."""
     # The dashboard's store reader and analysis, imported late: only this last step of the sweep needs them.
-    from dashboard import scaling, views
-    from dashboard.store import Store
+    from meshscope.dashboard import scaling, views
+    from meshscope.dashboard.store import Store
 
     per_run, _ = views.scaling_runs(views.direct_loader(Store.open(store)), runs=runs)
     table = scaling.scaling_table(per_run)
@@ -192,16 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     prefix = ns.name or f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
     points = grid(world_sizes=worlds, strategies=strategies, microbatches=mbs, scalings=scalings,
                   batch=ns.batch_size, model=ns.model)
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     names: dict[str, Point] = {}
     t_start = time.monotonic()
     for i, point in enumerate(points, 1):
         name = point.run_name(prefix)
         print(f"[{i}/{len(points)}] {name}: {point.world} rank(s), batch {point.batch}", flush=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={point.world}",
-               "-m", "trainer.train", "--model", ns.model, "--steps", str(ns.steps), "--log-every", str(ns.steps),
+               "-m", "meshscope.trainer.train", "--model", ns.model, "--steps", str(ns.steps), "--log-every", str(ns.steps),
                "--store", str(store), "--run-name", name, *point.args()]
         proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=ns.timeout)
         if proc.returncode != 0:

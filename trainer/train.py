@@ -1,6 +1,6 @@
-"""Reference trainer entry point: ``torchrun --nproc_per_node=N -m trainer.train [flags]``.
+"""Reference trainer entry point: ``torchrun --nproc_per_node=N -m meshscope.trainer.train [flags]``.
 
-Also runs as a single process (``python -m trainer.train``): it then makes a world of one. The trainer
+Also runs as a single process (``python -m meshscope.trainer.train``): it then makes a world of one. The trainer
 is meshscope's first *user*: it instruments itself through the public ``agent`` API exactly as any
 training loop would, and owns none of the instrumentation.
 """
@@ -18,16 +18,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from agent.instrument.flops import device_peak
-from agent.instrument.telemetry import NullTelemetry, Telemetry, TelemetryConfig
-from trainer import checkpoint, config, data, model as model_lib, optim
-from trainer.config import ConfigError, TrainConfig
-from trainer.faults import Faults
-from trainer.parallel import (
+from meshscope.agent.instrument.flops import device_peak
+from meshscope.agent.instrument.telemetry import NullTelemetry, Telemetry, TelemetryConfig
+from meshscope.trainer import checkpoint, config, data, model as model_lib, optim
+from meshscope.trainer.config import ConfigError, TrainConfig
+from meshscope.trainer.faults import Faults
+from meshscope.trainer.parallel import (
     Layout, build_mesh, build_schedule, parallelize, schedule_stages, unwrap, world_loss,
 )
-from trainer.profiling import Profiler
-from trainer.progress import StepPrinter
+from meshscope.trainer.profiling import Profiler
+from meshscope.trainer.progress import StepPrinter
 
 
 def _terminate(signum, frame) -> None:
@@ -216,7 +216,7 @@ def default_run_name(cfg: TrainConfig) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        cfg = config.from_args(config.parser("trainer.train").parse_args(argv))
+        cfg = config.from_args(config.parser("meshscope.trainer.train").parse_args(argv))
         _single_process_env()
         cfg = cfg.resolve(int(os.environ["WORLD_SIZE"]))
         device = _device(cfg)

@@ -3,6 +3,6 @@
 Readers of the store use :func:`agent.collector.store.read_table` and :func:`list_runs`.
 """
 
-from agent.collector.store import list_runs, read_table
+from meshscope.agent.collector.store import list_runs, read_table
 
 __all__ = ["list_runs", "read_table"]

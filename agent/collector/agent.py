@@ -10,14 +10,14 @@ from types import ModuleType
 
 from prometheus_client.registry import CollectorRegistry
 
-from agent import version
-from agent.collector.exposition import MeshscopeCollector
-from agent.collector.gpu import GpuSampler
-from agent.collector.ingest import IngestConfig, Ingestor
-from agent.collector.server import MetricsServer, serve_metrics
-from agent.collector.state import MetricsState
-from agent.instrument.recorder import Clock
-from agent.schema import SCHEMAS
+from meshscope.agent import version
+from meshscope.agent.collector.exposition import MeshscopeCollector
+from meshscope.agent.collector.gpu import GpuSampler
+from meshscope.agent.collector.ingest import IngestConfig, Ingestor
+from meshscope.agent.collector.server import MetricsServer, serve_metrics
+from meshscope.agent.collector.state import MetricsState
+from meshscope.agent.instrument.recorder import Clock
+from meshscope.agent.schema import SCHEMAS
 
 _GPU_FIELDS = tuple(SCHEMAS["gpu"].names)
 

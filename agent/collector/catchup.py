@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from agent.collector.ingest import Ingestor
-from agent.collector.offsets import OffsetStore
-from agent.collector.state import MetricsState
-from agent.instrument.recorder import AnchoredClock
-from agent.transport.frame import SPOOL_NAME
+from meshscope.agent.collector.ingest import Ingestor
+from meshscope.agent.collector.offsets import OffsetStore
+from meshscope.agent.collector.state import MetricsState
+from meshscope.agent.instrument.recorder import AnchoredClock
+from meshscope.agent.transport.frame import SPOOL_NAME
 
 LOCK_NAME = "agent.lock"
 

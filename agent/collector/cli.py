@@ -8,7 +8,7 @@ Bad input (missing or unwritable store, bad port, unparsable numbers, unusable T
 gives one error line naming the value and exit status 2. The agent binds 127.0.0.1 unless told
 otherwise. With ``--tls-cert/--tls-key`` /metrics is served over HTTPS only; with ``--basic-auth-file``
 every request needs HTTP basic auth (file format: ``agent.security``; make a hash with
-``python -m agent.security hash-password``). Basic auth without TLS sends the password in clear text:
+``python -m meshscope.agent.security hash-password``). Basic auth without TLS sends the password in clear text:
 the agent warns.
 """
 
@@ -25,13 +25,13 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.collector.agent import Agent, AgentConfig
-from agent.collector.catchup import lock_store
-from agent.collector.gpu import load_nvml
-from agent.collector.ingest import IngestConfig
-from agent.collector.server import WebConfig, serve_metrics
-from agent.instrument.recorder import AnchoredClock
-from agent.security import Credentials
+from meshscope.agent.collector.agent import Agent, AgentConfig
+from meshscope.agent.collector.catchup import lock_store
+from meshscope.agent.collector.gpu import load_nvml
+from meshscope.agent.collector.ingest import IngestConfig
+from meshscope.agent.collector.server import WebConfig, serve_metrics
+from meshscope.agent.instrument.recorder import AnchoredClock
+from meshscope.agent.security import Credentials
 
 
 LOCK_WAIT_S = 10.0  # longer than a reader's catch-up of a tour-sized store

@@ -22,9 +22,9 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar as PromExemplar
 
-from agent.catalog import CATALOG, PHASES
-from agent.collector.state import Histogram, MetricsState
-from agent.transport.frame import REJECT_REASONS
+from meshscope.agent.catalog import CATALOG, PHASES
+from meshscope.agent.collector.state import Histogram, MetricsState
+from meshscope.agent.transport.frame import REJECT_REASONS
 
 _FAMILY_TYPES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily,
                  "histogram": HistogramMetricFamily, "info": InfoMetricFamily}

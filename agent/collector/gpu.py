@@ -4,7 +4,7 @@ The true boundary is "NVML absent": ``load_nvml()`` returns None on a machine wi
 driver, and the agent then simply samples nothing. The sampler only talks to the module object it is
 given, so tests inject a fake module; on a GPU machine check the real path with::
 
-    python -m agent.collector.gpu        # prints one sample per GPU, or why NVML is unavailable
+    python -m meshscope.agent.collector.gpu        # prints one sample per GPU, or why NVML is unavailable
 
 A field a GPU does not support (NVML NotSupported, e.g. ECC on consumer cards) is stored as NaN / -1 and
 not exported; any other NVML failure is counted in ``errors`` (exported as
@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from types import ModuleType
 
-from agent.instrument.recorder import Clock
+from meshscope.agent.instrument.recorder import Clock
 
 
 def load_nvml(module: ModuleType | None = None) -> tuple[ModuleType | None, str]:
@@ -152,8 +152,8 @@ def _mhz(value) -> float:
 
 
 def main() -> int:
-    from agent.instrument.recorder import AnchoredClock
-    from agent.schema import SCHEMAS
+    from meshscope.agent.instrument.recorder import AnchoredClock
+    from meshscope.agent.schema import SCHEMAS
 
     nvml, reason = load_nvml()
     if nvml is None:

@@ -21,15 +21,15 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from agent.collector import parts as partio
-from agent.collector.offsets import OffsetStore
-from agent.collector.state import MetricsState
-from agent.collector.store import partition_dir, tables_dir
-from agent.instrument.recorder import Clock
-from agent.schema import KINDS
-from agent.transport.backoff import Backoff
-from agent.transport.frame import HEADER_KIND, SPOOL_NAME, rows_to_batch
-from agent.transport.reader import SpoolReader
+from meshscope.agent.collector import parts as partio
+from meshscope.agent.collector.offsets import OffsetStore
+from meshscope.agent.collector.state import MetricsState
+from meshscope.agent.collector.store import partition_dir, tables_dir
+from meshscope.agent.instrument.recorder import Clock
+from meshscope.agent.schema import KINDS
+from meshscope.agent.transport.backoff import Backoff
+from meshscope.agent.transport.frame import HEADER_KIND, SPOOL_NAME, rows_to_batch
+from meshscope.agent.transport.reader import SpoolReader
 
 GPU_RANK = -1
 

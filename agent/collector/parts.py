@@ -28,8 +28,8 @@ from typing import Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from agent.collector.store import PARTITION_KEYS
-from agent.schema import SCHEMA_VERSION
+from meshscope.agent.collector.store import PARTITION_KEYS
+from meshscope.agent.schema import SCHEMA_VERSION
 
 PART_RE = re.compile(r"^part-(?P<stream>[0-9a-z]+)-(?P<start>\d{16})-(?P<end>\d{16})\.parquet$")
 META_PREFIX = "meshscope."

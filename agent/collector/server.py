@@ -39,7 +39,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 from prometheus_client import make_wsgi_app
 from prometheus_client.registry import CollectorRegistry
 
-from agent.security import Credentials, parse_basic_authorization
+from meshscope.agent.security import Credentials, parse_basic_authorization
 
 REALM = "meshscope"
 

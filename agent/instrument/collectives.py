@@ -47,7 +47,7 @@ import inspect
 import threading
 from typing import Any, Callable, Iterable
 
-from agent.instrument.meshinfo import GroupInfo, MeshInfo
+from meshscope.agent.instrument.meshinfo import GroupInfo, MeshInfo
 
 _MAX_PENDING = 4096  # async ops waiting for their wait(); beyond this the oldest are dropped (and counted)
 
@@ -125,7 +125,7 @@ class CollectiveTracer:
 
     # ------------------------------------------------------------------------------------ lifecycle
     def attach(self, model: Any = None) -> None:
-        from agent.instrument import comm_c10d, comm_ddp, comm_fsdp, comm_funcol
+        from meshscope.agent.instrument import comm_c10d, comm_ddp, comm_fsdp, comm_funcol
 
         if not self._patches:
             try:
@@ -327,7 +327,7 @@ class CollectiveTracer:
 
     def cuda_timer(self) -> Any:
         if self._cuda is None:
-            from agent.instrument.comm_nccl import CudaCommTimer
+            from meshscope.agent.instrument.comm_nccl import CudaCommTimer
 
             self._cuda = CudaCommTimer()
         return self._cuda

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from agent.instrument.collectives import CollectiveTracer, nbytes_of
+from meshscope.agent.instrument.collectives import CollectiveTracer, nbytes_of
 
 
 def _a(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> Any:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from agent.instrument.collectives import CollectiveTracer
+from meshscope.agent.instrument.collectives import CollectiveTracer
 
 
 def _storage_key(t: Any) -> int:

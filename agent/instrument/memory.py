@@ -1,6 +1,6 @@
 """Per-step memory sample: process RSS and peak everywhere, the caching allocator's stats on CUDA.
 
-Costs (measured in the brief): ru_maxrss ~1 µs, reading /proc/self/statm a few µs, torch.cuda.memory_stats
+Costs: ru_maxrss ~1 µs, reading /proc/self/statm a few µs, torch.cuda.memory_stats
 tens of µs: cheap enough for every step.
 """
 

@@ -42,12 +42,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from agent import version
-from agent.instrument import bandwidth, memory
-from agent.instrument.cpu import ThreadCPU
-from agent.instrument.recorder import AnchoredClock, Clock
-from agent.schema import SCHEMAS
-from agent.transport.frame import check_run_name
+from meshscope.agent import version
+from meshscope.agent.instrument import bandwidth, memory
+from meshscope.agent.instrument.cpu import ThreadCPU
+from meshscope.agent.instrument.recorder import AnchoredClock, Clock
+from meshscope.agent.schema import SCHEMAS
+from meshscope.agent.transport.frame import check_run_name
 
 COMPUTE_PHASES = frozenset({"forward", "backward", "optimizer", "pipeline", "compute"})
 _P2P = frozenset({"send", "recv"})
@@ -156,7 +156,7 @@ class Telemetry:
 
     # ------------------------------------------------------------------------------------ lifecycle
     def _open_writer(self):
-        from agent.transport import SpoolWriter
+        from meshscope.agent.transport import SpoolWriter
 
         path = Path(self.config.store) / "spool" / self.config.run / f"rank-{self.rank}.a{self.attempt}.spool"
         return SpoolWriter(
@@ -186,9 +186,9 @@ class Telemetry:
                stages: list | None = None) -> None:
         """Attach collective tracing to the model (DDP / FSDP2 / TP / plain c10d) and span tracing to a
         pipeline schedule. Safe to call once per component; every hook is reversible (``close``)."""
-        from agent.instrument.collectives import CollectiveTracer
-        from agent.instrument.meshinfo import MeshInfo
-        from agent.instrument.pipeline import PipelineTracer
+        from meshscope.agent.instrument.collectives import CollectiveTracer
+        from meshscope.agent.instrument.meshinfo import MeshInfo
+        from meshscope.agent.instrument.pipeline import PipelineTracer
 
         try:
             self._census.add_modules(model_parts or [])

@@ -5,12 +5,12 @@ raises). Agent side: :class:`SpoolReader` (follow a file from an offset, reject 
 The on-disk format is documented in :mod:`agent.transport.frame`.
 """
 
-from agent.transport.frame import (
+from meshscope.agent.transport.frame import (
     FORMAT_VERSION, KIND_CODES, MAGIC, REJECT_REASONS, FrameError, check_run_name, encode_data_frame,
     encode_file_header, rows_to_batch, spool_path,
 )
-from agent.transport.reader import Frame, ReadResult, SpoolReader
-from agent.transport.writer import SpoolWriter
+from meshscope.agent.transport.reader import Frame, ReadResult, SpoolReader
+from meshscope.agent.transport.writer import SpoolWriter
 
 __all__ = [
     "FORMAT_VERSION", "KIND_CODES", "MAGIC", "REJECT_REASONS", "Frame", "FrameError", "ReadResult",

@@ -40,7 +40,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from agent.schema import SCHEMA_VERSION, SCHEMAS, SCHEMAS_BY_VERSION
+from meshscope.agent.schema import SCHEMA_VERSION, SCHEMAS, SCHEMAS_BY_VERSION
 
 MAGIC = b"MSPL"
 FORMAT_VERSION = 1

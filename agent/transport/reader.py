@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from agent.transport.frame import (
+from meshscope.agent.transport.frame import (
     FRAME_HEADER_SIZE, HEADER_KIND, MAGIC, FrameError, decode_payload, parse_frame_header,
 )
 

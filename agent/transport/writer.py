@@ -31,10 +31,10 @@ import threading
 import time
 from pathlib import Path
 
-from agent.instrument.recorder import AnchoredClock, Clock
-from agent.schema import SCHEMAS
-from agent.transport.backoff import Backoff
-from agent.transport.frame import check_run_name, encode_data_frame, encode_file_header, rows_to_batch
+from meshscope.agent.instrument.recorder import AnchoredClock, Clock
+from meshscope.agent.schema import SCHEMAS
+from meshscope.agent.transport.backoff import Backoff
+from meshscope.agent.transport.frame import check_run_name, encode_data_frame, encode_file_header, rows_to_batch
 
 
 DEFAULT_MAX_HOLD_BYTES = 8 * 1024 * 1024

@@ -3,7 +3,7 @@ size, arrival skew per rank, and groups with slow links."""
 
 import streamlit as st
 
-from dashboard import data, ui, views
+from meshscope.dashboard import data, ui, views
 
 
 def main(ctx: ui.Context) -> None:

@@ -3,7 +3,7 @@ sampled any."""
 
 import streamlit as st
 
-from dashboard import ui, views
+from meshscope.dashboard import ui, views
 
 COLUMNS = {"gpu_id": ("GPU", None), "name": ("model", None), "samples": ("samples", None),
            "util": ("utilisation", "percent"), "clock_ratio": ("SM clock / max (mean)", "percent"),

@@ -6,8 +6,8 @@ from datetime import datetime, timezone
 
 import streamlit as st
 
-from dashboard import figures, ui
-from dashboard.live import METRICS, STALE_AFTER_S, LiveError, history, live_runs, run_status, snapshot
+from meshscope.dashboard import figures, ui
+from meshscope.dashboard.live import METRICS, STALE_AFTER_S, LiveError, history, live_runs, run_status, snapshot
 
 MINUTES = 10
 SERIES = (("steps_per_s", "steps per second", False), ("compute_ratio", "compute fraction of wall time", True),

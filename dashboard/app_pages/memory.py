@@ -4,7 +4,7 @@ the run's strategy (parameters, gradients, optimizer state, activations)."""
 import pandas as pd
 import streamlit as st
 
-from dashboard import figures, ui, views
+from meshscope.dashboard import figures, ui, views
 
 
 def main(ctx: ui.Context) -> None:

@@ -4,7 +4,7 @@ stragglers (each rank against its peers in the same step), what they cost their 
 import pandas as pd
 import streamlit as st
 
-from dashboard import analysis, environment, stragglers, ui, views
+from meshscope.dashboard import analysis, environment, stragglers, ui, views
 
 
 def _fmt(value: float, spec: str) -> str:

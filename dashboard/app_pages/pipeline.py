@@ -3,7 +3,7 @@ against theory, and its trend across steps."""
 
 import streamlit as st
 
-from dashboard import data, ui, views
+from meshscope.dashboard import data, ui, views
 
 DEFINITION = ("Bubble = idle fraction of the schedule: 1 − (Σ the stage's F/B/W spans) / (the pipeline's "
               "extent: first span start to last span end of the step, all stages; the optimizer and work "

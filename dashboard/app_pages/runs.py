@@ -3,7 +3,7 @@
 import pandas as pd
 import streamlit as st
 
-from dashboard import ui, views
+from meshscope.dashboard import ui, views
 
 _COLUMNS = {"run": "run", "model": "model", "strategy": "strategy", "mesh": "mesh", "schedule": "schedule",
             "microbatches": "microbatches", "world_size": "world size", "ranks_stepping": "ranks with steps",

@@ -5,7 +5,7 @@ communication fraction, and the best configuration. The numbers are ``meshscope 
 
 import streamlit as st
 
-from dashboard import scaling, ui, views
+from meshscope.dashboard import scaling, ui, views
 
 RUN_COLUMNS = {"run": ("run", None), "strategy": ("strategy", None), "mesh": ("mesh", None),
                "world_size": ("ranks", None), "global_batch": ("global batch", None),

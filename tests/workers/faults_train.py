@@ -3,7 +3,7 @@
 ``trainer.faults`` fires ``--crash-rank/--crash-step`` in every attempt, so under ``--max_restarts`` a
 resumed attempt would crash again at the same step. A real fault usually does not recur after a
 restart; this wrapper drops the crash flags when ``TORCHELASTIC_RESTART_COUNT`` > 0 and then runs
-``trainer.train.main`` unchanged. Launch it in place of ``-m trainer.train``::
+``trainer.train.main`` unchanged. Launch it in place of ``-m meshscope.trainer.train``::
 
     torchrun --max_restarts 1 ... tests/workers/faults_train.py --crash-rank 1 --crash-step 12 ...
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from trainer.train import exit_without_finalization, main
+from meshscope.trainer.train import exit_without_finalization, main
 
 FIRST_ATTEMPT_ONLY = ("--crash-rank", "--crash-step")
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import sys
 
-import hooks_common as hc
+from meshscope.testing import profiler as hc
 
 
 class BrokenRecorder:
     """A recorder whose record_collective always raises: the tracer must count it and carry on."""
 
     def __init__(self) -> None:
-        from agent.instrument.recorder import AnchoredClock
+        from meshscope.agent.instrument.recorder import AnchoredClock
 
         self.clock = AnchoredClock()
         self.errors: list[str] = []
@@ -33,9 +33,9 @@ def run(rank: int, world_size: int, port: int, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from agent.instrument.collectives import CollectiveTracer
-    from agent.instrument.meshinfo import MeshInfo
-    from agent.instrument.recorder import ListRecorder
+    from meshscope.agent.instrument.collectives import CollectiveTracer
+    from meshscope.agent.instrument.meshinfo import MeshInfo
+    from meshscope.agent.instrument.recorder import ListRecorder
 
     hc.init(rank, world_size, port)
     peer = 1 - rank

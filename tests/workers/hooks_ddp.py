@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-import hooks_common as hc
+from meshscope.testing import profiler as hc
 
 WARMUP, STEPS, DELAY_S = 3, 4, 0.4
 
@@ -17,10 +17,10 @@ def run(rank: int, world_size: int, port: int, out: str) -> None:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from agent.instrument.collectives import CollectiveTracer
-    from agent.instrument.comm_ddp import traced_allreduce_hook
-    from agent.instrument.meshinfo import MeshInfo
-    from agent.instrument.recorder import ListRecorder
+    from meshscope.agent.instrument.collectives import CollectiveTracer
+    from meshscope.agent.instrument.comm_ddp import traced_allreduce_hook
+    from meshscope.agent.instrument.meshinfo import MeshInfo
+    from meshscope.agent.instrument.recorder import ListRecorder
 
     hc.init(rank, world_size, port)
     torch.manual_seed(0)

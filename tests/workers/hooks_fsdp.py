@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-import hooks_common as hc
+from meshscope.testing import profiler as hc
 
 WARMUP, STEPS, LAYERS, DIM = 2, 4, 4, 1024
 
@@ -18,10 +18,10 @@ def run(rank: int, world_size: int, port: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from agent.instrument.collectives import CollectiveTracer
-    from agent.instrument.comm_fsdp import TracedAllGather
-    from agent.instrument.meshinfo import MeshInfo
-    from agent.instrument.recorder import ListRecorder
+    from meshscope.agent.instrument.collectives import CollectiveTracer
+    from meshscope.agent.instrument.comm_fsdp import TracedAllGather
+    from meshscope.agent.instrument.meshinfo import MeshInfo
+    from meshscope.agent.instrument.recorder import ListRecorder
 
     hc.init(rank, world_size, port)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-import hooks_common as hc
+from meshscope.testing import profiler as hc
 
 WARMUP, STEPS, MICROBATCHES, BATCH, DIM = 1, 3, 4, 64, 512
 
@@ -19,10 +19,10 @@ def run(rank: int, world_size: int, port: int, out: str, schedule_name: str) -> 
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from agent.instrument.collectives import CollectiveTracer
-    from agent.instrument.meshinfo import MeshInfo
-    from agent.instrument.pipeline import PipelineTracer
-    from agent.instrument.recorder import ListRecorder
+    from meshscope.agent.instrument.collectives import CollectiveTracer
+    from meshscope.agent.instrument.meshinfo import MeshInfo
+    from meshscope.agent.instrument.pipeline import PipelineTracer
+    from meshscope.agent.instrument.recorder import ListRecorder
 
     hc.init(rank, world_size, port)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("pp",))

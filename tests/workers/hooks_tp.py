@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-import hooks_common as hc
+from meshscope.testing import profiler as hc
 
 WARMUP, STEPS, BATCH, DIM, HIDDEN = 2, 4, 256, 512, 2048
 
@@ -18,9 +18,9 @@ def run(rank: int, world_size: int, port: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from agent.instrument.collectives import CollectiveTracer
-    from agent.instrument.meshinfo import MeshInfo
-    from agent.instrument.recorder import ListRecorder
+    from meshscope.agent.instrument.collectives import CollectiveTracer
+    from meshscope.agent.instrument.meshinfo import MeshInfo
+    from meshscope.agent.instrument.recorder import ListRecorder
 
     hc.init(rank, world_size, port)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))

@@ -1,7 +1,7 @@
 """The collective model of the synthetic store: which collectives one rank issues per step, with what
-sizes, on which groups and links, and how long they take. See ``dashboard.synthetic`` for the whole model.
+sizes, on which groups and links, and how long they take. See ``meshscope.testing.store`` for the whole model.
 
-Sizes follow the formulas brief: DDP all-reduces the bf16 gradients in 25 MiB buckets; FSDP all-gathers
+Sizes follow the README's Formulas: DDP all-reduces the bf16 gradients in 25 MiB buckets; FSDP all-gathers
 each unit's bf16 parameters (forward, and again in backward unless pipelined) and reduce-scatters its fp32
 gradients; TP all-reduces B_micro·S·D activations twice in forward and twice in backward per layer and
 microbatch; PP sends and receives one activation (gradient) tensor per F (B) span and stage boundary.
@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dashboard.analysis import busbw_factor
+from meshscope.dashboard.analysis import busbw_factor
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from dashboard.synthetic import SyntheticConfig
+    from meshscope.testing.store import SyntheticConfig
 
 MESH_ORDER = ("pp", "dp", "fsdp", "tp")  # outermost to innermost: tp stays within a host
 BUSBW = {"intra": 200e9, "inter": 45e9, "p2p_inter": 22e9}  # bytes/s, nominal

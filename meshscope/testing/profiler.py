@@ -31,10 +31,6 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
 # gloo range name → (issue event names, the tracer op(s) it corresponds to)
 GLOO_TO_ISSUE = {
     "gloo:all_reduce": ("c10d::allreduce_", "c10d::_reduce_scatter_base_"),
@@ -68,7 +64,7 @@ def _run_then_exit(rank: int, fn: Callable, *args: Any) -> None:
     """Run one rank, then leave without interpreter finalization, as the trainer's ranks do: torch's gloo
     teardown race (``trainer.train.exit_without_finalization``) aborted hooks_c10d with SIGABRT after
     every result was written (3 of 8 runs here, and in CI). An exception still propagates to mp.spawn."""
-    from trainer.train import exit_without_finalization
+    from meshscope.trainer.train import exit_without_finalization
 
     fn(rank, *args)
     exit_without_finalization(0)
@@ -326,7 +322,7 @@ def patch_targets() -> dict[str, Any]:
               "wait_tensor"]:
         out[f"funcol.{n}"] = getattr(funcol, n)
     out["Work.wait"] = torch._C._distributed_c10d.Work.__dict__["wait"]
-    from agent.instrument.comm_c10d import _PG_ISSUE
+    from meshscope.agent.instrument.comm_c10d import _PG_ISSUE
 
     for n in _PG_ISSUE:
         if n in vars(dist.ProcessGroup):

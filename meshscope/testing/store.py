@@ -8,7 +8,7 @@ What is modelled (one optimizer step, synchronous training, per rank):
   the measured bubble has the shape of the real schedule.
 - Collectives per rank and step for each mesh dim: DDP gradient buckets (all-reduce), FSDP per-unit
   all-gathers and reduce-scatters, TP all-reduces (2 forward + 2 backward per layer and microbatch), PP
-  send/recv around every F and B span. Sizes follow the formulas brief; durations follow size / busbw of
+  send/recv around every F and B span. Sizes follow the README's Formulas; durations follow size / busbw of
   the link (NVLink within a host, InfiniBand across). Ops of one kind on one group beyond
   ``max_ops_per_group`` per step are merged (sizes and times summed), which keeps a 1,024-rank store
   small while keeping per-step totals.
@@ -34,12 +34,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from agent.collector.store import stored_schema
-from agent.schema import DIMS, SCHEMAS
-from dashboard import pipeline_sim
-from dashboard.analysis import busbw_factor, normalize_schedule
-from dashboard.memory_model import ModelSpec, memory_model
-from dashboard.synthetic_comm import MESH_ORDER, coords_of, rank_ops, transfers
+from meshscope.agent.collector.store import stored_schema
+from meshscope.agent.schema import DIMS, SCHEMAS
+from meshscope.dashboard import pipeline_sim
+from meshscope.dashboard.analysis import busbw_factor, normalize_schedule
+from meshscope.dashboard.memory_model import ModelSpec, memory_model
+from meshscope.testing.comm import MESH_ORDER, coords_of, rank_ops, transfers
 
 MODELS: dict[str, dict] = {  # Llama-3-shaped presets (parameters with and without embeddings)
     "llama-1b": dict(n_params=1.24e9, n_params_nonembedding=0.97e9, n_layers=16, d_model=2048, seq_len=2048),
@@ -352,8 +352,8 @@ def _gpu_samples(cfg: SyntheticConfig, base: Path, *, t0: float, t1: float, busy
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m dashboard.synthetic --out DIR [--mesh pp=2,fsdp=4] ...``"""
-    ap = argparse.ArgumentParser(prog="python -m dashboard.synthetic", description=__doc__.split("\n")[0])
+    """``python -m meshscope.testing.store --out DIR [--mesh pp=2,fsdp=4] ...``"""
+    ap = argparse.ArgumentParser(prog="python -m meshscope.testing.store", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--run", default="synthetic")
     ap.add_argument("--mesh", default="dp=8", help="comma-separated dim=degree, dims among pp,dp,fsdp,tp")

@@ -34,10 +34,10 @@ import psutil
 import pyarrow as pa
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.collector.store import read_table
-from agent.schema import KINDS, SCHEMAS
-from agent.transport.frame import SPOOL_NAME
-from agent.transport.reader import SpoolReader
+from meshscope.agent.collector.store import read_table
+from meshscope.agent.schema import KINDS, SCHEMAS
+from meshscope.agent.transport.frame import SPOOL_NAME
+from meshscope.agent.transport.reader import SpoolReader
 
 ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -45,7 +45,6 @@ T = TypeVar("T")
 
 def env() -> dict[str, str]:
     out = dict(os.environ)
-    out["PYTHONPATH"] = str(ROOT) + os.pathsep + out.get("PYTHONPATH", "")
     out.setdefault("OMP_NUM_THREADS", "1")
     out["PYTHONUNBUFFERED"] = "1"
     return out
@@ -112,7 +111,7 @@ class AgentProcess:
                  ssl_context: ssl.SSLContext | None = None, auth: tuple[str, str] | None = None) -> None:
         self.store = Path(store)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "meshscope_cli", "agent", "--store", str(store), "--port", "0",
+            [sys.executable, "-m", "meshscope.cli", "agent", "--store", str(store), "--port", "0",
              "--poll-interval", str(poll_interval), "--gpu-interval", "0", *extra],
             cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
         # stderr is drained all the time: an agent blocked writing to a full pipe (Arrow prints warnings
@@ -203,13 +202,13 @@ def committed_bytes(store: Path) -> int:
 class Job:
     """``torchrun --standalone --nproc_per_node=N [torchrun_args] <target> *args`` in its own session.
 
-    ``target`` is ``-m trainer.train`` by default, or a script path (``tests/workers/faults_train.py``).
+    ``target`` is ``-m meshscope.trainer.train`` by default, or a script path (``tests/workers/faults_train.py``).
     Rank 0 prints ``step=N ...`` lines (``--log-every``) to ``stdout_path``.
     """
 
     def __init__(self, nproc: int, *args: str, log: Path, torchrun_args: tuple[str, ...] = (),
                  script: str | None = None, preexec_fn=None, extra_env: dict[str, str] | None = None) -> None:
-        target = [script] if script else ["-m", "trainer.train"]
+        target = [script] if script else ["-m", "meshscope.trainer.train"]
         self.log = Path(log)
         self._out = open(self.log, "w")
         # Output goes through a pipe that this process copies to the log: a rank whose file writes fail

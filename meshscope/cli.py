@@ -10,15 +10,15 @@ import sys
 # sub-command -> (module, function, one-line help). Each function takes argv (list[str]) and returns an
 # exit code.
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "train": ("trainer.launch", "main", "launch the reference trainer on this node (wraps torch.distributed.run)"),
-    "agent": ("agent.collector.cli", "agent_main", "run the node agent: follow rank spools, serve /metrics, write the store"),
-    "ingest": ("agent.collector.cli", "ingest_main", "ingest every spool under a store once and exit"),
-    "demo": ("trainer.demo", "main", "train every strategy instrumented, then serve the dashboard (make demo)"),
-    "sweep": ("trainer.sweep", "main", "run one model over a grid of world sizes / strategies (scaling study)"),
-    "export-trace": ("agent.trace", "main", "write a Perfetto / Chrome-trace JSON of a step range"),
-    "report": ("dashboard.report", "main", "a run's verdicts in the terminal (--json for scripts): what the pages say"),
-    "dashboard": ("dashboard.cli", "main", "serve the Streamlit dashboard over a store (and Prometheus)"),
-    "stack": ("agent.stack", "main", "run Prometheus + Alertmanager (+ an agent) on 127.0.0.1 with meshscope's rules"),
+    "train": ("meshscope.trainer.launch", "main", "launch the reference trainer on this node (wraps torch.distributed.run)"),
+    "agent": ("meshscope.agent.collector.cli", "agent_main", "run the node agent: follow rank spools, serve /metrics, write the store"),
+    "ingest": ("meshscope.agent.collector.cli", "ingest_main", "ingest every spool under a store once and exit"),
+    "demo": ("meshscope.trainer.demo", "main", "train every strategy instrumented, then serve the dashboard (make demo)"),
+    "sweep": ("meshscope.trainer.sweep", "main", "run one model over a grid of world sizes / strategies (scaling study)"),
+    "export-trace": ("meshscope.agent.trace", "main", "write a Perfetto / Chrome-trace JSON of a step range"),
+    "report": ("meshscope.dashboard.report", "main", "a run's verdicts in the terminal (--json for scripts): what the pages say"),
+    "dashboard": ("meshscope.dashboard.cli", "main", "serve the Streamlit dashboard over a store (and Prometheus)"),
+    "stack": ("meshscope.agent.stack", "main", "run Prometheus + Alertmanager (+ an agent) on 127.0.0.1 with meshscope's rules"),
 }
 
 
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     if argv[0] in ("-V", "--version"):
-        from agent import version
+        from meshscope.agent import version
 
         print(f"meshscope {version()}")
         return 0

@@ -1,0 +1,7 @@
+"""``python -m meshscope ...`` is the ``meshscope`` command."""
+
+import sys
+
+from meshscope.cli import main
+
+sys.exit(main())
