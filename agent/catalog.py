@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from meshscope.agent.schema import EVENT_KINDS, KINDS
+from meshscope.agent.contract import EVENT_KINDS, KINDS
 from meshscope.agent.transport.frame import REJECT_REASONS
 
 PREFIX = "meshscope_"

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from meshscope.agent.collector.store import list_runs, read_table
-from meshscope.agent.schema import DIMS
+from meshscope.agent.contract import DIMS
 
 TID_EVENTS, TID_STEPS, TID_PHASES, TID_STAGE0, TID_COMM0 = 0, 1, 2, 10, 1000
 LANES_PER_DIM = 100

@@ -42,7 +42,7 @@ def measure(store: Path) -> dict:
     pa.set_io_thread_count(1)
     from meshscope.agent.collector.ingest import Ingestor
     from meshscope.agent.collector.state import MetricsState
-    from meshscope.agent.instrument.recorder import AnchoredClock
+    from meshscope.agent.contract import AnchoredClock
 
     state = MetricsState()
     ingestor = Ingestor(store=store, state=state, clock=AnchoredClock())

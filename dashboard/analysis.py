@@ -13,11 +13,11 @@ import math
 import numpy as np
 import pandas as pd
 
-from meshscope.agent.instrument.bandwidth import busbw_factor as contract_busbw_factor
+from meshscope.agent.contract import busbw_factor as contract_busbw_factor
 
 # ------------------------------------------------------------------------------------------ busbw
 def busbw_factor(op: str, n: int) -> float:
-    """The contract's nccl-tests factor (``agent.instrument.bandwidth``, what the ranks record busbw with),
+    """The contract's nccl-tests factor (``agent.contract.bandwidth``, what the ranks record busbw with),
     NaN where a bus bandwidth means nothing: a barrier (no payload) and an op the contract does not know
     (a page must draw the other ops rather than fail)."""
     if op == "barrier":

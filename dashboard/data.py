@@ -24,7 +24,7 @@ import json
 
 import pandas as pd
 
-from meshscope.agent.schema import SCHEMAS
+from meshscope.agent.contract import SCHEMAS
 from meshscope.dashboard.analysis import THROTTLE_MASK
 from meshscope.dashboard.store import SKIPPED, Store
 

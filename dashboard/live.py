@@ -27,7 +27,7 @@ METRICS: dict[str, str] = {
     "steps": "meshscope_rank_steps_total",  # counter: optimizer steps completed
     "last_record": "meshscope_run_last_record_timestamp_seconds",  # gauge: newest record of the run (Unix s)
     "world_size": "meshscope_run_world_size",  # gauge
-    "events": "meshscope_run_events_total",  # counter by kind (agent.schema.EVENT_KINDS)
+    "events": "meshscope_run_events_total",  # counter by kind (agent.contract.EVENT_KINDS)
 }
 RANK_LABEL = "rank"
 RUN_LABEL = "run"

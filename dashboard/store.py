@@ -40,8 +40,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from meshscope.agent.collector.parts import PART_RE
-from meshscope.agent.schema import KINDS, SCHEMAS
+from meshscope.agent.contract import KINDS, PART_RE, SCHEMAS
 
 SKIPPED = "skipped_files"  # key in DataFrame.attrs
 

@@ -34,10 +34,9 @@ import yaml
 
 from meshscope.agent import stack
 from meshscope.agent.collector.agent import Agent, AgentConfig
+from meshscope.agent.contract import SCHEMAS, AnchoredClock, spool_path
+from meshscope.agent.transport.frame import encode_data_frame, encode_file_header
 from meshscope.testing.spools import run_table, step_table
-from meshscope.agent.instrument.recorder import AnchoredClock
-from meshscope.agent.schema import SCHEMAS
-from meshscope.agent.transport.frame import encode_data_frame, encode_file_header, spool_path
 from tests.conftest import trainer_env
 
 ROOT = Path(__file__).resolve().parents[1]

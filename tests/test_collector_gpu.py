@@ -10,7 +10,7 @@ from prometheus_client import generate_latest
 from meshscope.agent.collector.agent import Agent, AgentConfig
 from meshscope.agent.collector.gpu import GpuSampler, load_nvml
 from meshscope.agent.collector.store import read_table
-from meshscope.agent.schema import SCHEMAS
+from meshscope.agent.contract import GpuRecord
 
 
 class FakeClock:
@@ -69,7 +69,9 @@ def fake_nvml(*, gpus: int = 2, xids: list[int] | None = None, ecc_supported: bo
 def test_sampler_rows_units_and_unsupported_fields():
     nvml = fake_nvml(xids=[1, 1, 0], ecc_supported=False)
     sampler = GpuSampler(nvml, host="node0", clock=FakeClock())
-    rows = [dict(zip(SCHEMAS["gpu"].names, r)) for r in sampler.sample()]
+    records = sampler.sample()
+    assert all(type(r) is GpuRecord for r in records)
+    rows = [r._asdict() for r in records]
     assert [r["gpu"] for r in rows] == [0, 1] and rows[0]["uuid"] == "GPU-0000"
     assert rows[0]["name"] == "NVIDIA H100 80GB HBM3" and rows[0]["util_ratio"] == 0.87
     assert rows[0]["mem_used_bytes"] == 60 * 2**30 and rows[0]["power_watts"] == 350.0
@@ -94,13 +96,13 @@ def test_nvml_absent_is_a_clean_none():
 
 
 def test_agent_exports_and_stores_gpu_samples(tmp_path):
-    from meshscope.agent.transport.frame import spool_path
+    from meshscope.agent.contract import EventRecord, spool_path
     from meshscope.agent.transport.writer import SpoolWriter
 
     clock = FakeClock()
     w = SpoolWriter(path=spool_path(tmp_path, run="g", rank=0, attempt=0), run="g", rank=0, attempt=0, host="h",
                     start=False)
-    w.submit("event", [(clock.t, 0, "start", "")])
+    w.submit("event", [EventRecord(t=clock.t, step=0, kind="start", message="")])
     w.flush()
     agent = Agent(AgentConfig(store=tmp_path, port=0, gpu_interval_s=1.0), clock=clock, nvml=fake_nvml(xids=[0]))
     agent.step()  # ingests the run's first record and samples both GPUs

@@ -11,8 +11,9 @@ from meshscope.agent.collector import parts as partio
 from meshscope.agent.collector.ingest import IngestConfig, Ingestor
 from meshscope.agent.collector.state import MetricsState
 from meshscope.agent.collector.store import list_runs, read_table
-from meshscope.agent.schema import SCHEMAS
-from meshscope.agent.transport.frame import spool_path
+from meshscope.agent.contract import (
+    SCHEMAS, CollectiveRecord, EventRecord, GpuRecord, SpanRecord, StepRecord, spool_path,
+)
 from meshscope.agent.transport.writer import SpoolWriter
 
 
@@ -33,14 +34,23 @@ def writer(store, *, run="r1", rank=0, attempt=0, **kw) -> SpoolWriter:
                        attempt=attempt, host="node0", start=False, **kw)
 
 
-def coll_rows(rank: int, n: int, start: int = 0) -> list[tuple]:
-    return [(i // 10, "all_reduce" if i % 2 else "all_gather", "fsdp", "g0", 4, i, 1000 + i, 10.0 + i,
-             10.5 + i, 0.5, 0.1, 2000.0, 3000.0, -1, "c10d") for i in range(start, start + n)]
+def coll_rows(rank: int, n: int, start: int = 0) -> list[CollectiveRecord]:
+    return [CollectiveRecord(step=i // 10, op="all_reduce" if i % 2 else "all_gather", dim="fsdp", group="g0",
+                             group_size=4, seq=i, bytes=1000 + i, t_start=10.0 + i, t_end=10.5 + i, duration_s=0.5,
+                             wait_s=0.1, algbw=2000.0, busbw=3000.0, peer=-1, source="c10d")
+            for i in range(start, start + n)]
 
 
-def step_rows(n: int) -> list[tuple]:
-    return [(i, 10.0 + i, 11.0 + i, 1.0, 0.6, 0.2, 0.1, 0.1, 0.01, 0.2, 0.4, 0.02, 4096, 1e12, 0.4,
-             3.0 - i / 100, False, 1.0, 3e-4, i == 3, 40, 0, 0.7, 0.0) for i in range(n)]
+def step_rows(n: int) -> list[StepRecord]:
+    return [StepRecord(step=i, t_start=10.0 + i, t_end=11.0 + i, wall_s=1.0, compute_s=0.6, exposed_comm_s=0.2,
+                       bubble_s=0.1, other_s=0.1, data_s=0.01, forward_s=0.2, backward_s=0.4, optimizer_s=0.02,
+                       tokens=4096, flops=1e12, mfu=0.4, loss=3.0 - i / 100, loss_nonfinite=False, grad_norm=1.0,
+                       lr=3e-4, skipped=i == 3, n_collectives=40, dropped_records_total=0, cpu_s=0.7, cpu_wait_s=0.0)
+            for i in range(n)]
+
+
+def start_event(t: float) -> EventRecord:
+    return EventRecord(t=t, step=0, kind="start", message="")
 
 
 def ingestor(store, clock=None, **cfg) -> Ingestor:
@@ -56,8 +66,9 @@ def test_round_trip_equals_what_was_submitted(tmp_path):
     for rank in range(3):
         w = writer(tmp_path, rank=rank)
         rows = {"collective": coll_rows(rank, 25), "step": step_rows(5),
-                "event": [(12.0, 2, "nonfinite_loss", f"rank {rank}")],
-                "span": [(1, 0, m, "forward", 1.0 + m, 1.5 + m) for m in range(4)]}
+                "event": [EventRecord(t=12.0, step=2, kind="nonfinite_loss", message=f"rank {rank}")],
+                "span": [SpanRecord(step=1, stage=0, microbatch=m, kind="forward", t_start=1.0 + m, t_end=1.5 + m)
+                         for m in range(4)]}
         for kind, kind_rows in rows.items():
             w.submit(kind, kind_rows)
             submitted.setdefault(kind, []).extend((rank, row) for row in kind_rows)
@@ -69,7 +80,7 @@ def test_round_trip_equals_what_was_submitted(tmp_path):
     for kind, rows in submitted.items():
         df = read_table(tmp_path, kind, run="r1")
         names = SCHEMAS[kind].names
-        expected = pd.DataFrame([dict(zip(names, row), rank=rank, run="r1") for rank, row in rows])
+        expected = pd.DataFrame([dict(row._asdict(), rank=rank, run="r1") for rank, row in rows])
         sort = ["rank"] + [c for c in ("seq", "step", "microbatch") if c in names]
         got = df.sort_values(sort).reset_index(drop=True)
         exp = expected.sort_values(sort).reset_index(drop=True)[list(got.columns)]
@@ -241,7 +252,7 @@ def test_new_files_damage_and_bad_headers(tmp_path):
     ing = ingestor(tmp_path)
     ing.poll()
     w = writer(tmp_path, run="late", rank=4)
-    w.submit("event", [(1.0, 0, "start", "")])
+    w.submit("event", [start_event(1.0)])
     w.flush()
     with open(w.path, "ab") as fh:
         fh.write(b"\x00" * 100)
@@ -265,12 +276,15 @@ def test_damaged_offsets_file_recovers_from_parts(tmp_path):
 def test_gpu_rows_go_to_active_runs_under_rank_minus_one(tmp_path):
     clock = Clock()
     w = writer(tmp_path, run="busy")
-    w.submit("event", [(clock.t, 0, "start", "")])
+    w.submit("event", [start_event(clock.t)])
     w.flush()
     ing = ingestor(tmp_path, clock)
     ing.poll()
-    row = (clock.t, "node0", 0, "GPU-1", "H100", 0.5, 0.25, 10, 100, 300.0, 60.0, 1.4e9, 1.98e9, 0, 0, 0)
-    ing.add_gpu_rows([row, row[:2] + (1,) + row[3:]])
+    row = GpuRecord(t=clock.t, host="node0", gpu=0, uuid="GPU-1", name="H100", util_ratio=0.5, mem_util_ratio=0.25,
+                    mem_used_bytes=10, mem_total_bytes=100, power_watts=300.0, temperature_celsius=60.0,
+                    sm_clock_hz=1.4e9, sm_clock_max_hz=1.98e9, throttle_reasons=0, xid_errors_total=0,
+                    ecc_errors_total=0)
+    ing.add_gpu_rows([row, row._replace(gpu=1)])
     ing.poll(final=True)
     df = read_table(tmp_path, "gpu", run="busy")
     assert sorted(df["gpu"]) == [0, 1] and set(df["rank"]) == {-1}
@@ -278,8 +292,8 @@ def test_gpu_rows_go_to_active_runs_under_rank_minus_one(tmp_path):
 
 def test_null_values_from_a_rank_do_not_stop_the_agent(tmp_path):
     w = writer(tmp_path)
-    w.submit("step", [(None,) + step_rows(1)[0][1:], step_rows(2)[1]])  # one step without its number
-    w.submit("collective", [(None, None, None) + coll_rows(0, 1)[0][3:]] + coll_rows(0, 3))
+    w.submit("step", [step_rows(1)[0]._replace(step=None), step_rows(2)[1]])  # one step without its number
+    w.submit("collective", [coll_rows(0, 1)[0]._replace(step=None, op=None, dim=None)] + coll_rows(0, 3))
     w.flush()
     ing = ingestor(tmp_path)
     ing.ingest_all()

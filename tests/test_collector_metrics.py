@@ -16,9 +16,9 @@ from prometheus_client.registry import CollectorRegistry
 from meshscope.agent import catalog
 from meshscope.agent.collector.exposition import MeshscopeCollector
 from meshscope.agent.collector.state import MetricsState
-from meshscope.testing.spools import ALL_OPS_DIMS, collective_table, run_table
-from meshscope.agent.schema import SCHEMAS
+from meshscope.agent.contract import CollectiveRecord, EventRecord, GpuRecord, MemoryRecord, StepRecord
 from meshscope.agent.transport.frame import rows_to_batch
+from meshscope.testing.spools import ALL_OPS_DIMS, collective_table, run_table
 
 
 def table(kind: str, rows: list[tuple]) -> pa.Table:
@@ -27,12 +27,29 @@ def table(kind: str, rows: list[tuple]) -> pa.Table:
 
 def step(i, *, wall=1.0, compute=0.6, exposed=0.2, bubble=0.1, other=0.1, loss=2.0, nonfinite=False,
          skipped=False, mfu=0.4, dropped=0, t0=100.0):
-    return (i, t0 + i, t0 + i + wall, wall, compute, exposed, bubble, other, 0.0, 0.2, 0.4, 0.0, 1000, 5e12,
-            mfu, loss, nonfinite, 1.0, 1e-4, skipped, 10, dropped, compute + other, 0.0)
+    return StepRecord(
+        step=i, t_start=t0 + i, t_end=t0 + i + wall, wall_s=wall, compute_s=compute, exposed_comm_s=exposed,
+        bubble_s=bubble, other_s=other, data_s=0.0, forward_s=0.2, backward_s=0.4, optimizer_s=0.0, tokens=1000,
+        flops=5e12, mfu=mfu, loss=loss, loss_nonfinite=nonfinite, grad_norm=1.0, lr=1e-4, skipped=skipped,
+        n_collectives=10, dropped_records_total=dropped, cpu_s=compute + other, cpu_wait_s=0.0)
 
 
 def coll(seq, *, op="all_reduce", dim="dp", dur=0.5, nbytes=100):
-    return (seq // 10, op, dim, f"{dim}0", 2, seq, nbytes, 1.0, 1.0 + dur, dur, 0.1, 1.0, 1.0, -1, "c10d")
+    return CollectiveRecord(step=seq // 10, op=op, dim=dim, group=f"{dim}0", group_size=2, seq=seq, bytes=nbytes,
+                            t_start=1.0, t_end=1.0 + dur, duration_s=dur, wait_s=0.1, algbw=1.0, busbw=1.0, peer=-1,
+                            source="c10d")
+
+
+def mem(i, *, t, **fields):
+    """A memory record of a CPU rank (-1: what a CPU lacks, tensor bytes not measured); ``fields`` override."""
+    values = dict.fromkeys(MemoryRecord._fields, -1)
+    values.update(step=i, t=t, alloc_retries=0, ooms=0)
+    values.update(fields)
+    return MemoryRecord(**values)
+
+
+def ev(t, step, kind, message):
+    return EventRecord(t=t, step=step, kind=kind, message=message)
 
 
 def scrape(state: MetricsState) -> tuple[CollectorRegistry, str]:
@@ -118,7 +135,9 @@ def test_series_budget_holds_for_every_op_and_dim():
     mesh = {"dp": 2, "fsdp": 2, "tp": 2, "pp": 2}
     st.observe("run", run_table(rank=0, world_size=16, t0=1.0, mesh=mesh),
                run="r", rank=0, attempt=0, now=1.0)
-    st.observe("memory", table("memory", [(0, 1.0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 0, 9, 10, -1, -1, -1)]), run="r", rank=0,
+    device = dict(allocated_bytes=3, allocated_peak_bytes=4, reserved_bytes=5, reserved_peak_bytes=6, active_bytes=7,
+                  active_peak_bytes=8, device_free_bytes=9, device_total_bytes=10)
+    st.observe("memory", table("memory", [mem(0, t=1.0, rss_bytes=1, rss_peak_bytes=2, **device)]), run="r", rank=0,
                attempt=0, now=1.0)
     st.observe("step", table("step", [step(0)]), run="r", rank=0, attempt=0, now=1.0)
     st.observe("collective", collective_table(n=5000, seq0=0, step0=0, per_step=50, t0=1.0, rng=rng,
@@ -142,10 +161,10 @@ def test_series_budget_holds_for_every_op_and_dim():
 
 def test_memory_events_run_info_and_cpu_only_fields():
     st = MetricsState()
-    st.observe("memory", table("memory", [(0, 1.0, 100, 150, -1, -1, -1, -1, -1, -1, 0, 0, -1, -1, -1, -1, -1),
-                                          (1, 2.0, 120, 160, -1, -1, -1, -1, -1, -1, 2, 1, -1, -1, -1, -1, -1)]),
+    st.observe("memory", table("memory", [mem(0, t=1.0, rss_bytes=100, rss_peak_bytes=150),
+                                          mem(1, t=2.0, rss_bytes=120, rss_peak_bytes=160, alloc_retries=2, ooms=1)]),
                run="r", rank=0, attempt=0, now=1.0)
-    st.observe("event", table("event", [(1.0, 0, "crash", "x"), (2.0, 0, "crash", "y"), (3.0, 1, "end", "")]),
+    st.observe("event", table("event", [ev(1.0, 0, "crash", "x"), ev(2.0, 0, "crash", "y"), ev(3.0, 1, "end", "")]),
                run="r", rank=0, attempt=0, now=1.0)
     st.observe("run", run_table(rank=0, world_size=8, t0=1.0), run="r", rank=0, attempt=0, now=1.0)
     reg, text = scrape(st)
@@ -180,8 +199,10 @@ def test_runs_expire_after_their_last_record():
 def test_every_exported_name_is_in_the_catalog():
     st = MetricsState()
     st.observe("step", table("step", [step(0)]), run="r", rank=0, attempt=0, now=1.0)
-    st.gpus[0] = dict(zip(SCHEMAS["gpu"].names, (1.0, "h", 0, "GPU-x", "H100", 0.5, 0.1, 1, 2, 3.0, 4.0, 5.0, 6.0,
-                                                 0, 0, -1)))
+    st.gpus[0] = GpuRecord(t=1.0, host="h", gpu=0, uuid="GPU-x", name="H100", util_ratio=0.5, mem_util_ratio=0.1,
+                           mem_used_bytes=1, mem_total_bytes=2, power_watts=3.0, temperature_celsius=4.0,
+                           sm_clock_hz=5.0, sm_clock_max_hz=6.0, throttle_reasons=0, xid_errors_total=0,
+                           ecc_errors_total=-1)._asdict()
     _, text = scrape(st)
     names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
     assert names <= catalog.sample_names()

@@ -21,9 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from meshscope.agent import catalog
 from meshscope.agent.collector.store import read_table
-from meshscope.testing.spools import ALL_OPS_DIMS, write_run
-from meshscope.agent.transport.frame import spool_path
+from meshscope.agent.contract import CollectiveRecord, spool_path
 from meshscope.agent.transport.writer import SpoolWriter
+from meshscope.testing.spools import ALL_OPS_DIMS, write_run
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -106,7 +106,9 @@ def _feed(store: Path, stop_event: threading.Event, counts: dict) -> None:
     seq = 0
     while not stop_event.is_set():
         for r, w in enumerate(writers):
-            rows = [(i // 40, "all_reduce", "dp", "dp0", 2, i, 8, 1.0, 2.0, 1.0, 0.1, 8.0, 8.0, -1, "c10d")
+            rows = [CollectiveRecord(step=i // 40, op="all_reduce", dim="dp", group="dp0", group_size=2, seq=i, bytes=8,
+                                     t_start=1.0, t_end=2.0, duration_s=1.0, wait_s=0.1, algbw=8.0, busbw=8.0, peer=-1,
+                                     source="c10d")
                     for i in range(seq, seq + 50)]
             w.submit("collective", rows)
             w.flush()

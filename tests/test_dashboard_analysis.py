@@ -15,7 +15,7 @@ from meshscope.dashboard import analysis as A
     ("reduce_scatter", 2, 0.5), ("all_to_all", 8, 0.875), ("broadcast", 8, 1.0), ("send", 2, 1.0),
     ("recv", 2, 1.0), ("reduce", 4, 1.0)])
 def test_busbw_factor_follows_nccl_tests(op, n, factor):
-    from meshscope.agent.instrument.bandwidth import busbw_factor
+    from meshscope.agent.contract import busbw_factor
 
     assert A.busbw_factor(op, n) == pytest.approx(factor) == busbw_factor(op, n)  # the ranks' own factor
 

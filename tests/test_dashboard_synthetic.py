@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from meshscope.agent.collector.store import stored_schema
-from meshscope.agent.schema import SCHEMAS
+from meshscope.agent.contract import SCHEMAS
 from meshscope.dashboard import analysis
 from meshscope.dashboard.pipeline_sim import simulate
 from meshscope.testing.store import Straggler, SyntheticConfig, main, write_store

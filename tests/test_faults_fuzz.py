@@ -42,8 +42,7 @@ from meshscope.agent.collector.exposition import MeshscopeCollector
 from meshscope.agent.collector.ingest import Ingestor
 from meshscope.agent.collector.state import MetricsState
 from meshscope.agent.collector.store import read_table
-from meshscope.agent.instrument.recorder import AnchoredClock
-from meshscope.agent.schema import SCHEMAS
+from meshscope.agent.contract import RECORDS, SCHEMAS, AnchoredClock, CollectiveRecord, EventRecord, StepRecord
 from meshscope.agent.transport.frame import (
     FORMAT_VERSION, FRAME_HEADER_SIZE, HEADER, KIND_CODES, MAGIC, MAX_PAYLOAD, REJECT_REASONS, encode_batch,
     encode_data_frame, encode_file_header, encode_frame, rows_to_batch,
@@ -67,13 +66,18 @@ def header(rank: int = 0) -> bytes:
     return encode_file_header(run=RUN, rank=rank, attempt=0, host="h", stream_id=f"{rank:016x}", created=1.0)
 
 
-def step_row(step: int) -> tuple:
-    return (step, 1.0 + step, 2.0 + step, 1.0, 0.5, 0.2, 0.2, 0.1, 0.0, 0.2, 0.3, 0.0, 64, 1e6, 0.1, 2.5, False,
-            1.0, 1e-3, False, 2, 0, 0.6, 0.0)
+def step_row(step: int) -> StepRecord:
+    return StepRecord(
+        step=step, t_start=1.0 + step, t_end=2.0 + step, wall_s=1.0, compute_s=0.5, exposed_comm_s=0.2, bubble_s=0.2,
+        other_s=0.1, data_s=0.0, forward_s=0.2, backward_s=0.3, optimizer_s=0.0, tokens=64, flops=1e6, mfu=0.1,
+        loss=2.5, loss_nonfinite=False, grad_norm=1.0, lr=1e-3, skipped=False, n_collectives=2,
+        dropped_records_total=0, cpu_s=0.6, cpu_wait_s=0.0)
 
 
-def coll_row(seq: int) -> tuple:
-    return (seq // 2, "all_reduce", "dp", "0", 2, seq, 4096, 1.0, 1.5, 0.5, 0.1, 8e3, 8e3, -1, "c10d")
+def coll_row(seq: int) -> CollectiveRecord:
+    return CollectiveRecord(step=seq // 2, op="all_reduce", dim="dp", group="0", group_size=2, seq=seq, bytes=4096,
+                            t_start=1.0, t_end=1.5, duration_s=0.5, wait_s=0.1, algbw=8e3, busbw=8e3, peer=-1,
+                            source="c10d")
 
 
 # A pool of intact frames (encoded once): hypothesis picks among them.
@@ -83,7 +87,8 @@ for i in range(6):
         "step", rows_to_batch("step", [step_row(i * 10 + j) for j in range(i + 1)]))))
     POOL.append(("collective", 3 * i + 1, encode_data_frame(
         "collective", rows_to_batch("collective", [coll_row(i * 100 + j) for j in range(3 * i + 1)]))))
-    POOL.append(("event", 1, encode_data_frame("event", rows_to_batch("event", [(float(i), i, "start", f"m{i}é\n\"")]))))
+    POOL.append(("event", 1, encode_data_frame("event", rows_to_batch("event", [
+        EventRecord(t=float(i), step=i, kind="start", message=f"m{i}é\n\"")]))))
 
 
 def raw_frame(*, fmt: int = FORMAT_VERSION, code: int = KIND_CODES["event"], version: int = 1, payload: bytes = b"",
@@ -323,11 +328,13 @@ def _value(field: pa.Field):
 
 
 def records(kind: str):
-    return st.lists(st.tuples(*[_value(f) for f in SCHEMAS[kind]]), min_size=1, max_size=3)
+    """Records of ``kind`` built by keyword, every field any value its column type allows (or NULL)."""
+    return st.lists(st.builds(RECORDS[kind], **{f.name: _value(f) for f in SCHEMAS[kind]}), min_size=1,
+                    max_size=3)
 
 
 ODD_KINDS = ("run", "step", "collective", "memory", "event", "span")
-RECORDS = {kind: records(kind) for kind in ODD_KINDS}  # built once: building strategies is the slow part
+ODD_RECORDS = {kind: records(kind) for kind in ODD_KINDS}  # built once: building strategies is the slow part
 
 
 @settings(max_examples=700, **FAST)
@@ -339,7 +346,7 @@ def test_odd_values_never_break_the_metric_state_or_the_exposition(batches, data
     registry.register(MeshscopeCollector(state, host="h", version="t"))
     errors = 0
     for kind, rank, attempt in batches:
-        rows = data.draw(RECORDS[kind])
+        rows = data.draw(ODD_RECORDS[kind])
         table = pa.Table.from_batches([rows_to_batch(kind, rows)])
         try:  # exactly the guard of Ingestor._take: a failure here is counted (metric_errors), not fatal
             state.observe(kind, table, run=RUN, rank=rank, attempt=attempt, now=1e9)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from meshscope.agent.instrument.bandwidth import algbw, busbw, busbw_factor
+from meshscope.agent.contract import algbw, busbw, busbw_factor
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,9 @@ import time
 
 import pytest
 
+from meshscope.agent.contract import SCHEMAS
 from meshscope.agent.instrument.telemetry import NullTelemetry, Telemetry, TelemetryConfig
-from meshscope.agent.schema import SCHEMAS
+from meshscope.agent.transport.frame import rows_to_batch
 
 
 class MemoryWriter:
@@ -31,8 +32,9 @@ class MemoryWriter:
         pass
 
     def table(self, kind: str) -> list[dict]:
-        names = SCHEMAS[kind].names
-        return [dict(zip(names, r, strict=True)) for r in self.rows[kind]]
+        """The rows as the spool writer would encode them (so each must be the kind's record type)."""
+        rows = self.rows[kind]
+        return rows_to_batch(kind, rows).to_pylist() if rows else []
 
 
 def make(writer=None, **cfg) -> tuple[Telemetry, MemoryWriter]:

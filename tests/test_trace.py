@@ -9,8 +9,8 @@ import pytest
 
 from meshscope.agent.collector.ingest import Ingestor
 from meshscope.agent.collector.state import MetricsState
+from meshscope.agent.contract import CollectiveRecord, EventRecord, RunRecord, SpanRecord, StepRecord, spool_path
 from meshscope.agent.trace import main, parse_steps
-from meshscope.agent.transport.frame import spool_path
 from meshscope.agent.transport.writer import SpoolWriter
 
 
@@ -31,25 +31,36 @@ def store(tmp_path_factory):
         steps, spans, colls = [], [], []
         for s in range(6):
             t = T0 + s
-            steps.append((s, t, t + 0.9, 0.9, 0.5, 0.2, 0.1, 0.1, 0.05, 0.15, 0.3, 0.05, 1024, 1e12, 0.3,
-                          float("nan") if s == 4 else 2.0, s == 4, 1.0, 1e-4, False, 3, 0, 0.3, 0.0))
+            steps.append(StepRecord(
+                step=s, t_start=t, t_end=t + 0.9, wall_s=0.9, compute_s=0.5, exposed_comm_s=0.2, bubble_s=0.1,
+                other_s=0.1, data_s=0.05, forward_s=0.15, backward_s=0.3, optimizer_s=0.05, tokens=1024, flops=1e12,
+                mfu=0.3, loss=float("nan") if s == 4 else 2.0, loss_nonfinite=s == 4, grad_norm=1.0, lr=1e-4,
+                skipped=False, n_collectives=3, dropped_records_total=0, cpu_s=0.3, cpu_wait_s=0.0))
             for m in range(2):
-                spans.append((s, rank, m, "forward", t + 0.1 + 0.1 * m, t + 0.15 + 0.1 * m))
-                spans.append((s, rank, m, "backward", t + 0.4 + 0.2 * m, t + 0.5 + 0.2 * m))
+                spans.append(SpanRecord(step=s, stage=rank, microbatch=m, kind="forward", t_start=t + 0.1 + 0.1 * m,
+                                        t_end=t + 0.15 + 0.1 * m))
+                spans.append(SpanRecord(step=s, stage=rank, microbatch=m, kind="backward", t_start=t + 0.4 + 0.2 * m,
+                                        t_end=t + 0.5 + 0.2 * m))
             # two overlapping all-gathers (prefetch) and a send on another dim
-            colls.append((s, "all_gather", "fsdp", "fsdp0", 2, 3 * s, 4_000_000, t + 0.1, t + 0.3, 0.2, 0.05,
-                          2e7, 1e7, -1, "fsdp_comm"))
-            colls.append((s, "all_gather", "fsdp", "fsdp0", 2, 3 * s + 1, 4_000_000, t + 0.2, t + 0.35, 0.15,
-                          0.0, 2.7e7, 1.3e7, -1, "fsdp_comm"))
-            colls.append((s, "send", "pp", "pp0", 2, 3 * s + 2, 1000, t + 0.6, t + 0.61, 0.01, 0.0, 1e5, 1e5,
-                          1 - rank, "c10d"))
+            fsdp = dict(step=s, op="all_gather", dim="fsdp", group="fsdp0", group_size=2, bytes=4_000_000, peer=-1,
+                        source="fsdp_comm")
+            colls.append(CollectiveRecord(**fsdp, seq=3 * s, t_start=t + 0.1, t_end=t + 0.3, duration_s=0.2,
+                                          wait_s=0.05, algbw=2e7, busbw=1e7))
+            colls.append(CollectiveRecord(**fsdp, seq=3 * s + 1, t_start=t + 0.2, t_end=t + 0.35, duration_s=0.15,
+                                          wait_s=0.0, algbw=2.7e7, busbw=1.3e7))
+            colls.append(CollectiveRecord(step=s, op="send", dim="pp", group="pp0", group_size=2, seq=3 * s + 2,
+                                          bytes=1000, t_start=t + 0.6, t_end=t + 0.61, duration_s=0.01, wait_s=0.0,
+                                          algbw=1e5, busbw=1e5, peer=1 - rank, source="c10d"))
         w.submit("step", steps)
         w.submit("span", spans)
         w.submit("collective", colls)
-        w.submit("event", [(T0 + 4.5, 4, "nonfinite_loss", "loss is nan")])
-        w.submit("run", [(rank, 2, rank, f"node{rank}", 100 + rank, 0, T0, "pp", '{"pp": 2}', "{}", "1f1b", 2, 1,
-                          "tiny", 1, 1, 1, 1, 1, 1, 1.0, 1.0, "override", "cpu", "gloo", "fp32", "2.13", "0.1",
-                          "3.11", "{}")])
+        w.submit("event", [EventRecord(t=T0 + 4.5, step=4, kind="nonfinite_loss", message="loss is nan")])
+        w.submit("run", [RunRecord(
+            rank=rank, world_size=2, local_rank=rank, host=f"node{rank}", pid=100 + rank, attempt=0, t_start=T0,
+            strategy="pp", mesh='{"pp": 2}', coords="{}", schedule="1f1b", microbatches=2, virtual_stages=1,
+            model="tiny", n_params=1, n_params_nonembedding=1, n_layers=1, d_model=1, seq_len=1, global_batch=1,
+            flops_per_token=1.0, peak_flops=1.0, peak_source="override", device="cpu", backend="gloo", dtype="fp32",
+            torch_version="2.13", meshscope_version="0.1", python_version="3.11", config="{}")])
         w.flush()
         assert w.close()
     Ingestor(store=store, state=MetricsState(), clock=Clock()).ingest_all()

@@ -1,4 +1,4 @@
-"""Spool framing: round trips, the header frame, and the path convention."""
+"""Spool framing: round trips, the header frame, and typed rows in."""
 
 from __future__ import annotations
 
@@ -8,19 +8,26 @@ import zlib
 import pyarrow as pa
 import pytest
 
-from meshscope.agent.schema import SCHEMA_VERSION, SCHEMAS
+from meshscope.agent.contract import SCHEMA_VERSION, SCHEMAS, EventRecord, StepRecord
 from meshscope.agent.transport.frame import (
     FRAME_HEADER_SIZE, KIND_CODES, MAGIC, FrameError, decode_payload, encode_data_frame, encode_file_header,
-    encode_frame, parse_frame_header, rows_to_batch, spool_path,
+    encode_frame, parse_frame_header, rows_to_batch,
 )
 from meshscope.agent.transport.reader import SpoolReader
 
-STEP_ROW = (7, 10.0, 11.0, 1.0, 0.6, 0.2, 0.1, 0.1, 0.01, 0.2, 0.4, 0.02, 4096, 1e12, 0.4, 2.5, False, 0.9,
-            3e-4, False, 12, 0, 0.7, 0.01)
+STEP_ROW = StepRecord(
+    step=7, t_start=10.0, t_end=11.0, wall_s=1.0, compute_s=0.6, exposed_comm_s=0.2, bubble_s=0.1, other_s=0.1,
+    data_s=0.01, forward_s=0.2, backward_s=0.4, optimizer_s=0.02, tokens=4096, flops=1e12, mfu=0.4, loss=2.5,
+    loss_nonfinite=False, grad_norm=0.9, lr=3e-4, skipped=False, n_collectives=12, dropped_records_total=0, cpu_s=0.7,
+    cpu_wait_s=0.01)
+
+
+def ev(t: float, step: int, kind: str, message: str) -> EventRecord:
+    return EventRecord(t=t, step=step, kind=kind, message=message)
 
 
 def test_data_frame_round_trip():
-    batch = rows_to_batch("step", [STEP_ROW, STEP_ROW[:1] + (8,) + STEP_ROW[2:]])
+    batch = rows_to_batch("step", [STEP_ROW, STEP_ROW._replace(t_start=8.0)])
     frame = encode_data_frame("step", batch)
     assert frame[:4] == MAGIC
     kind, version, length, crc = parse_frame_header(memoryview(frame), 0)
@@ -52,7 +59,7 @@ def test_every_schema_kind_has_a_code_and_round_trips():
     (lambda f: f[:9] + bytes([f[9] ^ 1]) + f[10:], "bad_header_crc"),  # length field flipped
 ])
 def test_damaged_headers_are_rejected(mutate, reason):
-    frame = mutate(encode_data_frame("event", rows_to_batch("event", [(1.0, 2, "start", "hi")])))
+    frame = mutate(encode_data_frame("event", rows_to_batch("event", [ev(1.0, 2, "start", "hi")])))
     with pytest.raises(FrameError) as err:
         parse_frame_header(frame, 0)
     assert err.value.reason == reason
@@ -75,7 +82,7 @@ def test_unknown_versions_and_kinds(frame, reason):
 
 
 def test_payload_errors_name_their_reason():
-    good = encode_data_frame("event", rows_to_batch("event", [(1.0, 2, "end", "")]))
+    good = encode_data_frame("event", rows_to_batch("event", [ev(1.0, 2, "end", "")]))
     kind, version, _, crc = parse_frame_header(good, 0)
     payload = bytearray(good[FRAME_HEADER_SIZE:])
     payload[-9] ^= 0xFF
@@ -93,27 +100,21 @@ def test_payload_errors_name_their_reason():
     assert err.value.reason == "schema_mismatch"
 
 
-def test_rows_must_match_the_schema():
-    with pytest.raises(ValueError, match="fields"):
-        rows_to_batch("event", [(1.0, 2, "start")])
+def test_rows_must_be_the_kinds_records():
+    # A positional tuple, even of the right length, or another kind's record: a ValueError naming both.
+    for row in [(1.0, 2, "start", ""), STEP_ROW]:
+        with pytest.raises(ValueError, match=rf"event rows must be EventRecord .* got {type(row).__name__}"):
+            rows_to_batch("event", [ev(1.0, 2, "start", ""), row])
+    with pytest.raises(ValueError, match="no event rows"):
+        rows_to_batch("event", [])
     with pytest.raises((pa.ArrowInvalid, pa.ArrowTypeError, TypeError)):
-        rows_to_batch("event", [("not a float", 2, "start", "")])
-
-
-def test_spool_path_convention_and_validation(tmp_path):
-    assert spool_path(tmp_path, run="llama_8b.v2", rank=12, attempt=1) == (
-        tmp_path / "spool" / "llama_8b.v2" / "rank-12.a1.spool")
-    for bad in ("", "../etc", "a/b", "x" * 200, "-lead"):
-        with pytest.raises(ValueError, match="run name"):
-            spool_path(tmp_path, run=bad, rank=0, attempt=0)
-    with pytest.raises(ValueError, match="rank"):
-        spool_path(tmp_path, run="ok", rank=-1, attempt=0)
+        rows_to_batch("event", [ev("not a float", 2, "start", "")])
 
 
 def test_reader_reads_a_written_file(tmp_path):
     path = tmp_path / "f.spool"
     header = encode_file_header(run="r", rank=0, attempt=0, host="h", stream_id="0123456789abcdef", created=1.0)
-    data = encode_data_frame("event", rows_to_batch("event", [(1.0, 0, "start", "go")]))
+    data = encode_data_frame("event", rows_to_batch("event", [ev(1.0, 0, "start", "go")]))
     path.write_bytes(header + data)
     res = SpoolReader(path).read(0)
     assert [f.kind for f in res.frames] == ["header", "event"] and res.offset == len(header) + len(data)
@@ -123,13 +124,14 @@ def test_reader_reads_a_written_file(tmp_path):
 
 def test_a_version_1_step_batch_is_lifted_to_the_current_schema():
     # Spools written before step.cpu_s existed (schema v1) still ingest: the column is NULL.
-    from meshscope.agent.schema import SCHEMAS_V1
+    from meshscope.agent.contract.schema import SCHEMAS_V1
     from meshscope.agent.transport.frame import encode_batch
 
-    v1 = pa.RecordBatch.from_arrays([pa.array([v], type=f.type) for v, f in zip(STEP_ROW[:-2], SCHEMAS_V1["step"])],
+    v1 = pa.RecordBatch.from_arrays([pa.array([getattr(STEP_ROW, f.name)], type=f.type) for f in SCHEMAS_V1["step"]],
                                     schema=SCHEMAS_V1["step"])
     frame = encode_frame("step", encode_batch(v1), schema_version=1)
     kind, version, length, crc = parse_frame_header(frame, 0)
     table = decode_payload(kind, version, memoryview(frame)[FRAME_HEADER_SIZE:FRAME_HEADER_SIZE + length], crc)
     assert version == 1 and table.schema.equals(SCHEMAS["step"])
-    assert table.column("cpu_s").null_count == table.column("cpu_wait_s").null_count == 1 and table.column("wall_s")[0].as_py() == STEP_ROW[3]
+    assert table.column("cpu_s").null_count == table.column("cpu_wait_s").null_count == 1
+    assert table.column("wall_s")[0].as_py() == STEP_ROW.wall_s

@@ -7,6 +7,7 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from meshscope.agent.contract import EventRecord, StepRecord
 from meshscope.agent.transport.frame import (
     FRAME_HEADER_SIZE, MAGIC, REJECT_REASONS, encode_data_frame, encode_file_header, encode_frame, rows_to_batch,
 )
@@ -16,7 +17,8 @@ HEADER = encode_file_header(run="r", rank=1, attempt=0, host="h", stream_id="012
 
 
 def event_frame(i: int) -> bytes:
-    return encode_data_frame("event", rows_to_batch("event", [(float(i), i, "start", f"m{i}")]))
+    return encode_data_frame("event", rows_to_batch("event", [EventRecord(t=float(i), step=i, kind="start",
+                                                                          message=f"m{i}")]))
 
 
 def steps_of(result) -> list[int]:
@@ -82,9 +84,12 @@ def test_garbage_between_frames_and_a_frame_cut_short(tmp_path):
 
 
 def test_schema_mismatch_and_decode_errors_are_skipped_whole(tmp_path):
-    wrong = encode_frame("event", encode_data_frame("step", rows_to_batch("step", [
-        (0, 1.0, 2.0, 1.0, 0.5, 0.2, 0.2, 0.1, 0.0, 0.2, 0.3, 0.0, 1, 1.0, 0.1, 1.0, False, 1.0, 0.1, False, 0, 0, 0.4, 0.0)
-    ]))[FRAME_HEADER_SIZE:])
+    step = StepRecord(
+        step=0, t_start=1.0, t_end=2.0, wall_s=1.0, compute_s=0.5, exposed_comm_s=0.2, bubble_s=0.2, other_s=0.1,
+        data_s=0.0, forward_s=0.2, backward_s=0.3, optimizer_s=0.0, tokens=1, flops=1.0, mfu=0.1, loss=1.0,
+        loss_nonfinite=False, grad_norm=1.0, lr=0.1, skipped=False, n_collectives=0, dropped_records_total=0,
+        cpu_s=0.4, cpu_wait_s=0.0)
+    wrong = encode_frame("event", encode_data_frame("step", rows_to_batch("step", [step]))[FRAME_HEADER_SIZE:])
     junk = encode_frame("event", b"this is not an arrow stream!")
     path = tmp_path / "s.spool"
     path.write_bytes(HEADER + wrong + event_frame(1) + junk + event_frame(2))
@@ -95,7 +100,7 @@ def test_schema_mismatch_and_decode_errors_are_skipped_whole(tmp_path):
 
 
 def test_frames_larger_than_the_read_size_are_read_whole(tmp_path):
-    rows = [(float(i), i, "start", "x" * 50) for i in range(2000)]
+    rows = [EventRecord(t=float(i), step=i, kind="start", message="x" * 50) for i in range(2000)]
     big = encode_data_frame("event", rows_to_batch("event", rows))
     path = tmp_path / "s.spool"
     path.write_bytes(HEADER + big + event_frame(7))

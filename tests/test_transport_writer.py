@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from meshscope.agent.transport.frame import spool_path
+from meshscope.agent.contract import EventRecord, spool_path
 from meshscope.agent.transport.reader import SpoolReader
 from meshscope.agent.transport.writer import SpoolWriter
 
@@ -20,8 +20,8 @@ class FakeClock:
         return self.t
 
 
-def ev(i: int) -> tuple:
-    return (float(i), i, "start", f"m{i}")
+def ev(i: int) -> EventRecord:
+    return EventRecord(t=float(i), step=i, kind="start", message=f"m{i}")
 
 
 def read_events(path) -> list[int]:
@@ -83,11 +83,13 @@ def test_submit_never_raises_on_nonsense(tmp_path):
     assert w.submit("event", None) is False  # type: ignore[arg-type]
     assert w.submit("nope", [ev(1)]) is True  # unknown kind: counted when encoded
     assert w.submit("event", [("bad", "row")]) is True
+    assert w.submit("event", [(7.0, 7, "start", "m7")]) is True  # positional, even of the right length
     assert w.submit("event", [ev(5)]) is True
     w.flush()
-    assert w.encode_errors == 2 and w.dropped_records == 3 and "event" in w.last_error
+    assert w.encode_errors == 3 and w.dropped_records == 4
+    assert "event rows must be EventRecord records" in w.last_error and "got tuple" in w.last_error
     assert read_events(w.path) == [5] and w.close()
-    assert w.submit("event", [ev(6)]) is False and w.dropped_records == 4  # closed
+    assert w.submit("event", [ev(6)]) is False and w.dropped_records == 5  # closed
 
 
 def test_outage_within_the_hold_loses_nothing_and_recovers_at_the_first_retry(tmp_path):

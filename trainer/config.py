@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshscope.agent.transport.frame import check_run_name
+from meshscope.agent.contract import check_run_name
 from meshscope.trainer.model import FLAVORS
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "looped-bfs")

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshscope.agent.transport.frame import check_run_name
+from meshscope.agent.contract import check_run_name
 from meshscope.trainer.config import ConfigError, _Parser
 from meshscope.trainer.model import FLAVORS
 

@@ -16,10 +16,7 @@ from meshscope.agent.collector.gpu import GpuSampler
 from meshscope.agent.collector.ingest import IngestConfig, Ingestor
 from meshscope.agent.collector.server import MetricsServer, serve_metrics
 from meshscope.agent.collector.state import MetricsState
-from meshscope.agent.instrument.recorder import Clock
-from meshscope.agent.schema import SCHEMAS
-
-_GPU_FIELDS = tuple(SCHEMAS["gpu"].names)
+from meshscope.agent.contract import Clock
 
 
 @dataclass(kw_only=True, slots=True)
@@ -79,7 +76,7 @@ class Agent:
         with self.state.lock:
             self.state.gpu_errors = self.gpu.errors
             for row in rows:
-                self.state.gpus[row[2]] = dict(zip(_GPU_FIELDS, row))
+                self.state.gpus[row.gpu] = row._asdict()
         self.ingestor.add_gpu_rows(rows)
 
     def run(self, stop: threading.Event) -> None:

@@ -21,8 +21,7 @@ from typing import Literal
 from meshscope.agent.collector.ingest import Ingestor
 from meshscope.agent.collector.offsets import OffsetStore
 from meshscope.agent.collector.state import MetricsState
-from meshscope.agent.instrument.recorder import AnchoredClock
-from meshscope.agent.transport.frame import SPOOL_NAME
+from meshscope.agent.contract import SPOOL_NAME, AnchoredClock
 
 LOCK_NAME = "agent.lock"
 

@@ -30,7 +30,7 @@ from meshscope.agent.collector.catchup import lock_store
 from meshscope.agent.collector.gpu import load_nvml
 from meshscope.agent.collector.ingest import IngestConfig
 from meshscope.agent.collector.server import WebConfig, serve_metrics
-from meshscope.agent.instrument.recorder import AnchoredClock
+from meshscope.agent.contract import AnchoredClock
 from meshscope.agent.security import Credentials
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from types import ModuleType
 
-from meshscope.agent.instrument.recorder import Clock
+from meshscope.agent.contract import AnchoredClock, Clock, GpuRecord
 
 
 def load_nvml(module: ModuleType | None = None) -> tuple[ModuleType | None, str]:
@@ -37,7 +37,7 @@ def load_nvml(module: ModuleType | None = None) -> tuple[ModuleType | None, str]
 
 
 class GpuSampler:
-    """Samples every GPU NVML sees into rows of ``SCHEMAS["gpu"]`` (field order)."""
+    """Samples every GPU NVML sees into ``GpuRecord`` rows (``agent.contract``)."""
 
     def __init__(self, nvml: ModuleType, *, host: str, clock: Clock) -> None:
         self._nvml = nvml
@@ -102,10 +102,9 @@ class GpuSampler:
             if index is not None and 0 <= index < len(self._xid):
                 self._xid[index] += 1
 
-    def sample(self) -> list[tuple]:
-        """One row per GPU: (t, host, gpu, uuid, name, util_ratio, mem_util_ratio, mem_used_bytes,
-        mem_total_bytes, power_watts, temperature_celsius, sm_clock_hz, sm_clock_max_hz,
-        throttle_reasons, xid_errors_total, ecc_errors_total)."""
+    def sample(self) -> list[GpuRecord]:
+        """One record per GPU; what a GPU does not report is NaN (ratios, watts, degrees, hertz) or -1
+        (counts and sizes)."""
         nvml = self._nvml
         t = self._clock.now()
         self._drain_xid()
@@ -122,13 +121,16 @@ class GpuSampler:
             ecc = self._q(nvml.nvmlDeviceGetTotalEccErrors, h, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
                           nvml.NVML_VOLATILE_ECC, default=-1)
             static = self._static[i]
-            rows.append((
-                t, self._host, i, static["uuid"], static["name"],
-                _nan(util.gpu / 100.0 if util is not None else None),
-                _nan(util.memory / 100.0 if util is not None else None),
-                int(mem.used) if mem is not None else -1, int(mem.total) if mem is not None else -1,
-                _nan(power_mw / 1000.0 if power_mw is not None else None), _nan(temp), _mhz(sm),
-                static["sm_max_hz"], int(throttle), self._xid[i] if self._events is not None else -1, int(ecc),
+            rows.append(GpuRecord(
+                t=t, host=self._host, gpu=i, uuid=static["uuid"], name=static["name"],
+                util_ratio=_nan(util.gpu / 100.0 if util is not None else None),
+                mem_util_ratio=_nan(util.memory / 100.0 if util is not None else None),
+                mem_used_bytes=int(mem.used) if mem is not None else -1,
+                mem_total_bytes=int(mem.total) if mem is not None else -1,
+                power_watts=_nan(power_mw / 1000.0 if power_mw is not None else None),
+                temperature_celsius=_nan(temp), sm_clock_hz=_mhz(sm), sm_clock_max_hz=static["sm_max_hz"],
+                throttle_reasons=int(throttle), xid_errors_total=self._xid[i] if self._events is not None else -1,
+                ecc_errors_total=int(ecc),
             ))
         return rows
 
@@ -152,16 +154,13 @@ def _mhz(value) -> float:
 
 
 def main() -> int:
-    from meshscope.agent.instrument.recorder import AnchoredClock
-    from meshscope.agent.schema import SCHEMAS
-
     nvml, reason = load_nvml()
     if nvml is None:
         print(f"meshscope gpu: {reason}")
         return 1
     sampler = GpuSampler(nvml, host="localhost", clock=AnchoredClock())
     for row in sampler.sample():
-        print(dict(zip(SCHEMAS["gpu"].names, row)))
+        print(row._asdict())
     print(f"errors: {sampler.errors}")
     sampler.close()
     return 0

@@ -25,10 +25,9 @@ from meshscope.agent.collector import parts as partio
 from meshscope.agent.collector.offsets import OffsetStore
 from meshscope.agent.collector.state import MetricsState
 from meshscope.agent.collector.store import partition_dir, tables_dir
-from meshscope.agent.instrument.recorder import Clock
-from meshscope.agent.schema import KINDS
+from meshscope.agent.contract import KINDS, SPOOL_NAME, Clock
 from meshscope.agent.transport.backoff import Backoff
-from meshscope.agent.transport.frame import HEADER_KIND, SPOOL_NAME, rows_to_batch
+from meshscope.agent.transport.frame import HEADER_KIND, rows_to_batch
 from meshscope.agent.transport.reader import SpoolReader
 
 GPU_RANK = -1
@@ -146,7 +145,7 @@ class Ingestor:
         self.poll(final=True)
 
     def add_gpu_rows(self, rows: list[tuple]) -> None:
-        """GPU samples for the runs active on this host (stored with rank = -1)."""
+        """GPU samples (``GpuRecord``) for the runs active on this host (stored with rank = -1)."""
         if not rows:
             return
         if not self._gpu_rows:

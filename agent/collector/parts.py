@@ -3,8 +3,9 @@
 Exactly once across agent crashes rests on three rules:
 
 1. A part holds the records of one byte range ``[start, end)`` of one spool stream and is named after it
-   (``part-<stream>-<start>-<end>.parquet``, the range also in the Parquet key-value metadata). It is
-   written to a hidden temporary file and renamed into place, so it exists whole or not at all.
+   (``part-<stream>-<start>-<end>.parquet``, see ``agent.contract.part_name``; the range also in the Parquet
+   key-value metadata). It is written to a hidden temporary file and renamed into place, so it exists whole
+   or not at all.
 2. The agent advances its durable offset for a spool only after every part of the range is in place.
 3. On restart, before reading at the durable offset ``s``, the agent looks for parts starting at ``s``:
    if there are, that range was written (possibly only for some kinds) by a process that died before
@@ -20,7 +21,6 @@ deletes the sources; a crash in between leaves parts contained in another part o
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -29,9 +29,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from meshscope.agent.collector.store import PARTITION_KEYS
-from meshscope.agent.schema import SCHEMA_VERSION
+from meshscope.agent.contract import PART_RE, SCHEMA_VERSION, part_name
 
-PART_RE = re.compile(r"^part-(?P<stream>[0-9a-z]+)-(?P<start>\d{16})-(?P<end>\d{16})\.parquet$")
 META_PREFIX = "meshscope."
 
 
@@ -42,10 +41,6 @@ class Part:
     start: int
     end: int
     size: int
-
-
-def part_name(stream: str, start: int, end: int) -> str:
-    return f"part-{stream}-{start:016d}-{end:016d}.parquet"
 
 
 def list_parts(directory: Path) -> list[Part]:

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from meshscope.agent.catalog import OVERFLOW_DIM, OVERFLOW_OP, PHASES, SERIES_PER_RANK_MAX, STEP_BUCKETS, rank_budget
-from meshscope.agent.schema import EVENT_KINDS, KINDS
+from meshscope.agent.contract import EVENT_KINDS, KINDS
 
 # Collectives a mesh dim of degree > 1 is expected to issue: their series are created at 0 when the run
 # record arrives, so increase()/rate() see the first increment (a series born at N loses those N).

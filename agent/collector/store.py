@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import pyarrow as pa
 
-from meshscope.agent.schema import KINDS, SCHEMAS
-from meshscope.agent.transport.frame import check_run_name
+from meshscope.agent.contract import KINDS, SCHEMAS, check_run_name
 
 if TYPE_CHECKING:  # pandas only loads when a reader asks for a frame; the ingest path never does
     import pandas as pd

@@ -12,6 +12,8 @@ import weakref
 
 import torch
 
+from meshscope.agent.contract import MemoryRecord
+
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -115,19 +117,25 @@ class TensorCensus:
             self._hook = None
 
 
-def sample(step: int, t: float, device: torch.device, tensors: tuple[int, int, int] = NOT_MEASURED) -> tuple:
-    """A row of the ``memory`` kind (field order of agent.schema). -1 marks what this device lacks and the
-    tensor bytes when they were not measured with this sample."""
-    rss, peak = rss_bytes(), rss_peak_bytes()
+def sample(step: int, t: float, device: torch.device, tensors: tuple[int, int, int] = NOT_MEASURED) -> MemoryRecord:
+    """A ``memory`` record. -1 marks what this device lacks (the allocator's and the device's figures off
+    CUDA) and the tensor bytes when they were not measured with this sample."""
+    param, grad, optimizer = tensors
+    common = dict(step=step, t=t, rss_bytes=rss_bytes(), rss_peak_bytes=rss_peak_bytes(), param_bytes=param,
+                  grad_bytes=grad, optimizer_bytes=optimizer)
     if device.type != "cuda":
-        return (step, t, rss, peak, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, *tensors)
+        return MemoryRecord(
+            **common, allocated_bytes=-1, allocated_peak_bytes=-1, reserved_bytes=-1, reserved_peak_bytes=-1,
+            active_bytes=-1, active_peak_bytes=-1, alloc_retries=-1, ooms=-1, device_free_bytes=-1,
+            device_total_bytes=-1)
     s = torch.cuda.memory_stats(device)
     free, total = torch.cuda.mem_get_info(device)
-    return (
-        step, t, rss, peak,
-        s.get("allocated_bytes.all.current", 0), s.get("allocated_bytes.all.peak", 0),
-        s.get("reserved_bytes.all.current", 0), s.get("reserved_bytes.all.peak", 0),
-        s.get("active_bytes.all.current", 0), s.get("active_bytes.all.peak", 0),
-        s.get("num_alloc_retries", 0), s.get("num_ooms", 0),
-        free, total, *tensors,
+    return MemoryRecord(
+        **common,
+        allocated_bytes=s.get("allocated_bytes.all.current", 0),
+        allocated_peak_bytes=s.get("allocated_bytes.all.peak", 0),
+        reserved_bytes=s.get("reserved_bytes.all.current", 0), reserved_peak_bytes=s.get("reserved_bytes.all.peak", 0),
+        active_bytes=s.get("active_bytes.all.current", 0), active_peak_bytes=s.get("active_bytes.all.peak", 0),
+        alloc_retries=s.get("num_alloc_retries", 0), ooms=s.get("num_ooms", 0),
+        device_free_bytes=free, device_total_bytes=total,
     )

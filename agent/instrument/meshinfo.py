@@ -1,7 +1,7 @@
 """Which parallel dimension a process group belongs to, looked up per collective call.
 
 A collective is labelled with its DeviceMesh dimension (``dp``, ``fsdp``, ``tp``, ``pp``, see
-``agent.schema.DIMS``): that is what a dashboard groups by. The mesh's dim names are normalised to the
+``agent.contract.DIMS``): that is what a dashboard groups by. The mesh's dim names are normalised to the
 schema's vocabulary (``dp_shard`` → ``fsdp``, ``dp_replicate`` → ``dp``; anything else, e.g. ``cp`` or
 ``ep``, → ``other``). A group that is no mesh dim is ``world`` when it is the default (world) group and
 ``other`` otherwise. A mesh dim wins over ``world``: on a 1-D mesh ``init_device_mesh`` reuses the world
@@ -31,7 +31,7 @@ _CACHE_LIMIT = 4096  # distinct group objects; rank lists built per call would o
 class GroupInfo:
     """What a collective record needs about its group."""
 
-    dim: str  # one of agent.schema.DIMS
+    dim: str  # one of agent.contract.DIMS
     size: int
     name: str  # the ProcessGroup's unique name (the flight recorder's ``process_group[0]``)
     ranks: tuple[int, ...]  # global ranks, indexed by group rank

@@ -10,28 +10,10 @@ fails calls ``record_error`` and carries on.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-
-class Clock(Protocol):
-    def now(self) -> float:
-        """Seconds since the epoch, monotonic within the process (see ``AnchoredClock``)."""
-
-
-class AnchoredClock:
-    """``time.time()`` read once, advanced by ``perf_counter``: one time base across ranks (NTP-level
-    agreement), with the monotonicity and resolution of ``perf_counter`` inside a process."""
-
-    __slots__ = ("_wall0", "_perf0")
-
-    def __init__(self) -> None:
-        self._wall0 = time.time()
-        self._perf0 = time.perf_counter()
-
-    def now(self) -> float:
-        return self._wall0 + (time.perf_counter() - self._perf0)
+from meshscope.agent.contract import AnchoredClock, Clock
 
 
 class Recorder(Protocol):

@@ -39,19 +39,20 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterator
 
 from meshscope.agent import version
-from meshscope.agent.instrument import bandwidth, memory
+from meshscope.agent.contract import (
+    SCHEMAS, AnchoredClock, Clock, CollectiveRecord, EventRecord, RunRecord, SpanRecord, StepRecord, algbw,
+    busbw_factor, check_run_name, spool_path,
+)
+from meshscope.agent.instrument import memory
 from meshscope.agent.instrument.cpu import ThreadCPU
-from meshscope.agent.instrument.recorder import AnchoredClock, Clock
-from meshscope.agent.schema import SCHEMAS
-from meshscope.agent.transport.frame import check_run_name
 
 COMPUTE_PHASES = frozenset({"forward", "backward", "optimizer", "pipeline", "compute"})
 _P2P = frozenset({"send", "recv"})
-_RUN_FIELDS = SCHEMAS["run"].names
+# A run record's fields the caller's info does not give: empty, not NULL (every rank writes the same columns).
+_RUN_DEFAULTS = {f.name: ("" if f.type == "string" else 0) for f in SCHEMAS["run"]}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -158,14 +159,14 @@ class Telemetry:
     def _open_writer(self):
         from meshscope.agent.transport import SpoolWriter
 
-        path = Path(self.config.store) / "spool" / self.config.run / f"rank-{self.rank}.a{self.attempt}.spool"
+        run, rank, attempt = self.config.run, self.rank, self.attempt
         return SpoolWriter(
-            path=path, run=self.config.run, rank=self.rank, attempt=self.attempt, host=socket.gethostname(),
-            max_hold_bytes=self.config.spool_hold_bytes,
+            path=spool_path(self.config.store, run=run, rank=rank, attempt=attempt), run=run, rank=rank,
+            attempt=attempt, host=socket.gethostname(), max_hold_bytes=self.config.spool_hold_bytes,
         )
 
     def start(self, info: dict[str, Any]) -> None:
-        """Write this rank's ``run`` record. ``info`` holds run-level fields of agent.schema 'run'
+        """Write this rank's ``run`` record. ``info`` holds run-level fields of agent.contract's 'run'
         (strategy, mesh, schedule, model sizes, flops_per_token, peak_flops, ...); the rest is filled here."""
         self._peak_flops = float(info.get("peak_flops") or 0.0)
         import torch
@@ -178,8 +179,7 @@ class Telemetry:
         }
         for key, value in info.items():
             row.setdefault(key, json.dumps(value, sort_keys=True) if isinstance(value, dict) else value)
-        defaults = {f.name: ("" if f.type == "string" else 0) for f in SCHEMAS["run"]}
-        self._push("run", tuple(row.get(name, defaults[name]) for name in _RUN_FIELDS))
+        self._push("run", RunRecord(**{name: row.get(name, default) for name, default in _RUN_DEFAULTS.items()}))
         self.event("start", f"rank {self.rank} of {self.world_size} attempt {self.attempt}")
 
     def attach(self, *, model_parts: list | None = None, mesh: Any = None, schedule: Any = None,
@@ -257,7 +257,8 @@ class Telemetry:
             state.phase = None
 
     def event(self, kind: str, message: str = "", *, step: int | None = None) -> None:
-        self._push("event", (self.clock.now(), self._last_step if step is None else step, kind, message))
+        self._push("event", EventRecord(t=self.clock.now(), step=self._last_step if step is None else step, kind=kind,
+                                        message=message))
 
     def flush(self) -> None:
         """Ask the flusher to drain now (e.g. before an intentional exit); does not wait for disk."""
@@ -270,13 +271,14 @@ class Telemetry:
         step = state.step if state is not None else self._last_step
         duration = t_end - t_start
         try:
-            alg = bandwidth.algbw(nbytes, duration)
-            bus = alg * bandwidth.busbw_factor(op, max(1, group_size))
+            alg = algbw(nbytes, duration)
+            bus = alg * busbw_factor(op, max(1, group_size))
         except ValueError:  # an op outside the nccl-tests table: no bus-bandwidth figure
             alg = bus = float("nan")
         seq = seq or self._next_seq(group)
-        self._push("collective", (step, op, dim, group, group_size, seq, nbytes, t_start, t_end, duration, wait_s,
-                                  alg, bus, peer, source))
+        self._push("collective", CollectiveRecord(
+            step=step, op=op, dim=dim, group=group, group_size=group_size, seq=seq, bytes=nbytes, t_start=t_start,
+            t_end=t_end, duration_s=duration, wait_s=wait_s, algbw=alg, busbw=bus, peer=peer, source=source))
         self._last_coll = (op, dim, seq)
         self._progress(t_end)
         if state is None:
@@ -295,7 +297,8 @@ class Telemetry:
 
     def record_span(self, *, stage: int, microbatch: int, kind: str, t_start: float, t_end: float) -> None:
         state = self._cur
-        self._push("span", (state.step if state else self._last_step, stage, microbatch, kind, t_start, t_end))
+        self._push("span", SpanRecord(step=state.step if state else self._last_step, stage=stage, microbatch=microbatch,
+                                      kind=kind, t_start=t_start, t_end=t_end))
         if state is not None:
             state.span_time += t_end - t_start
             state.span_kind_time[kind] += t_end - t_start
@@ -323,6 +326,8 @@ class Telemetry:
         return n
 
     def _push(self, kind: str, row: tuple) -> None:
+        """Buffer one record of ``kind`` (its ``agent.contract.RECORDS`` type, not checked here: the writer
+        thread rejects and counts anything else, so the training thread pays one append)."""
         buf = self._bufs[kind]
         if len(buf) >= self.config.max_rows_per_kind:
             self.dropped_records += 1
@@ -358,12 +363,15 @@ class Telemetry:
             flops = _as_float(v.get("flops"), 0.0)
             mfu = flops / wall / self._peak_flops if wall > 0 and self._peak_flops > 0 else 0.0
             dropped = self.dropped_records + int(getattr(self._writer, "dropped_records", 0))
-            self._push("step", (
-                state.step, state.t_start, t_end, wall, compute, state.exposed, bubble, other,
-                state.phases.get("data", 0.0), fwd, bwd, state.phases.get("optimizer", 0.0),
-                int(v.get("tokens", 0)), flops, mfu, loss, not (loss == loss and abs(loss) != float("inf")),
-                _as_float(v.get("grad_norm")), _as_float(v.get("lr"), 0.0), bool(v.get("skipped", False)),
-                state.n_collectives, dropped, cpu, cpu_wait,
+            self._push("step", StepRecord(
+                step=state.step, t_start=state.t_start, t_end=t_end, wall_s=wall, compute_s=compute,
+                exposed_comm_s=state.exposed, bubble_s=bubble, other_s=other, data_s=state.phases.get("data", 0.0),
+                forward_s=fwd, backward_s=bwd, optimizer_s=state.phases.get("optimizer", 0.0),
+                tokens=int(v.get("tokens", 0)), flops=flops, mfu=mfu, loss=loss,
+                loss_nonfinite=not (loss == loss and abs(loss) != float("inf")),
+                grad_norm=_as_float(v.get("grad_norm")), lr=_as_float(v.get("lr"), 0.0),
+                skipped=bool(v.get("skipped", False)),
+                n_collectives=state.n_collectives, dropped_records_total=dropped, cpu_s=cpu, cpu_wait_s=cpu_wait,
             ))
             tensors = self._census.take()
             if state.step % self.config.memory_every == 0 or tensors is not memory.NOT_MEASURED:

@@ -2,18 +2,18 @@
 
 Rank side: :class:`SpoolWriter` (``submit(kind, rows)`` from the training thread, never blocks or
 raises). Agent side: :class:`SpoolReader` (follow a file from an offset, reject damage with a reason).
-The on-disk format is documented in :mod:`agent.transport.frame`.
+The on-disk format is documented in :mod:`agent.transport.frame`; the names and schemas it carries are the
+contract's (:mod:`agent.contract`).
 """
 
 from meshscope.agent.transport.frame import (
-    FORMAT_VERSION, KIND_CODES, MAGIC, REJECT_REASONS, FrameError, check_run_name, encode_data_frame,
-    encode_file_header, rows_to_batch, spool_path,
+    FORMAT_VERSION, KIND_CODES, MAGIC, REJECT_REASONS, FrameError, encode_data_frame, encode_file_header,
+    rows_to_batch,
 )
 from meshscope.agent.transport.reader import Frame, ReadResult, SpoolReader
 from meshscope.agent.transport.writer import SpoolWriter
 
 __all__ = [
     "FORMAT_VERSION", "KIND_CODES", "MAGIC", "REJECT_REASONS", "Frame", "FrameError", "ReadResult",
-    "SpoolReader", "SpoolWriter", "check_run_name", "encode_data_frame", "encode_file_header",
-    "rows_to_batch", "spool_path",
+    "SpoolReader", "SpoolWriter", "encode_data_frame", "encode_file_header", "rows_to_batch",
 ]

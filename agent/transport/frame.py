@@ -1,8 +1,8 @@
 """The spool frame format: how a rank's telemetry batches sit in its append-only spool file.
 
-A spool file (``<store>/spool/<run>/rank-<rank>.a<attempt>.spool``, see :func:`spool_path`) is a sequence
-of frames. The first frame is a *file header* frame; every later frame carries one Arrow record batch of
-one record kind (``agent.schema.SCHEMAS``).
+A spool file (``<store>/spool/<run>/rank-<rank>.a<attempt>.spool``, see ``agent.contract.spool_path``) is
+a sequence of frames. The first frame is a *file header* frame; every later frame carries one Arrow record
+batch of one record kind (``agent.contract.SCHEMAS``).
 
 Frame layout (little-endian, 24-byte frame header, then the payload)::
 
@@ -11,7 +11,7 @@ Frame layout (little-endian, 24-byte frame header, then the payload)::
          4    1 format version       FORMAT_VERSION (1)
          5    1 kind code            KIND_CODES: 0 file header, 1 run, 2 step, 3 collective, 4 span,
                                      5 memory, 6 event, 7 gpu
-         6    2 schema version       agent.schema.SCHEMA_VERSION the payload was written with
+         6    2 schema version       agent.contract.SCHEMA_VERSION the payload was written with
          8    4 payload length       bytes, at most MAX_PAYLOAD
         12    4 payload CRC32        zlib.crc32 of the payload
         16    4 reserved             0 (keeps the payload 8-byte aligned for zero-copy Arrow reads)
@@ -35,12 +35,11 @@ import json
 import re
 import struct
 import zlib
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from meshscope.agent.schema import SCHEMA_VERSION, SCHEMAS, SCHEMAS_BY_VERSION
+from meshscope.agent.contract import RECORDS, SCHEMA_VERSION, SCHEMAS, SCHEMAS_BY_VERSION, check_run_name
 
 MAGIC = b"MSPL"
 FORMAT_VERSION = 1
@@ -56,8 +55,8 @@ KIND_CODES: dict[str, int] = {
 CODE_KINDS: dict[int, str] = {code: kind for kind, code in KIND_CODES.items()}
 assert set(KIND_CODES) - {HEADER_KIND} == set(SCHEMAS), "every schema kind needs a frame code"
 
-# Schemas by the version the agent can read (agent.schema derives the older ones from the columns each
-# version added); their batches are lifted to the current schema on decode (columns added since are NULL),
+# Schemas by the version the agent can read (agent.contract.schema derives the older ones from the columns
+# each version added); their batches are lifted to the current schema on decode (columns added since are NULL),
 # so everything past the reader sees one schema per kind.
 KNOWN_SCHEMAS: dict[int, dict[str, pa.Schema]] = SCHEMAS_BY_VERSION
 
@@ -76,9 +75,6 @@ REJECT_REASONS = (
     "bad_file_header",  # the file does not start with a valid header frame
 )
 
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
 class FrameError(Exception):
     """A frame that cannot be used; ``reason`` is one of REJECT_REASONS."""
 
@@ -87,27 +83,6 @@ class FrameError(Exception):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
-
-
-def check_run_name(run: str) -> str:
-    """Run names become directory and hive-partition names: letters, digits, ``.``, ``_``, ``-``."""
-    if not isinstance(run, str) or not _RUN_NAME.match(run):
-        raise ValueError(
-            f"run name {run!r} is not usable as a directory name: use 1-128 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit"
-        )
-    return run
-
-
-def spool_path(store: str | Path, *, run: str, rank: int, attempt: int) -> Path:
-    """The spool file of one rank and restart attempt: ``<store>/spool/<run>/rank-<rank>.a<attempt>.spool``."""
-    check_run_name(run)
-    if int(rank) < 0 or int(attempt) < 0:
-        raise ValueError(f"rank ({rank}) and attempt ({attempt}) must be >= 0")
-    return Path(store) / "spool" / run / f"rank-{int(rank)}.a{int(attempt)}.spool"
-
-
-SPOOL_NAME = re.compile(r"^rank-(\d+)\.a(\d+)\.spool$")
 
 
 def encode_frame(kind: str, payload: bytes, *, schema_version: int = SCHEMA_VERSION) -> bytes:
@@ -142,12 +117,21 @@ def encode_data_frame(kind: str, batch: pa.RecordBatch | pa.Table) -> bytes:
 
 
 def rows_to_batch(kind: str, rows: list[tuple]) -> pa.RecordBatch:
-    """Rows (tuples in the field order of ``SCHEMAS[kind]``) to a record batch; raises on bad rows."""
-    schema = SCHEMAS[kind]
-    columns = list(zip(*rows))
-    if len(columns) != len(schema):
-        raise ValueError(f"{kind} rows have {len(columns)} fields, the schema has {len(schema)}")
-    arrays = [pa.array(col, type=field.type) for col, field in zip(columns, schema)]
+    """Records of ``kind`` (instances of ``RECORDS[kind]``, built by keyword) to a record batch.
+
+    Columns are taken by field name, not position, and any other row type (a plain tuple, another kind's
+    record) is a ValueError naming the kind and the type: a positional tuple matched only by its length
+    would put values under the wrong columns after a schema reorder. Runs on the writer's and the
+    agent's threads, never the training thread, so checking every row costs training nothing."""
+    schema, record = SCHEMAS[kind], RECORDS[kind]
+    if not rows:
+        raise ValueError(f"no {kind} rows")
+    for row in rows:
+        if type(row) is not record:
+            raise ValueError(f"{kind} rows must be {record.__name__} records (agent.contract.RECORDS[{kind!r}]), "
+                             f"got {type(row).__name__}")
+    by_name = dict(zip(record._fields, zip(*rows)))
+    arrays = [pa.array(by_name[field.name], type=field.type) for field in schema]
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 

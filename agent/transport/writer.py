@@ -31,10 +31,9 @@ import threading
 import time
 from pathlib import Path
 
-from meshscope.agent.instrument.recorder import AnchoredClock, Clock
-from meshscope.agent.schema import SCHEMAS
+from meshscope.agent.contract import SCHEMAS, AnchoredClock, Clock, check_run_name
 from meshscope.agent.transport.backoff import Backoff
-from meshscope.agent.transport.frame import check_run_name, encode_data_frame, encode_file_header, rows_to_batch
+from meshscope.agent.transport.frame import encode_data_frame, encode_file_header, rows_to_batch
 
 
 DEFAULT_MAX_HOLD_BYTES = 8 * 1024 * 1024
@@ -45,7 +44,7 @@ class SpoolWriter:
 
     Counters (read them any time; each is written by one thread only, so no lock is needed):
     ``dropped_records`` rows lost (queue full, bad rows, hold full, still held at close), ``write_errors``
-    failed writes/opens, ``encode_errors`` batches whose rows did not fit the schema, ``written_records``
+    failed writes/opens, ``encode_errors`` batches whose rows were not the kind's records, ``written_records``
     rows appended, ``held_records`` / ``held_bytes`` rows encoded but not yet written (an outage),
     ``spool_bytes`` size of the spool file as this writer knows it. ``last_error`` holds the most recent
     failure as text.
@@ -117,9 +116,11 @@ class SpoolWriter:
         return self._held_bytes
 
     def submit(self, kind: str, rows: list[tuple]) -> bool:
-        """Queue ``rows`` (tuples in ``SCHEMAS[kind]`` field order; the list is handed over, do not
+        """Queue ``rows`` (``agent.contract.RECORDS[kind]`` records; the list is handed over, do not
         mutate it afterwards). Returns False, counting the rows as dropped, when the queue is full or
-        the writer is closed. Never blocks, never raises."""
+        the writer is closed. Never blocks, never raises. Row types are not checked here, so the training
+        thread pays nothing for it: rows of another type are rejected when the writer thread encodes
+        them, and counted (``encode_errors``, ``dropped_records``)."""
         try:
             n = len(rows)  # also rejects non-sequences here rather than in the writer thread
             if self._closing or len(self._queue) >= self._max_pending:

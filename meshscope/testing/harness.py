@@ -35,8 +35,7 @@ import pyarrow as pa
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshscope.agent.collector.store import read_table
-from meshscope.agent.schema import KINDS, SCHEMAS
-from meshscope.agent.transport.frame import SPOOL_NAME
+from meshscope.agent.contract import KINDS, SCHEMAS, SPOOL_NAME
 from meshscope.agent.transport.reader import SpoolReader
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from meshscope.agent.schema import DIMS, OPS, SCHEMAS
-from meshscope.agent.transport.frame import encode_data_frame, encode_file_header, spool_path
+from meshscope.agent.contract import DIMS, OPS, SCHEMAS, spool_path
+from meshscope.agent.transport.frame import encode_data_frame, encode_file_header
 
 # A 3-D parallel layout's collectives: (op, dim) pairs a rank issues every step.
 DEFAULT_OPS_DIMS = (("all_gather", "fsdp"), ("reduce_scatter", "fsdp"), ("all_reduce", "tp"),

@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from meshscope.agent.collector.store import stored_schema
-from meshscope.agent.schema import DIMS, SCHEMAS
+from meshscope.agent.contract import DIMS, SCHEMAS
 from meshscope.dashboard import pipeline_sim
 from meshscope.dashboard.analysis import busbw_factor, normalize_schedule
 from meshscope.dashboard.memory_model import ModelSpec, memory_model

@@ -13,7 +13,7 @@ class BrokenRecorder:
     """A recorder whose record_collective always raises: the tracer must count it and carry on."""
 
     def __init__(self) -> None:
-        from meshscope.agent.instrument.recorder import AnchoredClock
+        from meshscope.agent.contract import AnchoredClock
 
         self.clock = AnchoredClock()
         self.errors: list[str] = []

@@ -1,15 +1,17 @@
 """Versioned record schema: the contract between ranks (writers), the node agent and the run store.
 
-Every record kind is one Arrow schema. Ranks batch rows of one kind into an Arrow record batch and the
-spool frames it (see ``agent.transport``); the agent validates a batch against the schema of its kind and
-version, derives metrics from it and appends it to the store as Parquet under
-``<store>/tables/<kind>/run=<run>/rank=<rank>/``. ``run`` and ``rank`` are the hive partition keys and are
-therefore not columns of the stored files (DuckDB's ``hive_partitioning`` adds them back).
+Every record kind is one Arrow schema, and one record type generated from it (``agent.contract.records``;
+rows are built by keyword, so no producer depends on the order of the fields here). Ranks batch rows of one
+kind into an Arrow record batch and the spool frames it (see ``agent.transport``); the agent validates a
+batch against the schema of its kind and version, derives metrics from it and appends it to the store as
+Parquet under ``<store>/tables/<kind>/run=<run>/rank=<rank>/``. ``run`` and ``rank`` are the hive partition
+keys and are therefore not columns of the stored files (DuckDB's ``hive_partitioning`` adds them back).
 
-Conventions: times are float64 seconds since the Unix epoch (a per-process anchor of ``time.time()``
-advanced by ``time.perf_counter()``, so intervals are monotonic and ranks share one time base); durations
-are float64 seconds; sizes are int64 bytes; ``step`` is the optimizer step (0-based). Bump
-``SCHEMA_VERSION`` on any incompatible change; readers reject versions they do not know.
+Conventions: times are float64 seconds since the Unix epoch (``agent.contract.clock``: a per-process anchor
+of ``time.time()`` advanced by ``time.perf_counter()``, so intervals are monotonic and ranks share one time
+base); durations are float64 seconds; sizes are int64 bytes; ``step`` is the optimizer step (0-based). Bump
+``SCHEMA_VERSION`` on any incompatible change (a reordered field is one: readers compare whole schemas);
+readers reject versions they do not know.
 """
 
 from __future__ import annotations

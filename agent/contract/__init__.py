@@ -1,0 +1,34 @@
+"""The rules every side of the data path agrees on: rank → spool → agent → Parquet / Prometheus → dashboard.
+
+One place for what a writer and a reader must never disagree about, so no side imports another side
+for them (transport and collector import the contract, never the instrumentation):
+
+- :mod:`.schema`: the versioned Arrow schema of every record kind, and the value vocabularies
+  (``DIMS``, ``OPS``, ``SPAN_KINDS``, ``EVENT_KINDS``);
+- :mod:`.records`: one named-tuple record type per kind, generated from the schema (rows are built by
+  keyword);
+- :mod:`.clock`: the time base records are stamped in;
+- :mod:`.names`: run names, spool file names and Parquet part names (and the patterns that parse them);
+- :mod:`.bandwidth`: the nccl-tests algbw / busbw definitions ranks record and the dashboard explains.
+
+The store's partition layout (``PARTITION_KEYS``, ``tables_dir``, ``partition_dir``, ``stored_schema``)
+lives in ``agent.collector.store``.
+"""
+
+from meshscope.agent.contract.bandwidth import algbw, busbw, busbw_factor
+from meshscope.agent.contract.clock import AnchoredClock, Clock
+from meshscope.agent.contract.names import PART_RE, SPOOL_NAME, check_run_name, part_name, spool_path
+from meshscope.agent.contract.records import (
+    RECORDS, CollectiveRecord, EventRecord, GpuRecord, MemoryRecord, RunRecord, SpanRecord, StepRecord,
+    record_types,
+)
+from meshscope.agent.contract.schema import (
+    DIMS, EVENT_KINDS, KINDS, OPS, SCHEMA_VERSION, SCHEMAS, SCHEMAS_BY_VERSION, SPAN_KINDS,
+)
+
+__all__ = [
+    "DIMS", "EVENT_KINDS", "KINDS", "OPS", "PART_RE", "RECORDS", "SCHEMAS", "SCHEMAS_BY_VERSION", "SCHEMA_VERSION",
+    "SPAN_KINDS", "SPOOL_NAME", "AnchoredClock", "Clock", "CollectiveRecord", "EventRecord", "GpuRecord",
+    "MemoryRecord", "RunRecord", "SpanRecord", "StepRecord", "algbw", "busbw", "busbw_factor", "check_run_name",
+    "part_name", "record_types", "spool_path",
+]
