@@ -34,6 +34,7 @@ from pathlib import Path
 import yaml
 
 import meshscope.grafana
+from meshscope.agent.cliargs import ArgParser, UsageError
 
 # The shipped configs: the checkout's grafana/ folder, installed as package data (meshscope.grafana).
 GRAFANA = Path(meshscope.grafana.__file__).resolve().parent
@@ -47,17 +48,8 @@ _DURATION = re.compile(r"^[1-9][0-9]*(ms|s|m|h)$")
 _SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
 
 
-class UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, no usage dump
-        raise UsageError(message)
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="meshscope stack", description="Run Prometheus + Alertmanager (+ an agent) locally.")
+    p = ArgParser(prog="meshscope stack", description="Run Prometheus + Alertmanager (+ an agent) locally.")
     p.add_argument("--store", type=Path, help="run store: also start a node agent over it")
     p.add_argument("--agent", action="append", default=[], metavar="HOST:PORT",
                    help="an agent that already runs (repeatable)")

@@ -20,12 +20,13 @@ origin), which keeps sub-microsecond precision that absolute Unix microseconds w
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
 from pathlib import Path
 
+from meshscope.agent.cliargs import ArgParser
+from meshscope.agent.cliargs import UsageError as TraceError  # a user's mistake: unknown run, empty range
 from meshscope.agent.collector.store import list_runs, read_table
 from meshscope.agent.contract import DIMS
 
@@ -33,10 +34,6 @@ TID_EVENTS, TID_STEPS, TID_PHASES, TID_STAGE0, TID_COMM0 = 0, 1, 2, 10, 1000
 LANES_PER_DIM = 100
 PHASE_FIELDS = (("data", "data_s"), ("forward", "forward_s"), ("backward", "backward_s"),
                 ("optimizer", "optimizer_s"))
-
-
-class TraceError(Exception):
-    """A user-facing problem (unknown run, empty range)."""
 
 
 def parse_steps(text: str | None) -> tuple[int | None, int | None]:
@@ -163,14 +160,9 @@ def build_trace(store: str | Path, *, run: str, steps: tuple[int | None, int | N
     }
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise TraceError(message)
-
-
 def main(argv: list[str] | None = None) -> int:
     prog = "meshscope export-trace"
-    parser = _Parser(prog=prog, description="Write a Perfetto / Chrome-trace JSON of a step range.")
+    parser = ArgParser(prog=prog, description="Write a Perfetto / Chrome-trace JSON of a step range.")
     parser.add_argument("--store", required=True, type=Path)
     parser.add_argument("--run", required=True)
     parser.add_argument("--steps", default=None, help="A:B (half-open), A:, :B or A")

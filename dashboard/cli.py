@@ -11,7 +11,8 @@ import os
 import sys
 from pathlib import Path
 
-from meshscope.dashboard.config import ArgParser, ConfigError, check_prometheus_url, run_command
+from meshscope.agent.cliargs import ArgParser, run_command
+from meshscope.dashboard.config import ConfigError, check_prometheus_url
 from meshscope.dashboard.store import Store, StoreError
 
 # Streamlit's entry file, beside the pages it names by relative path (app_pages/...).
@@ -65,4 +66,4 @@ def main(argv: list[str] | None = None) -> int:
         raise AssertionError("unreachable: execv returned")
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    return run_command("meshscope dashboard", _parser(), argv, serve)
+    return run_command(prog="meshscope dashboard", parser=_parser(), argv=argv, body=serve)

@@ -10,13 +10,11 @@ again with ``parse_app_args``. There are no environment variables: tests pass th
 from __future__ import annotations
 
 import argparse
-import sys
 import urllib.parse
 from dataclasses import dataclass
 
-
-class ConfigError(ValueError):
-    """A bad flag; the message is one line for the user."""
+from meshscope.agent.cliargs import ArgParser
+from meshscope.agent.cliargs import UsageError as ConfigError  # one error type for every command line
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,26 +38,6 @@ def check_prometheus_url(url: str) -> None:
     parsed = urllib.parse.urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise ConfigError(f"--prometheus must be an http(s)://host:port URL, got {url!r}")
-
-
-def run_command(prog: str, parser: argparse.ArgumentParser, argv: list[str], body) -> int:
-    """A dashboard command's shell: ``-h`` prints the help, ``body(parsed args)`` returns the exit code, and
-    a ConfigError (bad flags, or raised by ``body``) is one line on stderr and exit 2, never a traceback."""
-    if any(x in ("-h", "--help") for x in argv):
-        parser.print_help()
-        return 0
-    try:
-        return int(body(parser.parse_args(argv)) or 0)
-    except ConfigError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-
-
-class ArgParser(argparse.ArgumentParser):
-    """argparse whose errors are one ConfigError line (the dashboard's commands print it and exit 2)."""
-
-    def error(self, message: str):  # argparse would print usage and exit; we want one line
-        raise ConfigError(message)
 
 
 def app_parser(prog: str) -> argparse.ArgumentParser:

@@ -12,7 +12,8 @@ from typing import Any
 
 from meshscope.agent.collector.catchup import catch_up
 from meshscope.dashboard import analysis, environment, stragglers, views
-from meshscope.dashboard.config import ArgParser, ConfigError, run_command
+from meshscope.agent.cliargs import ArgParser, run_command
+from meshscope.dashboard.config import ConfigError
 from meshscope.dashboard.store import Store, StoreError
 
 
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rep, indent=2) if a.json else format_text(rep))
         return 0
 
-    return run_command("meshscope report", _parser(), argv, body)
+    return run_command(prog="meshscope report", parser=_parser(), argv=argv, body=body)
 
 
 def _num(v) -> float | None:

@@ -126,7 +126,7 @@ def test_null_telemetry_has_the_same_api():
 
 
 def test_config_names_bad_values():
-    with pytest.raises(ValueError, match=r"run='../x'.*flush_interval_s=0"):
+    with pytest.raises(ValueError, match=r"run name '../x'.*flush_interval_s=0"):
         TelemetryConfig(store="s", run="../x", flush_interval_s=0)
 
 

@@ -4,9 +4,7 @@ delay, the analytic bubble, promtool, the catalog)."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys

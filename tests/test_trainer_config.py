@@ -103,7 +103,7 @@ def test_one_run_name_rule_everywhere():
     from meshscope.agent.collector.store import read_table
     from meshscope.agent.instrument.telemetry import TelemetryConfig
     from meshscope.agent.contract import spool_path
-    from meshscope.trainer.config import TelemetryConfig as TrainerTelemetry
+    from meshscope.trainer.config import TelemetrySection as TrainerTelemetry
 
     for bad in ("run-ü", "../escape", ".hidden", "a b", "x" * 129):
         for make in (lambda: TelemetryConfig(store="s", run=bad), lambda: spool_path("s", run=bad, rank=0, attempt=0),

@@ -16,16 +16,17 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshscope.agent.contract import check_run_name
+from meshscope.agent.cliargs import ArgParser
+from meshscope.agent.cliargs import UsageError as ConfigError  # one error type for every command line
+from meshscope.agent.instrument.telemetry import TelemetryConfig
 from meshscope.trainer.model import FLAVORS
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "looped-bfs")
 MULTI_STAGE = ("interleaved", "interleaved-zb", "looped-bfs")  # several stages per rank (virtual_stages)
 DATA_SOURCES = ("synthetic", "corpus")
+_TELEMETRY_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TelemetryConfig)}
 
 
-class ConfigError(ValueError):
-    """A user's configuration mistake; the message names the bad value."""
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -173,22 +174,28 @@ class FaultConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class TelemetryConfig:
+class TelemetrySection:
+    """The ``[telemetry]`` table: where the records go, and the instrumentation's own settings, which the
+    instrumentation's :class:`TelemetryConfig` validates (one rule; this section adds what only the
+    trainer decides: telemetry off without a store, a derived run name, the peak override)."""
+
     store: str = ""  # run store root; empty: telemetry off
     run: str = ""  # run name; empty: derived from the strategy and a timestamp
     peak_flops: float = 0.0  # override the per-device peak (FLOP/s); 0: table (GPU) or calibrated (CPU)
-    hang_after_s: float = 60.0  # telemetry's hang watchdog: report where a rank is stuck after this long
-    spool_hold_bytes: int = 8 * 1024 * 1024  # per rank: records kept in memory while the spool disk is full
+    hang_after_s: float = _TELEMETRY_DEFAULTS["hang_after_s"]
+    spool_hold_bytes: int = _TELEMETRY_DEFAULTS["spool_hold_bytes"]
 
     def __post_init__(self) -> None:
         _check(self.peak_flops >= 0, f"peak_flops={self.peak_flops} must be >= 0")
-        _check(self.hang_after_s >= 0, f"hang_after_s={self.hang_after_s} must be >= 0 (0 disables)")
-        _check(self.spool_hold_bytes >= 0, f"spool_hold_bytes={self.spool_hold_bytes} must be >= 0")
-        if self.run:  # the contract's one rule (the spool, the agent and the dashboard apply it too)
-            try:
-                check_run_name(self.run)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
+        try:  # a placeholder run and store where the trainer derives them
+            self.instrumentation(run=self.run or "unnamed", store=self.store or ".")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def instrumentation(self, *, run: str, store: str | None = None) -> TelemetryConfig:
+        """The instrumentation's config for one run of this trainer."""
+        return TelemetryConfig(store=store or self.store, run=run, hang_after_s=self.hang_after_s,
+                               spool_hold_bytes=self.spool_hold_bytes)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -219,7 +226,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
-    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    telemetry: TelemetrySection = field(default_factory=TelemetrySection)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     steps: int = 10
     seed: int = 0
@@ -387,11 +394,6 @@ SWITCHES: dict[str, tuple[str, str]] = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2, no usage dump
-        raise ConfigError(message)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="TOML config file")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -403,7 +405,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parser(prog: str) -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description="meshscope reference trainer (GPT-style, DDP/FSDP2/TP/PP)")
+    p = ArgParser(prog=prog, description="meshscope reference trainer (GPT-style, DDP/FSDP2/TP/PP)")
     add_arguments(p)
     return p
 

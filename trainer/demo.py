@@ -22,6 +22,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from meshscope.agent.cliargs import ArgParser, UsageError, run_command
+
 JOBS: list[tuple[str, int, list[str]]] = [
     ("ddp", 2, []),
     ("fsdp2", 2, ["--fsdp"]),
@@ -99,15 +101,17 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="meshscope demo", description=__doc__.splitlines()[0])
+    ap = ArgParser(prog="meshscope demo", description=__doc__.splitlines()[0])
     ap.add_argument("--store", default=".runs/demo", help="run store (default .runs/demo)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--port", type=int, default=8501, help="dashboard port")
     ap.add_argument("--no-serve", action="store_true", help="run the jobs, print the summary, exit")
-    ns = ap.parse_args(argv)
+    return run_command(prog="meshscope demo", parser=ap, argv=argv, body=_demo)
+
+
+def _demo(ns: argparse.Namespace) -> int:
     if ns.steps < 1:
-        print(f"meshscope demo: error: --steps={ns.steps} must be >= 1", file=sys.stderr)
-        return 2
+        raise UsageError(f"--steps={ns.steps} must be >= 1")
     t0 = time.monotonic()
     store = Path(ns.store)
     store.mkdir(parents=True, exist_ok=True)

@@ -13,12 +13,13 @@ import shlex
 import sys
 import time
 
+from meshscope.agent.cliargs import ArgParser
 from meshscope.trainer import config
 from meshscope.trainer.config import ConfigError
 
 
 def _launcher_parser() -> argparse.ArgumentParser:
-    p = config._Parser(prog="meshscope train", add_help=False)
+    p = ArgParser(prog="meshscope train", add_help=False)
     p.add_argument("--nproc", type=int, default=1, help="processes (ranks) on this node")
     p.add_argument("--nnodes", type=int, default=1, help="nodes in the job")
     p.add_argument("--node-rank", type=int, default=0)

@@ -20,8 +20,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshscope.agent.cliargs import ArgParser
 from meshscope.agent.contract import check_run_name
-from meshscope.trainer.config import ConfigError, _Parser
+from meshscope.trainer.config import ConfigError
 from meshscope.trainer.model import FLAVORS
 
 STRATEGY_ARGS = {
@@ -92,7 +93,7 @@ def grid(*, world_sizes: list[int], strategies: list[str], microbatches: list[in
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="meshscope sweep", description=__doc__.splitlines()[0])
+    p = ArgParser(prog="meshscope sweep", description=__doc__.splitlines()[0])
     p.add_argument("--store", required=True, help="run store directory (created if missing)")
     p.add_argument("--model", default="tiny", help=f"model flavor: {', '.join(FLAVORS)}")
     p.add_argument("--world-sizes", default="1,2,4")
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={point.world}",
                "-m", "meshscope.trainer.train", "--model", ns.model, "--steps", str(ns.steps), "--log-every", str(ns.steps),
                "--store", str(store), "--run-name", name, *point.args()]
-        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=ns.timeout)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=ns.timeout)
         if proc.returncode != 0:
             print(f"meshscope sweep: error: {name} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}",
                   file=sys.stderr)

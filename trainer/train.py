@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from meshscope.agent.instrument.flops import device_peak
-from meshscope.agent.instrument.telemetry import NullTelemetry, Telemetry, TelemetryConfig
+from meshscope.agent.instrument.telemetry import NullTelemetry, Telemetry
 from meshscope.trainer import checkpoint, config, data, model as model_lib, optim
 from meshscope.trainer.config import ConfigError, TrainConfig
 from meshscope.trainer.faults import Faults
@@ -241,8 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             dist.broadcast_object_list(names, src=0)
             run = names[0]
             tel = Telemetry(
-                config=TelemetryConfig(store=tcfg.store, run=run, hang_after_s=tcfg.hang_after_s,
-                                       spool_hold_bytes=tcfg.spool_hold_bytes), rank=rank,
+                config=tcfg.instrumentation(run=run), rank=rank,
                 world_size=dist.get_world_size(),
                 local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                 attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), device=device,

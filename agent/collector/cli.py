@@ -25,6 +25,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshscope.agent.cliargs import ArgParser, UsageError
 from meshscope.agent.collector.agent import Agent, AgentConfig
 from meshscope.agent.collector.catchup import lock_store
 from meshscope.agent.collector.gpu import load_nvml
@@ -37,17 +38,8 @@ from meshscope.agent.security import Credentials
 LOCK_WAIT_S = 10.0  # longer than a reader's catch-up of a tour-sized store
 
 
-class UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, no usage dump, no traceback
-        raise UsageError(message)
-
-
 def _build_parser(prog: str, *, agent: bool) -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description="Follow rank spools under a store, serve /metrics, write the run store."
+    p = ArgParser(prog=prog, description="Follow rank spools under a store, serve /metrics, write the run store."
                 if agent else "Ingest every spool under a store once into the run store, then exit.")
     p.add_argument("--store", required=True, type=Path, help="the run store directory (must exist)")
     if agent:

@@ -71,8 +71,8 @@ class TelemetryConfig:
             bad.append(f"store={self.store!r}")
         try:
             check_run_name(self.run)  # the contract's one rule: a run name is a directory name
-        except ValueError:
-            bad.append(f"run={self.run!r}")
+        except ValueError as e:
+            bad.append(str(e))
         if self.max_rows_per_kind < 1:
             bad.append(f"max_rows_per_kind={self.max_rows_per_kind}")
         if self.flush_interval_s <= 0:
@@ -84,7 +84,7 @@ class TelemetryConfig:
         if self.spool_hold_bytes < 0:
             bad.append(f"spool_hold_bytes={self.spool_hold_bytes}")
         if bad:
-            raise ValueError(f"invalid TelemetryConfig: {', '.join(bad)}")
+            raise ValueError(f"invalid telemetry config: {', '.join(bad)}")
 
 
 class _StepState:

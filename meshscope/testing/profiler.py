@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
