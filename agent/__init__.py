@@ -3,6 +3,19 @@
 
 from importlib import metadata
 
+# The agent's public parts: all that the trainer, the dashboard, the CLI (and a user's loop) import from the
+# agent; the rest is the agent's own business. tests/test_imports.py holds every module to this list.
+PUBLIC = (
+    "meshscope.agent",  # version()
+    "meshscope.agent.contract",  # schema, records, clock, run and file names, busbw: what every side agrees on
+    "meshscope.agent.cliargs",  # the one shape of a command line
+    "meshscope.agent.instrument.telemetry",  # Telemetry, TelemetryConfig: the in-process API
+    "meshscope.agent.instrument.flops",  # device peak FLOP/s, MFU's denominator
+    "meshscope.agent.collector.store",  # the one reader of the run store
+    "meshscope.agent.collector.catchup",  # readers take in what the spools hold beyond the store
+    "meshscope.agent.security",  # PromQL quoting of label values built from run names
+)
+
 
 def version() -> str:
     """The installed meshscope distribution's version (``0+unknown`` in a checkout that was not installed):

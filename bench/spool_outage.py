@@ -35,7 +35,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from meshscope.agent.contract import EventRecord, spool_path  # noqa: E402
+from meshscope.agent.contract import event_record, spool_path  # noqa: E402
 from meshscope.agent.transport.reader import SpoolReader  # noqa: E402
 from meshscope.agent.transport.writer import DEFAULT_MAX_HOLD_BYTES, SpoolWriter  # noqa: E402
 
@@ -106,7 +106,7 @@ def one_run(root: Path, *, outage_s: float, hold: int, rate: float) -> dict:
             period = 1.0 / rate
             nxt = time.perf_counter()
             while not stop.is_set():
-                rows = [EventRecord(t=time.time(), step=n[0] + i, kind="start", message="x" * 24)
+                rows = [event_record(t=time.time(), step=n[0] + i, kind="start", message="x" * 24)
                         for i in range(ROWS_PER_STEP)]
                 t0 = time.perf_counter()
                 w.submit("event", rows)

@@ -13,6 +13,7 @@ from meshscope.agent import contract
 from meshscope.agent.contract import (
     PART_RE, RECORDS, SCHEMAS, SPOOL_NAME, StepRecord, part_name, record_types, spool_path,
 )
+from meshscope.agent.contract.records import record_factory
 from meshscope.agent.instrument import memory, telemetry
 from meshscope.agent.transport.frame import (
     FRAME_HEADER_SIZE, decode_payload, encode_data_frame, parse_frame_header, rows_to_batch,
@@ -118,8 +119,8 @@ def test_reordering_same_typed_schema_fields_keeps_every_value_in_its_named_colu
     for kind, schema in edited.items():
         monkeypatch.setitem(SCHEMAS, kind, schema)  # the same dict the frame codec validates against
         monkeypatch.setitem(RECORDS, kind, types[kind])
-    monkeypatch.setattr(telemetry, "StepRecord", types["step"])
-    monkeypatch.setattr(memory, "MemoryRecord", types["memory"])
+    monkeypatch.setattr(telemetry, "step_record", record_factory(types["step"]))
+    monkeypatch.setattr(memory, "memory_record", record_factory(types["memory"]))
 
     writer = _Capture()
     tel = telemetry.Telemetry(config=telemetry.TelemetryConfig(store="unused", run="r"), rank=0, world_size=1,

@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from meshscope.agent.contract import MemoryRecord
+from meshscope.agent.contract import MemoryRecord, memory_record
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -124,13 +124,13 @@ def sample(step: int, t: float, device: torch.device, tensors: tuple[int, int, i
     common = dict(step=step, t=t, rss_bytes=rss_bytes(), rss_peak_bytes=rss_peak_bytes(), param_bytes=param,
                   grad_bytes=grad, optimizer_bytes=optimizer)
     if device.type != "cuda":
-        return MemoryRecord(
+        return memory_record(
             **common, allocated_bytes=-1, allocated_peak_bytes=-1, reserved_bytes=-1, reserved_peak_bytes=-1,
             active_bytes=-1, active_peak_bytes=-1, alloc_retries=-1, ooms=-1, device_free_bytes=-1,
             device_total_bytes=-1)
     s = torch.cuda.memory_stats(device)
     free, total = torch.cuda.mem_get_info(device)
-    return MemoryRecord(
+    return memory_record(
         **common,
         allocated_bytes=s.get("allocated_bytes.all.current", 0),
         allocated_peak_bytes=s.get("allocated_bytes.all.peak", 0),

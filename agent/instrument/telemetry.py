@@ -43,7 +43,7 @@ from typing import Any, Iterator
 
 from meshscope.agent import version
 from meshscope.agent.contract import (
-    SCHEMAS, AnchoredClock, Clock, CollectiveRecord, EventRecord, RunRecord, SpanRecord, StepRecord, algbw,
+    SCHEMAS, AnchoredClock, Clock, collective_record, event_record, run_record, span_record, step_record, algbw,
     busbw_factor, check_run_name, spool_path,
 )
 from meshscope.agent.instrument import memory
@@ -179,7 +179,7 @@ class Telemetry:
         }
         for key, value in info.items():
             row.setdefault(key, json.dumps(value, sort_keys=True) if isinstance(value, dict) else value)
-        self._push("run", RunRecord(**{name: row.get(name, default) for name, default in _RUN_DEFAULTS.items()}))
+        self._push("run", run_record(**{name: row.get(name, default) for name, default in _RUN_DEFAULTS.items()}))
         self.event("start", f"rank {self.rank} of {self.world_size} attempt {self.attempt}")
 
     def attach(self, *, model_parts: list | None = None, mesh: Any = None, schedule: Any = None,
@@ -257,7 +257,7 @@ class Telemetry:
             state.phase = None
 
     def event(self, kind: str, message: str = "", *, step: int | None = None) -> None:
-        self._push("event", EventRecord(t=self.clock.now(), step=self._last_step if step is None else step, kind=kind,
+        self._push("event", event_record(t=self.clock.now(), step=self._last_step if step is None else step, kind=kind,
                                         message=message))
 
     def flush(self) -> None:
@@ -276,7 +276,7 @@ class Telemetry:
         except ValueError:  # an op outside the nccl-tests table: no bus-bandwidth figure
             alg = bus = float("nan")
         seq = seq or self._next_seq(group)
-        self._push("collective", CollectiveRecord(
+        self._push("collective", collective_record(
             step=step, op=op, dim=dim, group=group, group_size=group_size, seq=seq, bytes=nbytes, t_start=t_start,
             t_end=t_end, duration_s=duration, wait_s=wait_s, algbw=alg, busbw=bus, peer=peer, source=source))
         self._last_coll = (op, dim, seq)
@@ -297,7 +297,7 @@ class Telemetry:
 
     def record_span(self, *, stage: int, microbatch: int, kind: str, t_start: float, t_end: float) -> None:
         state = self._cur
-        self._push("span", SpanRecord(step=state.step if state else self._last_step, stage=stage, microbatch=microbatch,
+        self._push("span", span_record(step=state.step if state else self._last_step, stage=stage, microbatch=microbatch,
                                       kind=kind, t_start=t_start, t_end=t_end))
         if state is not None:
             state.span_time += t_end - t_start
@@ -363,7 +363,7 @@ class Telemetry:
             flops = _as_float(v.get("flops"), 0.0)
             mfu = flops / wall / self._peak_flops if wall > 0 and self._peak_flops > 0 else 0.0
             dropped = self.dropped_records + int(getattr(self._writer, "dropped_records", 0))
-            self._push("step", StepRecord(
+            self._push("step", step_record(
                 step=state.step, t_start=state.t_start, t_end=t_end, wall_s=wall, compute_s=compute,
                 exposed_comm_s=state.exposed, bubble_s=bubble, other_s=other, data_s=state.phases.get("data", 0.0),
                 forward_s=fwd, backward_s=bwd, optimizer_s=state.phases.get("optimizer", 0.0),
