@@ -30,6 +30,8 @@ from types import SimpleNamespace
 import numpy as np
 import pyarrow as pa
 import pytest
+
+from meshscope.testing.harness import poll_until
 import yaml
 
 from meshscope.agent import stack
@@ -53,16 +55,9 @@ RATE_INTERVAL = "10s"  # what $__rate_interval would be at a 1 s scrape interval
 TRAIN = ("--model", "tiny", "--device", "cpu", "--log-every", "1000")
 
 
-def wait_until(fn, *, timeout: float, what: str, interval: float = 0.5):
+def wait_until(fn, *, timeout: float, what, interval: float = 0.5):
     """Poll ``fn`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
+    return poll_until(fn, timeout_s=timeout, interval_s=interval, what=what)
 
 
 class Prometheus:

@@ -24,6 +24,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+from meshscope.testing.harness import poll_until
 import yaml
 
 from meshscope.agent import stack
@@ -51,16 +53,8 @@ def _free_port() -> int:
 
 
 def wait_until(fn, *, timeout: float, what, interval: float = 0.3):
-    """Poll ``fn`` until it returns something truthy; fail after ``timeout`` seconds (``what`` may be a
-    callable, so the message can carry the logs as they are at the time of failure)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what() if callable(what) else what}")
-        time.sleep(interval)
+    """Poll ``fn`` until it returns something truthy; fail after ``timeout`` seconds."""
+    return poll_until(fn, timeout_s=timeout, interval_s=interval, what=what)
 
 
 class Lines:

@@ -9,6 +9,7 @@ delay (NaN).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -45,8 +46,6 @@ class ThreadCPU:
 
     def close(self) -> None:
         if self._fd is not None:
-            try:
+            with contextlib.suppress(OSError):  # already gone: nothing to release
                 os.close(self._fd)
-            except OSError:
-                pass
             self._fd = None

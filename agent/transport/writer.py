@@ -25,6 +25,7 @@ rows; a machine crash can lose what the page cache had not written back.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import secrets
 import threading
@@ -321,10 +322,8 @@ class SpoolWriter:
 
     def _close_fd(self) -> None:
         if self._fd is not None:
-            try:
+            with contextlib.suppress(OSError):  # already gone: nothing to release
                 os.close(self._fd)
-            except OSError:
-                pass
             self._fd = self._ino = None
 
 
