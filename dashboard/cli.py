@@ -11,8 +11,8 @@ import os
 import sys
 from pathlib import Path
 
+from meshscope.agent.collector.reader import Store, StoreError
 from meshscope.dashboard.config import ArgParser, ConfigError, check_prometheus_url, run_command
-from meshscope.dashboard.store import Store, StoreError
 
 # Streamlit's entry file, beside the pages it names by relative path (app_pages/...).
 APP = Path(__file__).resolve().parent / "app.py"

@@ -11,9 +11,9 @@ import sys
 from typing import Any
 
 from meshscope.agent.collector.catchup import catch_up
+from meshscope.agent.collector.reader import Store, StoreError
 from meshscope.dashboard import analysis, environment, stragglers, views
 from meshscope.dashboard.config import ArgParser, ConfigError, run_command
-from meshscope.dashboard.store import Store, StoreError
 
 
 def build(load: views.Loader, *, run: str, steps: tuple[int, int] | None = None) -> dict[str, Any]:
