@@ -11,7 +11,7 @@ PUBLIC = (
     "meshscope.agent.cliargs",  # the one shape of a command line
     "meshscope.agent.instrument.telemetry",  # Telemetry, TelemetryConfig: the in-process API
     "meshscope.agent.instrument.flops",  # device peak FLOP/s, MFU's denominator
-    "meshscope.agent.collector.store",  # the one reader of the run store
+    "meshscope.agent.collector.reader",  # the one reader of the run store
     "meshscope.agent.collector.catchup",  # readers take in what the spools hold beyond the store
     "meshscope.agent.security",  # PromQL quoting of label values built from run names
 )

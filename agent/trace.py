@@ -1,4 +1,6 @@
-"""``meshscope export-trace``: a Perfetto / Chrome-trace JSON of a step range, from the run store.
+"""``meshscope export-trace``: a Perfetto / Chrome-trace JSON of a step range, from the run store (read
+with ``agent.collector.reader``, so a restarted run shows each rank's re-executed steps once: the newest
+attempt's).
 
     meshscope export-trace --store DIR --run NAME [--steps A:B] --out FILE
 
@@ -22,12 +24,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
 from meshscope.agent.cliargs import ArgParser
 from meshscope.agent.cliargs import UsageError as TraceError  # a user's mistake: unknown run, empty range
-from meshscope.agent.collector.store import list_runs, read_table
+from meshscope.agent.collector.reader import Store, StoreError, read_table
 from meshscope.agent.contract import DIMS
 
 TID_EVENTS, TID_STEPS, TID_PHASES, TID_STAGE0, TID_COMM0 = 0, 1, 2, 10, 1000
@@ -65,11 +68,19 @@ def _clean(value):
     return value
 
 
-def build_trace(store: str | Path, *, run: str, steps: tuple[int | None, int | None] = (None, None)) -> dict:
-    """The trace as a dict (``traceEvents`` + ``metadata``); raises TraceError for user mistakes."""
-    runs = list_runs(store)
+def build_trace(store: Store | str | os.PathLike, *, run: str,
+                steps: tuple[int | None, int | None] = (None, None)) -> dict:
+    """The trace as a dict (``traceEvents`` + ``metadata``); raises TraceError for user mistakes.
+
+    Read through the store reader (``agent.collector.reader``): a restarted run's re-executed steps appear
+    once per rank, from the newest attempt, with that attempt's collectives and spans; ``store`` may be a
+    ``Store`` over several nodes' stores."""
+    if not isinstance(store, Store):
+        store = Store.open(store)
+    runs = store.runs()
     if run not in runs:
-        raise TraceError(f"unknown run {run!r} in store {str(store)!r} (known: {', '.join(runs) or 'none'})")
+        where = ", ".join(repr(str(root)) for root in store.roots)
+        raise TraceError(f"unknown run {run!r} in store {where} (known: {', '.join(runs) or 'none'})")
     step_df = read_table(store, "step", run=run, steps=steps)
     if step_df.empty:
         present = read_table(store, "step", run=run, columns=["step"])
@@ -175,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             raise TraceError(f"--out {str(args.out)!r}: directory {str(args.out.parent)!r} does not exist")
         trace = build_trace(args.store, run=args.run, steps=parse_steps(args.steps))
         args.out.write_text(json.dumps(trace, separators=(",", ":")))
-    except (TraceError, ValueError) as exc:
+    except (TraceError, StoreError, ValueError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

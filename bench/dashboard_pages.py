@@ -39,8 +39,8 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from meshscope.agent.collector.reader import Store  # noqa: E402
 from meshscope.dashboard import data, views  # noqa: E402
-from meshscope.dashboard.store import Store  # noqa: E402
 from meshscope.testing.store import Straggler, SyntheticConfig, write_store  # noqa: E402
 
 GENERATOR = "v6"  # bump when the synthetic model changes, to regenerate the cached store

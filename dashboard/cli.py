@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 from meshscope.agent.cliargs import ArgParser, run_command
+from meshscope.agent.collector.reader import Store, StoreError
 from meshscope.dashboard.config import ConfigError, check_prometheus_url
-from meshscope.dashboard.store import Store, StoreError
 
 # Streamlit's entry file, beside the pages it names by relative path (app_pages/...).
 APP = Path(__file__).resolve().parent / "app.py"

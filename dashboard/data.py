@@ -24,9 +24,9 @@ import json
 
 import pandas as pd
 
+from meshscope.agent.collector.reader import SKIPPED, Store
 from meshscope.agent.contract import SCHEMAS
 from meshscope.dashboard.analysis import THROTTLE_MASK
-from meshscope.dashboard.store import SKIPPED, Store
 
 _ALL = (-(2**62), 2**62)
 # The collective and span tables grow with ranks x steps x ops. A page analyses the latest steps of the

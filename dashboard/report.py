@@ -10,11 +10,11 @@ import math
 import sys
 from typing import Any
 
-from meshscope.agent.collector.catchup import catch_up
-from meshscope.dashboard import analysis, environment, stragglers, views
 from meshscope.agent.cliargs import ArgParser, run_command
+from meshscope.agent.collector.catchup import catch_up
+from meshscope.agent.collector.reader import Store, StoreError
+from meshscope.dashboard import analysis, environment, stragglers, views
 from meshscope.dashboard.config import ConfigError
-from meshscope.dashboard.store import Store, StoreError
 
 
 def build(load: views.Loader, *, run: str, steps: tuple[int, int] | None = None) -> dict[str, Any]:

@@ -15,10 +15,10 @@ import streamlit as st
 from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ctx
 
 from meshscope.agent.collector.catchup import catch_up
+from meshscope.agent.collector.reader import SKIPPED, Store, StoreError
 from meshscope.dashboard import data, views
 from meshscope.dashboard.config import AppConfig, ConfigError, parse_app_args
 from meshscope.dashboard.live import LiveError, PrometheusClient
-from meshscope.dashboard.store import SKIPPED, Store, StoreError
 
 CONFIG_KEY = "meshscope.config"
 URL_KEY = "meshscope.url_applied"  # the link's run and steps were applied (once per session)

@@ -18,11 +18,11 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from meshscope.agent.collector.reader import Store
 from meshscope.dashboard import analysis, data, environment, figures, stragglers
 from meshscope.dashboard.memory_model import memory_model, spec_from_meta, states_vs_tensors
 from meshscope.dashboard.pipeline_sim import replay
 from meshscope.dashboard.scaling import amdahl_fits, no_family_reason, run_throughput, scaling_table
-from meshscope.dashboard.store import Store
 
 Loader = Callable[..., Any]
 _MODEL_FIELDS = ("n_params", "n_layers", "d_model", "seq_len", "global_batch")

@@ -1,16 +1,19 @@
-"""Agent ingest: spools → Parquet run store, exactly once, batched, and read back with read_table."""
+"""Agent ingest: spools → Parquet run store, exactly once, batched, and read back with read_table (which the
+ingest path itself never loads)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pandas as pd
 import pytest
 
 from meshscope.agent.collector import parts as partio
 from meshscope.agent.collector.ingest import IngestConfig, Ingestor
+from meshscope.agent.collector.reader import list_runs, read_table
 from meshscope.agent.collector.state import MetricsState
-from meshscope.agent.collector.store import list_runs, read_table
 from meshscope.agent.contract import (
     SCHEMAS, CollectiveRecord, EventRecord, GpuRecord, SpanRecord, StepRecord, spool_path,
 )
@@ -300,3 +303,24 @@ def test_null_values_from_a_rank_do_not_stop_the_agent(tmp_path):
     assert ing.state.metric_errors == 0 and ing.state.ingested["collective"] == 4
     assert ing.state.runs["r1"].ranks[0].steps == 1 and ing.state.runs["r1"].ranks[0].last_step == 1
     assert len(read_table(tmp_path, "step")) == 2 and read_table(tmp_path, "step")["step"].isna().sum() == 1
+
+
+def test_the_ingest_path_does_not_load_the_store_reader(tmp_path):
+    """The store's one reader (``agent.collector.reader``) loads DuckDB and pandas; the agent's ingest path
+    writes the same store and must not pay for them (memory on every node, start-up time). ``meshscope
+    ingest`` in a fresh interpreter, over a real spool: importing the command loads neither, and running
+    it never loads DuckDB or the reader. (pandas does load while ingesting: pyarrow's ``to_numpy`` of a
+    chunked column, in the metric state, imports it.)"""
+    from meshscope.testing.spools import write_run
+
+    write_run(tmp_path, run="r1", world_size=2, steps=4, collectives_per_step=3)
+    reader = ("duckdb", "meshscope.agent.collector.reader")
+    code = ("import sys; from meshscope.agent.collector import cli; "
+            f"print(sorted(m for m in {(*reader, 'pandas')!r} if m in sys.modules)); "
+            "rc = cli.ingest_main(['--store', sys.argv[1]]); "
+            f"print(rc, sorted(m for m in {reader!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert (lines[0], lines[-1]) == ("[]", "0 []"), out.stdout + out.stderr
+    assert len(read_table(tmp_path, "step", run="r1")) == 2 * 4  # it did ingest

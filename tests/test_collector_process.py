@@ -20,10 +20,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshscope.agent import catalog
-from meshscope.agent.collector.store import read_table
+from meshscope.agent.collector.reader import read_table
 from meshscope.agent.contract import CollectiveRecord, spool_path
-from meshscope.agent.transport.writer import SpoolWriter
 from meshscope.testing.spools import ALL_OPS_DIMS, write_run
+from meshscope.agent.transport.writer import SpoolWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}

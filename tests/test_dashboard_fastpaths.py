@@ -10,8 +10,8 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
+from meshscope.agent.collector.reader import Store
 from meshscope.dashboard import analysis, data, views
-from meshscope.dashboard.store import Store
 from meshscope.testing.store import Straggler, SyntheticConfig, write_store
 
 

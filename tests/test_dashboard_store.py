@@ -13,9 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from meshscope.agent.collector.reader import SKIPPED, Store, StoreError
 from meshscope.agent.contract import SCHEMAS
 from meshscope.dashboard import analysis, data
-from meshscope.dashboard.store import SKIPPED, Store, StoreError
 from meshscope.testing.store import Straggler, SyntheticConfig, write_store
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from meshscope.agent.collector.reader import Store
 from meshscope.dashboard import data, views
-from meshscope.dashboard.store import Store
 from meshscope.testing.store import Straggler, SyntheticConfig, write_store
 
 

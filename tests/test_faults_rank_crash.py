@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from meshscope.agent.collector.store import read_table
+from meshscope.agent.collector.reader import read_table
 from meshscope.testing.harness import (
     AgentProcess, Job, Metrics, compare_store_to_truth, newest_attempt, poll_until, private_dir, spool_files,
     spool_truth,
@@ -206,9 +206,10 @@ def test_restart_shows_in_the_timeline_and_the_store_keeps_both_attempts(restart
 
 def test_restart_newest_attempt_rule_counts_each_step_once(restarted):
     """The store has no attempt column; the rule of ``harness.newest_attempt`` (as-of join of step
-    records to the rank's ``run`` records, newest attempt per (rank, step)) recovers one record per step."""
+    records to the rank's ``run`` records, newest attempt per (rank, step)) recovers one record per step,
+    and the store reader's own rule (newest spool stream per (rank, step)) keeps exactly those records."""
     o = restarted
-    step = read_table(o.store, "step", run=o.run)
+    step = read_table(o.store, "step", run=o.run, all_attempts=True)
     runs = read_table(o.store, "run", run=o.run)
     rows = step.groupby("rank").size().to_dict()
     once = newest_attempt(step, runs)
@@ -220,11 +221,45 @@ def test_restart_newest_attempt_rule_counts_each_step_once(restarted):
     assert (got == want).all()  # the kept rows are exactly attempt 1's
     print(f"\nstep records per rank in the store {rows} for 25 distinct steps")
     assert all(n > 25 for n in rows.values())  # re-executed (and aborted) steps are stored twice
+    key = ["rank", "step", "t_start"]
+    view = read_table(o.store, "step", run=o.run)
+    assert sorted(view[key].itertuples(index=False, name=None)) == sorted(once[key].itertuples(index=False, name=None))
+
+
+def test_restart_export_trace_has_each_rank_step_once_from_the_newest_attempt(restarted):
+    """``meshscope export-trace`` of the restarted run: one step slice per (rank, step); steps 10 and 11,
+    run by both attempts, are attempt 1's (their start times), and each (rank, step) has exactly the
+    collectives its newest attempt recorded (checkpoint steps included, whose saves add collectives)."""
+    import json
+
+    from meshscope.agent.trace import main
+
+    o = restarted
+    out = o.store / "restart-trace.json"
+    assert main(["--store", str(o.store), "--run", o.run, "--out", str(out)]) == 0
+    trace = json.loads(out.read_text())
+    t0, events = trace["metadata"]["t0_unix_s"], trace["traceEvents"]
+    steps = [e for e in events if e.get("cat") == "step"]
+    assert sorted((e["pid"], e["args"]["step"]) for e in steps) == [(r, s) for r in range(o.world) for s in range(25)]
+    truth = spool_truth(o.store, o.run)
+    attempt1 = truth["step"][truth["step"]["attempt"] == 1].set_index(["rank", "step"])["t_start"]
+    for e in steps:
+        if e["args"]["step"] in (10, 11):
+            assert t0 + e["ts"] / 1e6 == pytest.approx(attempt1[e["pid"], e["args"]["step"]], abs=1e-5), e
+    coll = truth["collective"]
+    assert (coll.groupby(["rank", "step"])["attempt"].nunique() > 1).any()  # the spools hold both attempts'
+    newest = coll[coll["attempt"] == coll.groupby(["rank", "step"])["attempt"].transform("max")]
+    want = {(int(r), int(s)): n for (r, s), n in newest.groupby(["rank", "step"]).size().items()}
+    comm: dict[tuple[int, int], int] = {}
+    for e in events:
+        if e.get("cat", "").startswith("comm"):
+            comm[e["pid"], e["args"]["step"]] = comm.get((e["pid"], e["args"]["step"]), 0) + 1
+    assert comm == want
 
 
 def test_restart_dashboard_does_not_double_count_reexecuted_steps(restarted):
+    from meshscope.agent.collector.reader import Store
     from meshscope.dashboard import data
-    from meshscope.dashboard.store import Store
 
     o = restarted
     store = Store.open(o.store)

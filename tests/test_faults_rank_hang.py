@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from meshscope.agent.collector.store import read_table
+from meshscope.agent.collector.reader import read_table
 from meshscope.testing.harness import AgentProcess, Job, poll_until, private_dir
 
 pytestmark = pytest.mark.gloo

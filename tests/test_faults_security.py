@@ -5,8 +5,8 @@
   self-signed certificate made in the test, 401 with ``WWW-Authenticate`` without or with wrong
   credentials, and a real Prometheus scraping it with ``tls_config`` + ``basic_auth``.
 - Bad TLS / auth files are one-line usage errors (exit 2) before anything binds.
-- The dashboard's store access stays under the store root: run names like ``../../etc``, symlinks out of
-  the store at every level.
+- The store reader's access (the dashboard's, export-trace's) stays under the store root: run names like
+  ``../../etc``, symlinks out of the store at every level.
 - ``agent.security.promql_label_value`` makes any string a PromQL literal that Prometheus parses back to
   the same value (quotes, backslashes, newlines, control characters, Unicode).
 """
@@ -308,8 +308,8 @@ def planted(tmp_path):
 
 
 def test_dashboard_store_access_stays_under_the_root(planted):
+    from meshscope.agent.collector.reader import Store, read_table
     from meshscope.dashboard import data
-    from meshscope.dashboard.store import Store
 
     root, outside, real = planted
     store = Store.open(root)
@@ -326,10 +326,12 @@ def test_dashboard_store_access_stays_under_the_root(planted):
     assert data.events(store, run="../../etc").empty
     with pytest.raises(ValueError):
         store.files("../step", runs=["good"])
+    # export-trace and the tests read through the same Store: nothing planted comes in there either.
+    assert list(read_table(root, "step")["step"]) == [1] and read_table(root, "memory").empty
 
 
 def test_dashboard_ignores_a_symlinked_tables_directory(tmp_path):
-    from meshscope.dashboard.store import Store
+    from meshscope.agent.collector.reader import Store
 
     root, outside = tmp_path / "store", tmp_path / "outside"
     _part(outside / "tables" / "step" / "run=secret" / "rank=0", 666)

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
+from meshscope.agent.collector.reader import Store
 from meshscope.dashboard import report, views
-from meshscope.dashboard.store import Store
 from meshscope.testing.store import Straggler, SyntheticConfig, write_store
 from tests.conftest import ROOT
 

@@ -29,8 +29,8 @@ from meshscope.testing.harness import poll_until
 import yaml
 
 from meshscope.agent import stack
+from meshscope.agent.collector.reader import Store
 from meshscope.dashboard import data, views
-from meshscope.dashboard.store import Store
 from tests.conftest import ROOT, trainer_env
 
 pytestmark = [

@@ -7,10 +7,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from meshscope.agent.collector.store import read_table
+from meshscope.agent.collector.reader import Store, read_table
 from meshscope.dashboard import views
 from meshscope.dashboard.scaling import MIN_FIT_SIZES, amdahl_fits, no_family_reason, run_throughput, scaling_table
-from meshscope.dashboard.store import Store
 from meshscope.testing.store import SyntheticConfig, write_store
 from meshscope.trainer import sweep
 

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import pytest
 
 from meshscope.agent.collector.ingest import Ingestor
+from meshscope.agent.collector.reader import read_table
 from meshscope.agent.collector.state import MetricsState
 from meshscope.agent.contract import CollectiveRecord, EventRecord, RunRecord, SpanRecord, StepRecord, spool_path
 from meshscope.agent.trace import main, parse_steps
 from meshscope.agent.transport.writer import SpoolWriter
+from meshscope.testing.spools import write_run
 
 
 class Clock:
@@ -133,3 +135,29 @@ def test_an_out_path_in_a_missing_directory_is_one_line_and_creates_nothing(stor
 def test_parse_steps():
     assert parse_steps("3:7") == (3, 7) and parse_steps("3:") == (3, None) and parse_steps(":7") == (None, 7)
     assert parse_steps("4") == (4, 5) and parse_steps(None) == (None, None)
+
+
+def test_a_restarted_run_has_each_rank_step_once_from_the_newest_attempt(tmp_path):
+    """Two attempts through the real ingest path: attempt 0 ran steps 0-11, attempt 1 (100 s later) ran
+    steps 0-7 again. The trace has one slice per (rank, step): steps 0-7 from attempt 1, 8-11 from
+    attempt 0 (never re-executed), each step with its own attempt's collectives only."""
+    world, per_step, later = 2, 6, 100.0
+    write_run(tmp_path, run="rs", world_size=world, steps=12, collectives_per_step=per_step, frame_rows=24,
+              attempt=0, t0=T0)
+    write_run(tmp_path, run="rs", world_size=world, steps=8, collectives_per_step=per_step, frame_rows=24,
+              attempt=1, t0=T0 + later, seed=1)
+    Ingestor(store=tmp_path, state=MetricsState(), clock=Clock()).ingest_all()
+    # The store holds both attempts' records: the trace's dedup is the reader's, not the ingest's.
+    assert len(read_table(tmp_path, "step", run="rs", all_attempts=True)) == world * (12 + 8)
+
+    out = tmp_path / "t.json"
+    assert main(["--store", str(tmp_path), "--run", "rs", "--out", str(out)]) == 0
+    trace = json.loads(out.read_text())
+    t0 = trace["metadata"]["t0_unix_s"]
+    steps = [e for e in trace["traceEvents"] if e.get("cat") == "step"]
+    assert sorted((e["pid"], e["args"]["step"]) for e in steps) == [(r, s) for r in range(world) for s in range(12)]
+    for e in steps:
+        newer = e["args"]["step"] < 8  # re-executed: attempt 1's slice, started after the restart
+        assert (t0 + e["ts"] / 1e6 >= T0 + later) == newer, e
+    comm = Counter((e["pid"], e["args"]["step"]) for e in trace["traceEvents"] if e.get("cat", "").startswith("comm"))
+    assert comm == {(r, s): per_step for r in range(world) for s in range(12)}

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
+from meshscope.agent.collector.reader import Store
 from meshscope.dashboard import views
-from meshscope.dashboard.store import Store
 from tests.conftest import ROOT, trainer_env
 from tests.test_telemetry_e2e import run_job
 

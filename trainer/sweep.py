@@ -149,9 +149,10 @@ def report(store: Path, runs: list[str]) -> dict:
     functions (``dashboard.scaling``), so this table and the page cannot disagree. Returns ``per_run``
     (throughput over steady steps), ``table`` (per family and run: speedup, efficiency), ``fits`` (per
     family: the Amdahl verdict or why there is none) and ``note`` (why there is no family, if none)."""
-    # The dashboard's store reader and analysis, imported late: only this last step of the sweep needs them.
+    # The store reader (DuckDB) and the dashboard's analysis, imported late: only this last step of the
+    # sweep needs them.
+    from meshscope.agent.collector.reader import Store
     from meshscope.dashboard import scaling, views
-    from meshscope.dashboard.store import Store
 
     per_run, _ = views.scaling_runs(views.direct_loader(Store.open(store)), runs=runs)
     table = scaling.scaling_table(per_run)

@@ -1,8 +1,6 @@
 """The node agent: spools → metrics (/metrics) and the Parquet run store.
 
-Readers of the store use :func:`agent.collector.store.read_table` and :func:`list_runs`.
+The store's layout and write-side paths are :mod:`agent.collector.store`; every reader of the store goes
+through :mod:`agent.collector.reader` (``Store``, ``read_table``, ``list_runs``). Nothing is imported
+here: the reader loads DuckDB and pandas, which the agent's ingest path must not pay for.
 """
-
-from meshscope.agent.collector.store import list_runs, read_table
-
-__all__ = ["list_runs", "read_table"]

@@ -7,7 +7,7 @@
     tracer.detach()
 
 One record per op: op (nccl-tests name), mesh dim / group / group size (``MeshInfo``), bytes (the full
-buffer, see ``agent.instrument.bandwidth``), ``t_start`` (issue: where the Python API calls the
+buffer, see ``agent.contract.bandwidth``), ``t_start`` (issue: where the Python API calls the
 ProcessGroup, or the functional collective's call), ``t_end`` (observed completion),
 ``wait_s`` (time the calling thread was blocked on it: its exposed part), peer (P2P) and ``source``, the
 path that saw it. Paths, and what each sees (measured on torch 2.13 / gloo, see the docstrings of the

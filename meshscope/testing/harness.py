@@ -34,7 +34,7 @@ import psutil
 import pyarrow as pa
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshscope.agent.collector.store import read_table
+from meshscope.agent.collector.reader import read_table
 from meshscope.agent.contract import KINDS, SCHEMAS, SPOOL_NAME
 from meshscope.agent.transport.reader import SpoolReader
 
@@ -352,12 +352,13 @@ def canonical(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
 def compare_store_to_truth(store: Path, run: str, truth: dict[str, pd.DataFrame]) -> dict[str, dict[str, int]]:
     """Per kind: records in the spools, in the store, lost (in spools, not in store) and duplicated (in the
     store more often than in the spools), matching whole rows. Attempt is not a stored column, so rows are
-    compared without it."""
+    compared without it. Every stored row counts (``all_attempts``): this checks what the agent wrote, not
+    the reader's newest-attempt view of a restarted run."""
     report = {}
     for kind in KINDS:
         if kind == "gpu":
             continue
-        stored = read_table(store, kind, run=run)
+        stored = read_table(store, kind, run=run, all_attempts=True)
         want = truth[kind]
         cols = [c for c in SCHEMAS[kind].names if c != "rank"] + ["rank"]
         key = lambda df: _row_keys(df[cols]).value_counts()  # noqa: E731
@@ -381,9 +382,10 @@ def _row_keys(df: pd.DataFrame) -> pd.Series:
 
 
 def newest_attempt(step: pd.DataFrame, run: pd.DataFrame) -> pd.DataFrame:
-    """The proposed analysis rule for restarted runs: attribute each step record to the attempt whose
-    ``run`` record (same rank) started last before it (an as-of join on ``t_start``), then keep, per
-    (rank, step), the record of the newest attempt. Works on the store as it is (no attempt column)."""
+    """An independent statement of the rule for restarted runs, to check the store reader's by: attribute
+    each step record to the attempt whose ``run`` record (same rank) started last before it (an as-of join
+    on ``t_start``), then keep, per (rank, step), the record of the newest attempt. Works on every stored
+    record (``read_table(..., all_attempts=True)``; there is no attempt column)."""
     starts = run[["rank", "attempt", "t_start"]].rename(columns={"t_start": "attempt_start"})
     starts = starts.sort_values("attempt_start")
     s = step.sort_values("t_start")

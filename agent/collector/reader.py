@@ -1,4 +1,6 @@
-"""Read-only access to a run store: the one place where the dashboard touches the file system.
+"""The one reader of the run store: ``Store`` (SQL over the store's kinds) and ``read_table`` (one kind
+as a DataFrame) for everything that reads it: the dashboard, ``meshscope export-trace``, ``meshscope
+sweep`` and the tests.
 
 Layout (written by the node agent, see ``agent.collector.store``)::
 
@@ -11,7 +13,9 @@ several stores is one run with the ranks of all of them.
 Restarts: a torchrun restart resumes from the last checkpoint, so the steps after it run again and a
 rank's records of those steps exist once per attempt (one spool stream per attempt, in the part names).
 The step-indexed kinds (step, collective, span, memory) then keep, per (run, rank, step), the newest
-attempt's rows only (``_view_sql``), in one store or across several (a rank moved to another node).
+attempt's rows only (``agent.collector.tableview.select_sql``), in one store or across several (a rank
+moved to another node). ``all_attempts=True`` reads every stored row instead (what the exactly-once
+checks compare with the spools).
 
 Confinement, per root: each root is resolved once; run names come only from listing ``run=*``
 directories; kinds come only from ``agent.schema.KINDS``; below a root no symlink is followed (a link
@@ -21,9 +25,12 @@ parameters.
 
 Robustness: a kind may be missing entirely (an empty, typed view stands in), files may lack newer
 columns (NULL of the schema type is projected), and a file may be corrupt or of the wrong schema (it is
-skipped, and the skipped paths are reported in ``DataFrame.attrs["skipped_files"]`` so the page can say
+skipped, and the skipped paths are reported in ``DataFrame.attrs["skipped_files"]`` so a page can say
 so). A part the agent's compaction deletes between listing and reading is handled by listing again.
 Anything else DuckDB rejects becomes a ``StoreError`` with a one-line message.
+
+DuckDB and pandas load with this module: the agent's ingest path (``agent.collector.ingest``) never
+imports it.
 """
 
 from __future__ import annotations
@@ -37,19 +44,14 @@ from pathlib import Path
 
 import duckdb
 import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
 
-from meshscope.agent.contract import KINDS, PART_RE, SCHEMAS
+from meshscope.agent.collector import tableview
+from meshscope.agent.collector.store import PARTITION_KEYS, stored_schema
+from meshscope.agent.contract import KINDS, SCHEMAS, check_run_name
 
 SKIPPED = "skipped_files"  # key in DataFrame.attrs
 
-_DUCK_TYPES = {pa.int64(): "BIGINT", pa.int32(): "INTEGER", pa.float64(): "DOUBLE", pa.string(): "VARCHAR",
-               pa.bool_(): "BOOLEAN"}
-# Partition keys come from the path; fixing their types stops DuckDB from turning run "0042" into 42.
-_HIVE_TYPES = "{'run': VARCHAR, 'rank': INTEGER}"
 _VIEW_NAME = re.compile(r"^[a-z_]+$")
-PARTITION_KEYS = ("run", "rank")
 # What unreadable or mismatched files raise. Parser/binder errors are bugs in our SQL and propagate.
 _DATA_ERRORS = (duckdb.IOException, duckdb.InvalidInputException, duckdb.ConversionException,
                 duckdb.SerializationException)
@@ -143,18 +145,18 @@ class Store:
         return rel if len(self.roots) == 1 else f"{root}/{rel}"
 
     # ---------------------------------------------------------------- querying
-    def query(self, sql: str, *, kinds: Sequence[str], runs: Sequence[str],
-              params: Sequence | None = None) -> pd.DataFrame:
+    def query(self, sql: str, *, kinds: Sequence[str], runs: Sequence[str], params: Sequence | None = None,
+              all_attempts: bool = False) -> pd.DataFrame:
         """Run ``sql`` with one view per kind (named after the kind) over the selected runs' files.
 
         The views have exactly the schema's columns plus ``run`` and ``rank``. Corrupt files are skipped
-        and listed in ``attrs["skipped_files"]``.
+        and listed in ``attrs["skipped_files"]``. ``all_attempts``: see the module docstring.
         """
-        return self.query_all([(sql, params)], kinds=kinds, runs=runs)[0]
+        return self.query_all([(sql, params)], kinds=kinds, runs=runs, all_attempts=all_attempts)[0]
 
     def query_all(self, statements: Sequence[tuple[str, Sequence | None]], *, kinds: Sequence[str],
                   runs: Sequence[str], materialize: Mapping[str, Materialize] | None = None,
-                  ) -> list[pd.DataFrame]:
+                  all_attempts: bool = False) -> list[pd.DataFrame]:
         """Several (sql, params) over the same kinds, on one connection. Returns one frame per statement
         (empty for statements that return no rows, e.g. DDL).
 
@@ -168,7 +170,8 @@ class Store:
         for attempt in range(3):
             sources = {kind: self.files(kind, runs=runs) for kind in kinds}
             try:
-                frames, skipped = self._read(statements, sources=sources, materialize=materialize or {})
+                frames, skipped = self._read(statements, sources=sources, materialize=materialize or {},
+                                             all_attempts=all_attempts)
                 break
             except _DATA_ERRORS as err:  # only when listed files vanished (see _read)
                 if attempt == 2:
@@ -177,10 +180,11 @@ class Store:
             df.attrs[SKIPPED] = skipped
         return frames
 
-    def _read(self, statements, *, sources: dict[str, list[Path]],
-              materialize: Mapping[str, Materialize]) -> tuple[list[pd.DataFrame], list[str]]:
+    def _read(self, statements, *, sources: dict[str, list[Path]], materialize: Mapping[str, Materialize],
+              all_attempts: bool) -> tuple[list[pd.DataFrame], list[str]]:
         """Fast path first; then by column name; then without the files whose footer is unreadable."""
-        run = functools.partial(self._execute, statements, sources=sources, materialize=materialize)
+        run = functools.partial(self._execute, statements, sources=sources, materialize=materialize,
+                                all_attempts=all_attempts)
         try:
             return run(union=False), []
         except _DATA_ERRORS as err:
@@ -197,7 +201,7 @@ class Store:
         # Only now pay for checking every footer: the common case stays one scan.
         skipped = []
         for kind, paths in sources.items():
-            good = [p for p in paths if _readable(p, kind)]
+            good = [p for p in paths if tableview.readable(p, kind=kind)]
             skipped += [self._display(p) for p in paths if p not in good]
             sources[kind] = good
         if not skipped:
@@ -208,13 +212,14 @@ class Store:
             raise StoreError(f"could not read the store: {_first_line(again)}") from again
 
     def _execute(self, statements, *, sources: dict[str, list[Path]], union: bool,
-                 materialize: Mapping[str, Materialize]) -> list[pd.DataFrame]:
+                 materialize: Mapping[str, Materialize], all_attempts: bool) -> list[pd.DataFrame]:
         # A fresh in-memory connection per call: DuckDB connections are not shared across Streamlit's
         # script threads, and opening one costs well under a millisecond.
         with duckdb.connect(config={"threads": min(4, os.cpu_count() or 1)}) as con:
             for kind, paths in sources.items():
                 assert _VIEW_NAME.match(kind)
-                select = _view_sql(con, kind, paths, union=union, newest_attempt=_restarted(kind, paths))
+                newest = not all_attempts and tableview.restarted(paths, kind=kind)
+                select = tableview.select_sql(con, kind=kind, paths=paths, union=union, newest_attempt=newest)
                 if kind in materialize:
                     cond, params, columns = materialize[kind]
                     cols = ", ".join(f'"{c}"' for c in columns)
@@ -228,6 +233,75 @@ class Store:
                 con.execute(sql, params)
                 frames.append(con.df() if con.description else pd.DataFrame())
             return frames
+
+
+def list_runs(store: Store | str | os.PathLike) -> list[str]:
+    """Runs that have records in the store (any kind), sorted; [] when the directory does not exist."""
+    if not isinstance(store, Store):
+        if not Path(store).is_dir():
+            return []
+        store = Store.open(store)
+    return store.runs()
+
+
+def read_table(
+    store: Store | str | os.PathLike, kind: str, *, run: str | None = None, ranks: Iterable[int] | None = None,
+    steps: tuple[int | None, int | None] | None = None, columns: Iterable[str] | None = None,
+    order_by: str | None = None, all_attempts: bool = False,
+) -> pd.DataFrame:
+    """Records of one kind as a DataFrame (the schema's columns, then ``run`` and ``rank``), read through
+    ``Store``: a restarted rank's re-executed steps once (the newest attempt) unless ``all_attempts``,
+    several stores as one when ``store`` is a ``Store`` over several roots, corrupt files skipped (listed
+    in ``attrs["skipped_files"]``).
+
+    ``run=None`` reads every run; ``steps=(a, b)`` keeps a <= step < b (either end may be None);
+    ``columns`` selects columns. Returns an empty, well-typed frame when there is nothing to read (a store
+    directory that does not exist included). Raises ValueError for an unknown kind, column or an invalid
+    run name, and StoreError when the store cannot be read.
+    """
+    if kind not in SCHEMAS:
+        raise ValueError(f"unknown record kind {kind!r} (known: {', '.join(KINDS)})")
+    cols = list(columns) if columns is not None else None
+    known = set(stored_schema(kind).names) | set(PARTITION_KEYS)
+    for name in (cols or []) + ([order_by] if order_by else []):
+        if name not in known:
+            raise ValueError(f"{kind} has no column {name!r}")
+    if run is not None:
+        check_run_name(run)  # the one run-name rule: a name no writer accepts is a mistake, not an empty run
+    select = ", ".join(f'"{c}"' for c in cols) if cols is not None else "*"
+    where, params = [], []
+    if run is not None:
+        where.append("run = ?")
+        params.append(run)
+    if ranks is not None:
+        rank_list = [int(r) for r in ranks]
+        where.append(f"rank IN ({', '.join('?' * len(rank_list))})" if rank_list else "false")
+        params.extend(rank_list)
+    if steps is not None and "step" in known:
+        lo, hi = steps
+        if lo is not None:
+            where.append("step >= ?")
+            params.append(int(lo))
+        if hi is not None:
+            where.append("step < ?")
+            params.append(int(hi))
+    sql = f"SELECT {select} FROM {kind}" + (" WHERE " + " AND ".join(where) if where else "")
+    if order_by:
+        sql += f' ORDER BY "{order_by}"'
+    if not isinstance(store, Store):
+        if not Path(store).is_dir():
+            return _empty(kind, select=select)
+        store = Store.open(store)
+    return store.query(sql, kinds=[kind], runs=[run] if run is not None else store.runs(), params=params,
+                       all_attempts=all_attempts)
+
+
+def _empty(kind: str, *, select: str) -> pd.DataFrame:
+    """A kind's empty frame, typed as a query over its files would be (the same SQL over no files)."""
+    with duckdb.connect() as con:
+        df = con.execute(f"SELECT {select} FROM ({tableview.select_sql(con, kind=kind, paths=[], union=False)})").df()
+    df.attrs[SKIPPED] = []
+    return df
 
 
 def _check_hive_keys(roots: Sequence[Path]) -> None:
@@ -253,121 +327,6 @@ def _entries(directory: Path, *, prefix: str, want_dir: bool) -> list[tuple[str,
                     e.is_dir(follow_symlinks=False) if want_dir else e.is_file(follow_symlinks=False)):
                 out.append((e.name, Path(e.path)))
     return out
-
-
-# Kinds whose rows belong to a step, and the column that orders a rank's records in time.
-_STEP_KINDS = {"step": "t_start", "collective": "t_start", "span": "t_start", "memory": "t"}
-# The stream of a row's part file, from the agent's own part-name pattern (DuckDB's RE2 reads the same
-# syntax), matched on the path's last component.
-_STREAM_SQL = (f"regexp_extract(filename, '(?:^|/){PART_RE.pattern.removeprefix('^')}', "
-               f"{PART_RE.groupindex['stream']})")
-
-
-def _restarted(kind: str, paths: list[Path]) -> bool:
-    """Whether some rank of these files wrote more than one spool stream (a torchrun restart: one spool,
-    hence one stream, per attempt). Part names carry the stream (``agent.collector.parts``), so this costs
-    a regex per file name, and runs that never restarted pay nothing more."""
-    if kind not in _STEP_KINDS:
-        return False
-    streams: dict[tuple[str, str], str] = {}
-    for p in paths:
-        m = PART_RE.match(p.name)
-        if m is None:
-            continue
-        key = (p.parent.parent.name, p.parent.name)  # (run=<run>, rank=<rank>), across roots
-        if streams.setdefault(key, m["stream"]) != m["stream"]:
-            return True
-    return False
-
-
-def _view_sql(con: duckdb.DuckDBPyConnection, kind: str, paths: list[Path], *, union: bool,
-              newest_attempt: bool = False) -> str:
-    """The SELECT that exposes one kind's files as the schema's columns plus ``run`` and ``rank``.
-
-    ``newest_attempt``: a restarted job re-executes the steps after its last checkpoint, so a rank's
-    records of those steps exist once per attempt. Keep, per (run, rank, step), only the rows of the
-    newest stream that has the step (streams ordered by their first record), as the job's final history
-    does: every page then counts each step once, and a step's collectives, spans and memory samples come
-    from the same attempt as its step record. The old attempt's other rows (steps that were never
-    re-executed, e.g. a crashed attempt's last steps before the checkpoint) stay."""
-    inner = _plain_view_sql(con, kind, paths, union=union, filename=newest_attempt)
-    if not newest_attempt:
-        return inner
-    t = _STEP_KINDS[kind]
-    return (f"SELECT * EXCLUDE (_stream, _stream_t0) FROM ("
-            f"SELECT *, min(\"{t}\") OVER (PARTITION BY run, rank, _stream) AS _stream_t0 FROM ({inner})) "
-            f"QUALIFY _stream_t0 = max(_stream_t0) OVER (PARTITION BY run, rank, step)")
-
-
-def _plain_view_sql(con: duckdb.DuckDBPyConnection, kind: str, paths: list[Path], *, union: bool,
-                    filename: bool) -> str:
-    # ``run`` and ``rank`` come from the path (the agent drops them from the files, e.g. the run kind's
-    # ``rank``), so they are appended once at the end.
-    schema = [f for f in SCHEMAS[kind] if f.name not in PARTITION_KEYS]
-    if not paths:
-        cols = ", ".join(f'CAST(NULL AS {_DUCK_TYPES[f.type]}) AS "{f.name}"' for f in schema)
-        return f"SELECT {cols}, CAST(NULL AS VARCHAR) AS run, CAST(NULL AS INTEGER) AS rank WHERE false"
-    # Paths come from our own listing (confined to the roots); quote them as SQL literals.
-    listing = ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths)
-
-    def source(by_name: bool) -> str:
-        return (f"read_parquet([{listing}], hive_partitioning = true, union_by_name = {str(by_name).lower()}, "
-                f"hive_types = {_HIVE_TYPES}, filename = {str(filename).lower()})")
-
-    # Without union_by_name DuckDB binds to the first file's schema (cheap: one footer); union_by_name
-    # reads every footer first, which costs ~0.2 s at 1,024 files, so it is the fallback. The first
-    # file's column names come from its footer directly: a DESCRIBE would make DuckDB bind the whole
-    # list of files (~50 ms at 1,024 files) just for them; DuckDB says why a footer is unreadable.
-    present = _columns(paths[0]) if not union else None
-    if present is None:
-        present = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {source(union)}").fetchall()}
-    if not union and any(f.name not in present for f in schema):  # the first file is an old one
-        union = True
-        present = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {source(True)}").fetchall()}
-    cols = []
-    for f in schema:
-        duck = _DUCK_TYPES[f.type]
-        # Quoted: "group" is a column name and an SQL keyword. A column no file has becomes a typed NULL.
-        cols.append(f'CAST("{f.name}" AS {duck}) AS "{f.name}"' if f.name in present
-                    else f'CAST(NULL AS {duck}) AS "{f.name}"')
-    stream = f", {_STREAM_SQL} AS _stream" if filename else ""
-    return f"SELECT {', '.join(cols)}, run, rank{stream} FROM {source(union)}"
-
-
-def _columns(path: Path) -> set[str] | None:
-    """Column names in a Parquet file's footer, plus the hive keys of its path (as DuckDB's DESCRIBE with
-    ``hive_partitioning`` lists them); None when the footer cannot be read."""
-    try:
-        names = set(pq.read_schema(path).names)
-    except (OSError, pa.ArrowException):
-        return None
-    return names | {part.split("=", 1)[0] for part in path.parts if "=" in part}
-
-
-def _readable(path: Path, kind: str) -> bool:
-    """Footer readable and every known column of a compatible type."""
-    try:
-        schema = pq.read_schema(path)
-    except (OSError, pa.ArrowException):
-        return False
-    expected = SCHEMAS[kind]
-    for field in schema:
-        i = expected.get_field_index(field.name)
-        if i >= 0 and not _compatible(field.type, expected.field(i).type):
-            return False
-    return True
-
-
-def _compatible(found: pa.DataType, expected: pa.DataType) -> bool:
-    if found == expected:
-        return True
-    if pa.types.is_integer(expected):
-        return pa.types.is_integer(found)
-    if pa.types.is_floating(expected):
-        return pa.types.is_floating(found) or pa.types.is_integer(found)
-    if pa.types.is_string(expected):
-        return pa.types.is_string(found) or pa.types.is_large_string(found) or pa.types.is_dictionary(found)
-    return False
 
 
 def _first_line(exc: BaseException) -> str:
