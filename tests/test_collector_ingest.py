@@ -324,3 +324,20 @@ def test_the_ingest_path_does_not_load_the_store_reader(tmp_path):
     lines = out.stdout.strip().splitlines()
     assert (lines[0], lines[-1]) == ("[]", "0 []"), out.stdout + out.stderr
     assert len(read_table(tmp_path, "step", run="r1")) == 2 * 4  # it did ingest
+
+
+def test_a_spool_directory_the_run_name_rule_refuses_is_counted_once_and_never_a_run(tmp_path):
+    """No writer makes such a directory (the spool path applies the rule); one that appears anyway (copied,
+    hand-made) is rejected by the same rule, once, and the store gets no partition for it."""
+    w = writer(tmp_path, run="ok")
+    w.submit("event", [start_event(1.0)])
+    w.flush()
+    bad_dir = tmp_path / "spool" / "bad run-ü"
+    bad_dir.mkdir()
+    (bad_dir / w.path.name).write_bytes(w.path.read_bytes())
+    ing = ingestor(tmp_path)
+    ing.ingest_all()
+    ing.ingest_all()
+    assert list_runs(tmp_path) == ["ok"]
+    assert ing.state.rejected["bad_run_name"] == 1
+    assert not any("bad run" in str(p) for p in (tmp_path / "tables").rglob("*"))

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from meshscope.agent.collector.reader import SKIPPED, Store, StoreError
+from meshscope.agent.collector.reader import SKIPPED, Store, StoreError, read_table
 from meshscope.agent.contract import SCHEMAS
 from meshscope.dashboard import analysis, data
 from meshscope.testing.store import Straggler, SyntheticConfig, write_store
@@ -43,6 +43,19 @@ def test_open_and_list(store, tmp_path):
     with pytest.raises(StoreError, match="store directory not found"):
         Store.open(tmp_path / "missing")
     assert Store.open(tmp_path).runs() == []
+
+
+def test_a_partition_the_run_name_rule_refuses_is_not_a_run(tmp_path):
+    """The reader lists runs by the same rule every writer applies: a hand-made ``run=`` directory with a
+    name no writer accepts is not listed (so never offered on a page), and reading it is a clear error."""
+    import shutil
+
+    write_store(tmp_path, config=SyntheticConfig(run="ok", mesh={"dp": 2}, steps=3, t0=1.7e9))
+    shutil.copytree(tmp_path / "tables" / "step" / "run=ok", tmp_path / "tables" / "step" / "run=bad run-ü")
+    store = Store.open(tmp_path)
+    assert store.runs() == ["ok"]
+    with pytest.raises(ValueError, match="run name 'bad run-ü'"):
+        read_table(store, "step", run="bad run-ü")
 
 
 def test_reads_stay_inside_the_root(tmp_path):

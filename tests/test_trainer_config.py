@@ -105,7 +105,7 @@ def test_one_run_name_rule_everywhere():
     from meshscope.agent.contract import spool_path
     from meshscope.trainer.config import TelemetrySection as TrainerTelemetry
 
-    for bad in ("run-ü", "../escape", ".hidden", "a b", "x" * 129):
+    for bad in ("run-ü", "../escape", ".hidden", "a b", "x" * 129, "run\n"):
         for make in (lambda: TelemetryConfig(store="s", run=bad), lambda: spool_path("s", run=bad, rank=0, attempt=0),
                      lambda: TrainerTelemetry(run=bad), lambda: read_table("s", "step", run=bad)):
             with pytest.raises(ValueError):

@@ -25,7 +25,7 @@ from meshscope.agent.collector import parts as partio
 from meshscope.agent.collector.offsets import OffsetStore
 from meshscope.agent.collector.state import MetricsState
 from meshscope.agent.collector.store import partition_dir, tables_dir
-from meshscope.agent.contract import KINDS, SPOOL_NAME, Clock
+from meshscope.agent.contract import KINDS, SPOOL_NAME, Clock, is_run_name
 from meshscope.agent.transport.backoff import Backoff
 from meshscope.agent.transport.frame import HEADER_KIND, rows_to_batch
 from meshscope.agent.transport.reader import SpoolReader
@@ -99,6 +99,7 @@ class Ingestor:
         self.offsets = offsets or OffsetStore(self.store / "agent" / "offsets.json")
         self._saved = self.offsets.load()
         self.cursors: dict[str, Cursor] = {}
+        self._bad_run_dirs: set[str] = set()
         self._dirty_offsets = False
         self._touched: set[tuple[str, Path]] = set()  # (kind, partition dir) written since last compaction
         self._next_compact = 0.0
@@ -167,6 +168,11 @@ class Ingestor:
         except OSError:
             run_dirs = []
         for run_dir in run_dirs:
+            if not is_run_name(run_dir.name):  # no writer makes such a directory: not a run, never a partition
+                if run_dir.name not in self._bad_run_dirs:
+                    self._bad_run_dirs.add(run_dir.name)
+                    self.state.note_rejections(["bad_run_name"])
+                continue
             try:
                 entries = list(os.scandir(run_dir.path))
             except OSError:

@@ -47,7 +47,7 @@ import pandas as pd
 
 from meshscope.agent.collector import tableview
 from meshscope.agent.collector.store import PARTITION_KEYS, stored_schema
-from meshscope.agent.contract import KINDS, SCHEMAS, check_run_name
+from meshscope.agent.contract import KINDS, SCHEMAS, check_run_name, is_run_name
 
 SKIPPED = "skipped_files"  # key in DataFrame.attrs
 
@@ -121,7 +121,8 @@ class Store:
             if tables.is_symlink() or not base.is_dir() or base.is_symlink():
                 continue
             for name, path in _entries(base, prefix="run=", want_dir=True):
-                out.setdefault(name[len("run="):], []).append(path)
+                if is_run_name(name[len("run="):]):  # the one run-name rule: no writer makes others
+                    out.setdefault(name[len("run="):], []).append(path)
         return out
 
     def files(self, kind: str, *, runs: Iterable[str]) -> list[Path]:

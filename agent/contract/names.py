@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 
 # ``<store>/spool/<run>/rank-<rank>.a<attempt>.spool``: what spool_path makes and the agent scans for.
 SPOOL_NAME = re.compile(r"^rank-(\d+)\.a(\d+)\.spool$")
@@ -28,6 +28,11 @@ def check_run_name(run: str) -> str:
             "starting with a letter or digit"
         )
     return run
+
+
+def is_run_name(name: str) -> bool:
+    """Whether ``name`` passes :func:`check_run_name` (for listings, which skip what no writer makes)."""
+    return isinstance(name, str) and _RUN_NAME.match(name) is not None
 
 
 def spool_path(store: str | Path, *, run: str, rank: int, attempt: int) -> Path:

@@ -73,6 +73,7 @@ REJECT_REASONS = (
     "decode_error",  # payload is not a readable Arrow IPC stream (or header JSON)
     "schema_mismatch",  # readable, but not the schema of its kind/version
     "bad_file_header",  # the file does not start with a valid header frame
+    "bad_run_name",  # a spool directory whose name the run-name rule refuses (counted once per directory)
 )
 
 class FrameError(Exception):
