@@ -13,7 +13,7 @@ from meshscope.agent import contract
 from meshscope.agent.contract import (
     PART_RE, RECORDS, SCHEMAS, SPOOL_NAME, StepRecord, part_name, record_types, spool_path,
 )
-from meshscope.agent.contract.records import record_factory
+from meshscope.agent.contract.records import FACTORIES, TAGS, layout_tag, record_factory
 from meshscope.agent.instrument import memory, telemetry
 from meshscope.agent.transport.frame import (
     FRAME_HEADER_SIZE, decode_payload, encode_data_frame, parse_frame_header, rows_to_batch,
@@ -112,15 +112,16 @@ def test_reordering_same_typed_schema_fields_keeps_every_value_in_its_named_colu
     producers (the telemetry core, the memory sampler) build records by keyword, so after the record types
     are regenerated from the edited schema each value still lands in the column of its name, through the
     encode / decode round trip; a record of the old layout is refused, not mislabelled."""
-    old_step = RECORDS["step"]
+    old_step = FACTORIES["step"]
     edited = {"step": _swapped(SCHEMAS["step"], "compute_s", "exposed_comm_s"),
               "memory": _swapped(SCHEMAS["memory"], "rss_bytes", "param_bytes")}
     types = record_types(edited)
     for kind, schema in edited.items():
         monkeypatch.setitem(SCHEMAS, kind, schema)  # the same dict the frame codec validates against
         monkeypatch.setitem(RECORDS, kind, types[kind])
-    monkeypatch.setattr(telemetry, "step_record", record_factory(types["step"]))
-    monkeypatch.setattr(memory, "memory_record", record_factory(types["memory"]))
+        monkeypatch.setitem(TAGS, kind, layout_tag(kind, types[kind]))
+    monkeypatch.setattr(telemetry, "step_record", record_factory(types["step"], kind="step"))
+    monkeypatch.setattr(memory, "memory_record", record_factory(types["memory"], kind="memory"))
 
     writer = _Capture()
     tel = telemetry.Telemetry(config=telemetry.TelemetryConfig(store="unused", run="r"), rank=0, world_size=1,
@@ -144,6 +145,9 @@ def test_reordering_same_typed_schema_fields_keeps_every_value_in_its_named_colu
     (mem,) = tables["memory"]
     assert mem["rss_bytes"] > 0 and mem["param_bytes"] == -1  # RSS measured; tensor bytes not (no optimizer)
 
-    stale = old_step(**writer.rows["step"][0]._asdict())  # the same values in the layout before the edit
-    with pytest.raises(ValueError, match="step rows must be StepRecord records .* got StepRecord"):
+    values = dict(zip(types["step"]._fields, writer.rows["step"][0][1:]))
+    stale = old_step(**values)  # the same values, built in the layout before the edit
+    with pytest.raises(ValueError, match="step rows must come from .* got a tuple tagged 'step:step,t_start"):
         rows_to_batch("step", [stale])
+    with pytest.raises(ValueError, match="got a tuple tagged 0"):  # by hand, positionally (step 0): refused too
+        rows_to_batch("step", [tuple(values.values())])

@@ -8,7 +8,7 @@ import zlib
 import pyarrow as pa
 import pytest
 
-from meshscope.agent.contract import SCHEMA_VERSION, SCHEMAS, EventRecord, StepRecord
+from meshscope.agent.contract import SCHEMA_VERSION, SCHEMAS, EventRecord, StepRecord, event_record, span_record
 from meshscope.agent.transport.frame import (
     FRAME_HEADER_SIZE, KIND_CODES, MAGIC, FrameError, decode_payload, encode_data_frame, encode_file_header,
     encode_frame, parse_frame_header, rows_to_batch,
@@ -101,10 +101,16 @@ def test_payload_errors_name_their_reason():
 
 
 def test_rows_must_be_the_kinds_records():
-    # A positional tuple, even of the right length, or another kind's record: a ValueError naming both.
-    for row in [(1.0, 2, "start", ""), STEP_ROW]:
-        with pytest.raises(ValueError, match=rf"event rows must be EventRecord .* got {type(row).__name__}"):
+    # A positional tuple, even of the right length, another kind's record, or another kind's factory row:
+    # a ValueError naming the kind and what it got.
+    for row, got in [((1.0, 2, "start", ""), "a tuple tagged 1.0"), (STEP_ROW, type(STEP_ROW).__name__),
+                     (span_record(step=0, stage=0, microbatch=0, kind="forward", t_start=0.0, t_end=1.0),
+                      "a tuple tagged 'span:step,stage")]:
+        with pytest.raises(ValueError, match=rf"event rows must come from .* event_record\(\) .* got {got}"):
             rows_to_batch("event", [ev(1.0, 2, "start", ""), row])
+    # the factory's rows and the record type, alone: the same batch
+    tagged = rows_to_batch("event", [event_record(t=1.0, step=2, kind="start", message="")])
+    assert tagged.equals(rows_to_batch("event", [ev(1.0, 2, "start", "")]))
     with pytest.raises(ValueError, match="no event rows"):
         rows_to_batch("event", [])
     with pytest.raises((pa.ArrowInvalid, pa.ArrowTypeError, TypeError)):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from types import ModuleType
 
-from meshscope.agent.contract import AnchoredClock, Clock, GpuRecord, gpu_record
+from meshscope.agent.contract import AnchoredClock, Clock, GpuRecord
 
 
 def load_nvml(module: ModuleType | None = None) -> tuple[ModuleType | None, str]:
@@ -121,7 +121,7 @@ class GpuSampler:
             ecc = self._q(nvml.nvmlDeviceGetTotalEccErrors, h, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
                           nvml.NVML_VOLATILE_ECC, default=-1)
             static = self._static[i]
-            rows.append(gpu_record(
+            rows.append(GpuRecord(  # the agent's thread, not training: the named tuple, read by name below
                 t=t, host=self._host, gpu=i, uuid=static["uuid"], name=static["name"],
                 util_ratio=_nan(util.gpu / 100.0 if util is not None else None),
                 mem_util_ratio=_nan(util.memory / 100.0 if util is not None else None),

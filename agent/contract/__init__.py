@@ -19,7 +19,7 @@ from meshscope.agent.contract.bandwidth import algbw, busbw, busbw_factor
 from meshscope.agent.contract.clock import AnchoredClock, Clock
 from meshscope.agent.contract.names import PART_RE, SPOOL_NAME, check_run_name, is_run_name, part_name, spool_path
 from meshscope.agent.contract.records import (
-    FACTORIES, RECORDS, CollectiveRecord, EventRecord, GpuRecord, MemoryRecord, RunRecord, SpanRecord, StepRecord,
+    FACTORIES, RECORDS, TAGS, CollectiveRecord, EventRecord, GpuRecord, MemoryRecord, RunRecord, SpanRecord, StepRecord,
     collective_record, event_record, gpu_record, memory_record, record_types, run_record, span_record, step_record,
 )
 from meshscope.agent.contract.schema import (
@@ -30,6 +30,6 @@ __all__ = [
     "DIMS", "EVENT_KINDS", "KINDS", "OPS", "PART_RE", "RECORDS", "SCHEMAS", "SCHEMAS_BY_VERSION", "SCHEMA_VERSION",
     "SPAN_KINDS", "SPOOL_NAME", "AnchoredClock", "Clock", "CollectiveRecord", "EventRecord", "GpuRecord",
     "MemoryRecord", "RunRecord", "SpanRecord", "StepRecord", "algbw", "busbw", "busbw_factor", "check_run_name", "is_run_name",
-    "part_name", "record_types", "spool_path", "FACTORIES", "collective_record", "event_record", "gpu_record",
+    "part_name", "record_types", "spool_path", "FACTORIES", "TAGS", "collective_record", "event_record", "gpu_record",
     "memory_record", "run_record", "span_record", "step_record",
 ]

@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from meshscope.agent.contract import MemoryRecord, memory_record
+from meshscope.agent.contract import memory_record
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -117,8 +117,8 @@ class TensorCensus:
             self._hook = None
 
 
-def sample(step: int, t: float, device: torch.device, tensors: tuple[int, int, int] = NOT_MEASURED) -> MemoryRecord:
-    """A ``memory`` record. -1 marks what this device lacks (the allocator's and the device's figures off
+def sample(step: int, t: float, device: torch.device, tensors: tuple[int, int, int] = NOT_MEASURED) -> tuple:
+    """A ``memory`` row (``agent.contract.memory_record``). -1 marks what this device lacks (the allocator's and the device's figures off
     CUDA) and the tensor bytes when they were not measured with this sample."""
     param, grad, optimizer = tensors
     common = dict(step=step, t=t, rss_bytes=rss_bytes(), rss_peak_bytes=rss_peak_bytes(), param_bytes=param,

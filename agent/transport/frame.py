@@ -39,7 +39,7 @@ import zlib
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from meshscope.agent.contract import RECORDS, SCHEMA_VERSION, SCHEMAS, SCHEMAS_BY_VERSION, check_run_name
+from meshscope.agent.contract import RECORDS, SCHEMA_VERSION, TAGS, SCHEMAS, SCHEMAS_BY_VERSION, check_run_name
 
 MAGIC = b"MSPL"
 FORMAT_VERSION = 1
@@ -118,20 +118,29 @@ def encode_data_frame(kind: str, batch: pa.RecordBatch | pa.Table) -> bytes:
 
 
 def rows_to_batch(kind: str, rows: list[tuple]) -> pa.RecordBatch:
-    """Records of ``kind`` (instances of ``RECORDS[kind]``, built by keyword) to a record batch.
+    """Records of ``kind`` to a record batch: rows from the contract's factories (tuples tagged with the
+    kind's current layout, ``TAGS[kind]``) or instances of ``RECORDS[kind]``, built by keyword either way.
 
-    Columns are taken by field name, not position, and any other row type (a plain tuple, another kind's
-    record) is a ValueError naming the kind and the type: a positional tuple matched only by its length
-    would put values under the wrong columns after a schema reorder. Runs on the writer's and the
-    agent's threads, never the training thread, so checking every row costs training nothing."""
-    schema, record = SCHEMAS[kind], RECORDS[kind]
+    Columns are taken by field name, not position. Any other row (a hand-made tuple, a row tagged with
+    another layout or kind) is a ValueError naming the kind and what it got: a positional tuple matched
+    only by its length would put values under the wrong columns after a schema reorder. Runs on the
+    writer's and the agent's threads, never the training thread, so checking every row costs training
+    nothing."""
+    schema, record, tag = SCHEMAS[kind], RECORDS[kind], TAGS[kind]
     if not rows:
         raise ValueError(f"no {kind} rows")
-    for row in rows:
-        if type(row) is not record:
-            raise ValueError(f"{kind} rows must be {record.__name__} records (agent.contract.RECORDS[{kind!r}]), "
-                             f"got {type(row).__name__}")
-    by_name = dict(zip(record._fields, zip(*rows)))
+    if all(type(row) is tuple and row[:1] == (tag,) for row in rows):
+        columns = list(zip(*rows))[1:]
+        if len(columns) != len(record._fields):
+            raise ValueError(f"{kind} rows have {len(columns)} values, the layout {len(record._fields)}")
+    elif all(type(row) is record for row in rows):
+        columns = list(zip(*rows))
+    else:
+        bad = next(r for r in rows if not (type(r) is record or (type(r) is tuple and r[:1] == (tag,))))
+        got = f"a {type(bad).__name__} tagged {bad[0]!r}" if type(bad) is tuple and bad else type(bad).__name__
+        raise ValueError(f"{kind} rows must come from agent.contract's {kind}_record() or be {record.__name__} "
+                         f"records, got {got}"[:300])
+    by_name = dict(zip(record._fields, columns))
     arrays = [pa.array(by_name[field.name], type=field.type) for field in schema]
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
