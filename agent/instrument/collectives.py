@@ -32,7 +32,8 @@ are seen only through ``batch_isend_irecv``.
 Nesting is handled with a per-thread depth counter: a DDP hook or FSDP comm that calls ``dist.*`` records
 the op once, under its own source. Every hook wraps its own work in ``try/except`` →
 ``recorder.record_error`` and always performs the real collective; an exception raised by the real
-collective itself propagates unchanged.
+collective itself propagates unchanged. The c10d, P2P, funcol and FSDP issue wrappers share one skeleton
+for this (``traced_call``); the plug-ins get this tracer as an argument and never import this module.
 
 CUDA tensors (NCCL) take the ``comm_nccl`` path: futures complete at enqueue there, so CPU timestamps say
 nothing about completion; CUDA events give duration and exposure, resolved at ``flush()``. That path is
@@ -45,7 +46,7 @@ import collections
 import functools
 import inspect
 import threading
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from meshscope.agent.instrument.meshinfo import GroupInfo, MeshInfo
 
@@ -125,6 +126,9 @@ class CollectiveTracer:
 
     # ------------------------------------------------------------------------------------ lifecycle
     def attach(self, model: Any = None) -> None:
+        # Imported on attach, not at the top: this module imports no torch itself, while the plug-ins import
+        # torch.distributed, FSDP2 and the functional collectives at theirs. They never import this module:
+        # the tracer is passed to them.
         from meshscope.agent.instrument import comm_c10d, comm_ddp, comm_fsdp, comm_funcol
 
         if not self._patches:
@@ -236,23 +240,6 @@ class CollectiveTracer:
         t_end = self.now()
         self.emit(p, t_end=t_end, wait_s=t_end - p.t_start)
 
-    def complete_blocking(self, p: _Op, work: Any) -> None:
-        """Wait for ``work`` (issued async on behalf of a blocking call) and record ``p``: completion is
-        the return of the wait, ``wait_s`` the whole call. Errors of the wait itself propagate, as they
-        would from the blocking call.
-
-        No future callback here: a Python callback runs on the gloo worker thread and must take the GIL,
-        which the caller, woken by the same completion, usually holds by then; the worker thread (and
-        the next op in its queue) then waits up to the interpreter's switch interval (5 ms). That can hold
-        gloo up, and it stretched the profiler's own ``gloo:*`` ranges (traced/profiler 0.67-0.76 for
-        small blocking all-reduces), while the caller's wake-up it would have saved is microseconds."""
-        if work is None:
-            self.finish_sync(p)
-            return
-        work.wait()
-        t1 = self.now()
-        self.emit(p, t_end=t1, wait_s=t1 - p.t_start)
-
     def track_work(self, work: Any, ops: list[_Op], *, use_future: bool) -> None:
         """Remember an async op until ``Work.wait`` (or ``flush``). ``use_future``: stamp completion from
         the work's future (gloo collectives; gloo P2P works have none)."""
@@ -363,10 +350,6 @@ def _raw(owner: Any, name: str) -> Any:
     if isinstance(owner, type) and name in vars(owner):
         return vars(owner)[name]
     return getattr(owner, name, None)
-
-
-def nbytes_of(tensors: Iterable[Any]) -> int:
-    return sum(t.nbytes for t in tensors)
 
 
 def _completed(work: Any) -> bool:

@@ -12,8 +12,8 @@ are seen as the broadcast / all-gather they are built from).
 Timing on CPU (gloo):
 - blocking call (``async_op=False``): issued async and waited by the wrapper (exactly c10d's blocking
   path: issue, then ``work.wait()``); completion is the wait's return, the whole call is ``wait_s``
-  (no future callback: see ``CollectiveTracer.complete_blocking``). ``send`` / ``recv`` /
-  ``_broadcast_coalesced``: completion = return.
+  (no future callback: see ``traced_call``). ``send`` / ``recv`` / ``_broadcast_coalesced``: completion
+  = return.
 - asynchronous collective: completion is stamped by a callback on the work's future (runs on the gloo
   worker thread when the op finishes); ``wait_s`` is the time spent inside ``Work.wait``. The record is
   made at ``Work.wait``, or by ``CollectiveTracer.flush`` when nothing waits in Python.
@@ -31,13 +31,22 @@ the original ``batch_isend_irecv`` after ``detach``.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import functools
+from typing import Any, Callable, Iterable
 
-from meshscope.agent.instrument.collectives import CollectiveTracer, nbytes_of
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from meshscope.agent.instrument.traced_call import Issue, traced_call
 
 
 def _a(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> Any:
     return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+def _nbytes_of(tensors: Iterable[Any]) -> int:
+    return sum(t.nbytes for t in tensors)
 
 
 # name → (op, extract(args, kwargs) -> (nbytes, group, async_op, a tensor of the op for its device)).
@@ -52,7 +61,7 @@ def _one(ti: int, gi: int, ai: int, tname: str = "tensor") -> Callable:
 def _many(ti: int, gi: int, ai: int, tname: str) -> Callable:
     def extract(args: tuple, kwargs: dict) -> tuple[int, Any, bool, Any]:
         ts = _a(args, kwargs, ti, tname)
-        return nbytes_of(ts), _a(args, kwargs, gi, "group"), bool(_a(args, kwargs, ai, "async_op", False)), ts[0]
+        return _nbytes_of(ts), _a(args, kwargs, gi, "group"), bool(_a(args, kwargs, ai, "async_op", False)), ts[0]
     return extract
 
 
@@ -62,7 +71,7 @@ def _barrier(args: tuple, kwargs: dict) -> tuple[int, Any, bool, Any]:
 
 def _broadcast_coalesced(args: tuple, kwargs: dict) -> tuple[int, Any, bool, Any]:
     ts = _a(args, kwargs, 1, "tensors")
-    return nbytes_of(ts), _a(args, kwargs, 0, "process_group"), False, ts[0] if ts else None
+    return _nbytes_of(ts), _a(args, kwargs, 0, "process_group"), False, ts[0] if ts else None
 
 
 # name → (op, extractor, position of ``async_op`` or None when the API has none)
@@ -90,137 +99,121 @@ def _as_async(args: tuple, kwargs: dict, i: int) -> tuple[tuple, dict]:
     return args, {**kwargs, "async_op": True}
 
 
-def install(tracer: CollectiveTracer) -> None:
-    import torch
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
+# Inside a c10d coalescing manager (``world.pg_coalesce_state`` non-empty) a call only queues its op;
+# ``batch_isend_irecv`` is where such ops are seen. torch mutates that dict in place and never replaces it,
+# so its bound ``__len__`` answers without a Python frame on every call.
+_coalescing = c10d._world.pg_coalesce_state.__len__
 
-    owners = (c10d, dist)
-    world = c10d._world
+
+def collective(original: Callable, *, tracer: Any, op: str, extract: Callable,
+               async_index: int | None) -> Callable:
+    """``original`` (a ``torch.distributed`` collective; ``_COLLECTIVES`` gives ``extract`` and
+    ``async_index``) recording ``op`` through ``tracer``."""
     work_type, illegal_work = c10d.Work, c10d._IllegalWork
 
-    def collective(op: str, extract: Callable, async_index: int | None, original: Callable) -> Callable:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            # world.pg_coalesce_state non-empty: inside a coalescing manager, where the call only queues.
-            if not tracer.enabled or tracer.busy() or world.pg_coalesce_state:
-                return original(*args, **kwargs)
-            try:
-                nbytes, group, async_op, tensor = extract(args, kwargs)
-                cuda = tensor is not None and tensor.is_cuda
-                p = tracer.begin(op, group, nbytes, "c10d", cuda=cuda)
-                # A blocking call on CPU is issued async and waited here (what c10d's sync path does:
-                # issue, then work.wait()), so the wait is timed where it happens.
-                blocking = not async_op and async_index is not None and not cuda
-                call_args, call_kwargs = _as_async(args, kwargs, async_index) if blocking else (args, kwargs)
-            except Exception as exc:
-                tracer.error(op, exc)
-                return original(*args, **kwargs)
-            prev = tracer.enter(p)
-            try:
-                result = original(*call_args, **call_kwargs)
-            finally:
-                tracer.leave(prev)
-            if blocking:
-                tracer.complete_blocking(p, result)
-                return None
-            try:
-                if not async_op:
-                    tracer.finish_sync(p)
-                elif isinstance(result, work_type) and not isinstance(result, illegal_work):
-                    tracer.track_work(result, [p], use_future=True)
-            except Exception as exc:
-                tracer.error(op, exc)
-            return result
-        return wrapper
+    def describe(args: tuple, kwargs: dict) -> Issue:
+        nbytes, group, async_op, tensor = extract(args, kwargs)
+        cuda = tensor is not None and tensor.is_cuda
+        p = tracer.begin(op, group, nbytes, "c10d", cuda=cuda)
+        # A blocking call on CPU is issued async and waited by the wrapper (what c10d's sync path does:
+        # issue, then work.wait()), so the wait is timed where it happens.
+        blocking = not async_op and async_index is not None and not cuda
+        if blocking:
+            args, kwargs = _as_async(args, kwargs, async_index)
+        return p, args, kwargs, blocking, async_op
 
-    for name, (op, extract, async_index) in _COLLECTIVES.items():
-        if hasattr(c10d, name):
-            tracer.patch(owners, name,
-                         lambda orig, op=op, ex=extract, ai=async_index: collective(op, ex, ai, orig))
-    # DDP's buffer sync; a C++ binding exported only in torch.distributed (no async variant).
-    tracer.patch((dist,), "_broadcast_coalesced",
-                 lambda orig: collective("broadcast", _broadcast_coalesced, None, orig))
+    def finish(p: Any, async_op: bool, result: Any) -> None:
+        if not async_op:
+            tracer.finish_sync(p)
+        elif isinstance(result, work_type) and not isinstance(result, illegal_work):
+            tracer.track_work(result, [p], use_future=True)
 
-    def p2p(op: str, is_async: bool, original: Callable) -> Callable:
-        def issue(tensor: Any, peer: Any, group: Any, tag: int, group_peer: Any) -> Any:
-            if not tracer.enabled or tracer.busy() or world.pg_coalesce_state:
-                return original(tensor, peer, group, tag, group_peer)
-            try:
-                p = tracer.begin(op, group, tensor.nbytes, "c10d", peer=-1 if peer is None else peer,
-                                 group_peer=group_peer if peer is None else None, cuda=tensor.is_cuda)
-            except Exception as exc:
-                tracer.error(op, exc)
-                return original(tensor, peer, group, tag, group_peer)
-            prev = tracer.enter(p)
-            try:
-                result = original(tensor, peer, group, tag, group_peer)
-            finally:
-                tracer.leave(prev)
-            try:
-                if not is_async:
-                    tracer.finish_sync(p)
-                elif isinstance(result, work_type):
-                    tracer.track_work(result, [p], use_future=False)
-            except Exception as exc:
-                tracer.error(op, exc)
-            return result
+    return traced_call(original, tracer=tracer, where=op, describe=describe, finish=finish, skip=_coalescing)
 
-        if op == "send":
-            def send(tensor: Any, dst: Any = None, group: Any = None, tag: int = 0, group_dst: Any = None,
-                     group_src: Any = None) -> Any:
-                # group_src: the original batch_isend_irecv's keyword for an op it does not recognise.
-                return issue(tensor, dst, group, tag, group_dst if group_dst is not None else group_src)
-            return send
 
-        def recv(tensor: Any, src: Any = None, group: Any = None, tag: int = 0, group_src: Any = None) -> Any:
-            return issue(tensor, src, group, tag, group_src)
-        return recv
+def p2p(original: Callable, *, tracer: Any, op: str, is_async: bool) -> Callable:
+    """``original`` (``isend`` / ``irecv`` / ``send`` / ``recv``; ``op`` is "send" or "recv") recording
+    each call through ``tracer``, behind the public signature."""
+    work_type = c10d.Work
 
-    isend = tracer.patch(owners, "isend", lambda orig: p2p("send", True, orig))
-    irecv = tracer.patch(owners, "irecv", lambda orig: p2p("recv", True, orig))
-    tracer.patch(owners, "send", lambda orig: p2p("send", False, orig))
-    tracer.patch(owners, "recv", lambda orig: p2p("recv", False, orig))
+    def describe(args: tuple, kwargs: dict) -> Issue:
+        tensor, peer, group, _tag, group_peer = args
+        p = tracer.begin(op, group, tensor.nbytes, "c10d", peer=-1 if peer is None else peer,
+                         group_peer=group_peer if peer is None else None, cuda=tensor.is_cuda)
+        return p, args, kwargs, False, None
+
+    def finish(p: Any, _: None, result: Any) -> None:
+        if not is_async:
+            tracer.finish_sync(p)
+        elif isinstance(result, work_type):
+            tracer.track_work(result, [p], use_future=False)
+
+    # Called with the arguments normalised to (tensor, peer, group, tag, group_peer), positionally: the
+    # order of the public signatures below, which are torch's own.
+    issue = traced_call(original, tracer=tracer, where=op, describe=describe, finish=finish, skip=_coalescing)
+
+    if op == "send":
+        def send(tensor: Any, dst: Any = None, group: Any = None, tag: int = 0, group_dst: Any = None,
+                 group_src: Any = None) -> Any:
+            # group_src: the original batch_isend_irecv's keyword for an op it does not recognise.
+            return issue(tensor, dst, group, tag, group_dst if group_dst is not None else group_src)
+        return send
+
+    def recv(tensor: Any, src: Any = None, group: Any = None, tag: int = 0, group_src: Any = None) -> Any:
+        return issue(tensor, src, group, tag, group_src)
+    return recv
+
+
+def _coalesced(p2p_op_list: list) -> bool:
+    """Whether the batch's backend coalesces (NCCL); gloo does not."""
+    group = p2p_op_list[0].group or c10d._get_default_group()
+    device = p2p_op_list[0].tensor.device
+    return type(group) is dist.ProcessGroup and group._get_backend(device).supports_coalescing
+
+
+def batch(original: Callable, *, tracer: Any, isend: Callable, irecv: Callable) -> Callable:
+    """``batch_isend_irecv`` recording a coalesced batch through ``tracer``; ``isend`` / ``irecv``: the
+    installed P2P wrappers, swapped into P2POps built before ``attach``."""
     swap = {isend.__wrapped__: isend, irecv.__wrapped__: irecv}
 
-    def batch(original: Callable) -> Callable:
-        def batch_isend_irecv(p2p_op_list: list) -> list:
-            if not tracer.enabled or tracer.busy():
-                return original(p2p_op_list)
-            try:
-                for p2p_op in p2p_op_list:
-                    p2p_op.op = swap.get(p2p_op.op, p2p_op.op)
-                group = p2p_op_list[0].group or c10d._get_default_group()
-                device = p2p_op_list[0].tensor.device
-                coalesced = type(group) is dist.ProcessGroup and group._get_backend(device).supports_coalescing
-            except Exception as exc:
-                tracer.error("batch_isend_irecv", exc)
-                return original(p2p_op_list)
-            if not coalesced:  # gloo: one call per op, each seen by the isend / irecv wrappers
-                return original(p2p_op_list)
-            # NCCL: the per-op calls only queue inside a coalescing manager; one work for the batch.
-            try:
-                ops = [tracer.begin("send" if o.op is isend else "recv", o.group, o.tensor.nbytes, "c10d",
-                                    peer=o.peer, cuda=o.tensor.is_cuda) for o in p2p_op_list]
-            except Exception as exc:
-                tracer.error("batch_isend_irecv", exc)
-                return original(p2p_op_list)
-            prev = tracer.enter(None)
-            try:
-                works = original(p2p_op_list)
-            finally:
-                tracer.leave(prev)
-            try:
-                if works and len(works) == len(ops):
-                    for work, p in zip(works, ops):
-                        tracer.track_work(work, [p], use_future=False)
-                elif works:
-                    tracer.track_work(works[-1], ops, use_future=False)
-            except Exception as exc:
-                tracer.error("batch_isend_irecv", exc)
-            return works
-        return batch_isend_irecv
+    def describe(args: tuple, kwargs: dict) -> Issue | None:
+        p2p_op_list = args[0] if args else kwargs["p2p_op_list"]
+        for p2p_op in p2p_op_list:
+            p2p_op.op = swap.get(p2p_op.op, p2p_op.op)
+        if not _coalesced(p2p_op_list):  # gloo: one call per op, each seen by the isend / irecv wrappers
+            return None
+        # NCCL: the per-op calls only queue inside a coalescing manager; one work for the batch.
+        ops = [tracer.begin("send" if o.op is isend else "recv", o.group, o.tensor.nbytes, "c10d", peer=o.peer,
+                            cuda=o.tensor.is_cuda) for o in p2p_op_list]
+        return None, args, kwargs, False, ops
 
-    tracer.patch(owners, "batch_isend_irecv", batch)
+    def finish(_: None, ops: list[Any], works: Any) -> None:
+        if works and len(works) == len(ops):
+            for work, p in zip(works, ops):
+                tracer.track_work(work, [p], use_future=False)
+        elif works:
+            tracer.track_work(works[-1], ops, use_future=False)
+
+    return traced_call(original, tracer=tracer, where="batch_isend_irecv", describe=describe, finish=finish)
+
+
+def install(tracer: Any) -> None:
+    """Patch every traced ``torch.distributed`` function, ``Work.wait`` and the ProcessGroup issue
+    methods through ``tracer.patch`` (``CollectiveTracer``: restored by its ``detach``)."""
+    owners = (c10d, dist)
+    for name, (op, extract, async_index) in _COLLECTIVES.items():
+        if hasattr(c10d, name):
+            tracer.patch(owners, name, functools.partial(collective, tracer=tracer, op=op, extract=extract,
+                                                         async_index=async_index))
+    # DDP's buffer sync; a C++ binding exported only in torch.distributed (no async variant).
+    tracer.patch((dist,), "_broadcast_coalesced", functools.partial(
+        collective, tracer=tracer, op="broadcast", extract=_broadcast_coalesced, async_index=None))
+
+    isend = tracer.patch(owners, "isend", functools.partial(p2p, tracer=tracer, op="send", is_async=True))
+    irecv = tracer.patch(owners, "irecv", functools.partial(p2p, tracer=tracer, op="recv", is_async=True))
+    tracer.patch(owners, "send", functools.partial(p2p, tracer=tracer, op="send", is_async=False))
+    tracer.patch(owners, "recv", functools.partial(p2p, tracer=tracer, op="recv", is_async=False))
+    tracer.patch(owners, "batch_isend_irecv", functools.partial(batch, tracer=tracer, isend=isend, irecv=irecv))
 
     def wait(original: Callable) -> Callable:
         def traced_wait(self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -26,37 +26,33 @@ from typing import Any, Callable
 
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
+from meshscope.agent.instrument.traced_call import Issue, traced_call
 
-def _run(tracer: Any, op: str, group: Any, nbytes: int, tensor: Any, async_op: bool,
-         call: Callable[[bool], Any]) -> Any:
-    """Time ``call(async_op)``. A blocking call on CPU is issued async and waited here (as c10d's own
-    blocking path does); completion is the wait's return."""
-    if not tracer.enabled or tracer.busy():
-        return call(async_op)
-    try:
-        p = tracer.begin(op, group, nbytes, "fsdp_comm", cuda=tensor.is_cuda)
-    except Exception as exc:
-        tracer.error(f"fsdp_{op}", exc)
-        return call(async_op)
-    blocking = not async_op and p.cuda is None
-    prev = tracer.enter(p)  # the dist.* call inside is this op
-    try:
-        work = call(True if blocking else async_op)
-    finally:
-        tracer.leave(prev)
-    if blocking:
-        tracer.complete_blocking(p, work)
-        return None
-    try:
+
+def _traced(call: Callable, *, tracer: Any, op: str, buffer: int) -> Callable:
+    """``call(output_tensor, input_tensor, group, [op,] async_op)`` (the FSDP comm being replaced, behind
+    positional arguments: cheaper to pass on than keywords) recording ``op`` through ``tracer``; its bytes
+    are the size of the tensor at position ``buffer`` (nccl-tests: all-gather output, reduce-scatter
+    input). A blocking call on CPU is issued async and waited by the wrapper (as c10d's own blocking path
+    does); completion is the wait's return."""
+
+    def describe(args: tuple, kwargs: dict) -> Issue:
+        tensor, async_op = args[buffer], args[-1]
+        p = tracer.begin(op, args[2], tensor.nbytes, "fsdp_comm", cuda=tensor.is_cuda)
+        blocking = not async_op and p.cuda is None
+        if blocking:
+            args = args[:-1] + (True,)
+        return p, args, kwargs, blocking, async_op
+
+    def finish(p: Any, async_op: bool, work: Any) -> None:
         if async_op and work is not None:
             tracer.track_work(work, [p], use_future=True)
         elif p.cuda is not None:
             tracer.cuda_timer().on_side_stream_return(p)
         else:
             tracer.finish_sync(p)
-    except Exception as exc:
-        tracer.error(f"fsdp_{op}", exc)
-    return work
+
+    return traced_call(call, tracer=tracer, where=f"fsdp_{op}", describe=describe, finish=finish)
 
 
 class TracedAllGather(DefaultAllGather):
@@ -66,13 +62,16 @@ class TracedAllGather(DefaultAllGather):
         self.tracer = tracer
         self.inner = inner
 
+        def call(output_tensor: Any, input_tensor: Any, group: Any, async_op: bool) -> Any:
+            return inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, async_op=async_op)
+
+        self._call = _traced(call, tracer=tracer, op="all_gather", buffer=0)
+
     def allocate(self, size: Any, *, dtype: Any, device: Any) -> Any:
         return self.inner.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, async_op: bool = False) -> Any:
-        return _run(self.tracer, "all_gather", group, output_tensor.nbytes, output_tensor, async_op,
-                    lambda a: self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group,
-                                         async_op=a))
+        return self._call(output_tensor, input_tensor, group, async_op)
 
 
 class TracedReduceScatter(DefaultReduceScatter):
@@ -82,14 +81,18 @@ class TracedReduceScatter(DefaultReduceScatter):
         self.tracer = tracer
         self.inner = inner
 
+        def call(output_tensor: Any, input_tensor: Any, group: Any, op: Any, async_op: bool) -> Any:
+            return inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op,
+                         async_op=async_op)
+
+        self._call = _traced(call, tracer=tracer, op="reduce_scatter", buffer=1)
+
     def allocate(self, size: Any, *, dtype: Any, device: Any) -> Any:
         return self.inner.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, op: Any,
                  async_op: bool = False) -> Any:
-        return _run(self.tracer, "reduce_scatter", group, input_tensor.nbytes, input_tensor, async_op,
-                    lambda a: self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group,
-                                         op=op, async_op=a))
+        return self._call(output_tensor, input_tensor, group, op, async_op)
 
 
 class _FsdpHandle:

@@ -24,28 +24,30 @@ CUDA: ``wait_tensor`` only makes the current stream wait; the wait is timed with
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
-from meshscope.agent.instrument.collectives import CollectiveTracer
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from meshscope.agent.instrument.traced_call import Issue, traced_call
+
+# Inside torch.compile'd code the functional collectives become graph nodes; a Python timestamp there would
+# only cause a graph break, so the wrappers step aside while Dynamo traces.
+_compiling = torch.compiler.is_compiling
+_ACT = funcol.AsyncCollectiveTensor  # what a funcol call returns while its op is in flight
 
 
 def _storage_key(t: Any) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def install(tracer: CollectiveTracer) -> None:
-    import torch
-    import torch.distributed._functional_collectives as funcol
+def _registrar(*, tracer: Any) -> Callable[[Any, Any, Any], None]:
+    """``register(p, _, out)``: record ``p`` now if its call already completed it, else keep it until its
+    ``wait_tensor``. Shaped as ``traced_call``'s ``finish`` so that a one-tensor site uses it directly."""
 
-    # Inside torch.compile'd code the functional collectives become graph nodes; a Python timestamp there
-    # would only cause a graph break, so the wrappers step aside while Dynamo traces.
-    compiling = torch.compiler.is_compiling
-
-    act_type = funcol.AsyncCollectiveTensor
-    owners = (funcol,)
-
-    def register(p: Any, out: Any) -> None:
-        if p.waited or not isinstance(out, act_type):  # already complete (waited inside the call)
+    def register(p: Any, _: None, out: Any) -> None:
+        if p.waited or not isinstance(out, _ACT):  # already complete (waited inside the call)
             if p.cuda is not None:
                 tracer.cuda_timer().queue(p)
             else:
@@ -55,74 +57,85 @@ def install(tracer: CollectiveTracer) -> None:
         else:
             tracer.track_tensor(_storage_key(out.elem), p)
 
-    def single(op: str, group_index: int, nbytes: Callable[[Any, Any], int]) -> Callable:
-        def make(original: Callable) -> Callable:
-            def wrapper(*args: Any, **kwargs: Any) -> Any:
-                if not tracer.enabled or tracer.busy() or compiling():
-                    return original(*args, **kwargs)
-                try:
-                    t = args[0] if args else kwargs["self"]
-                    group = args[group_index] if len(args) > group_index else kwargs["group"]
-                    info = tracer.mesh_info.lookup(group)
-                    p = tracer.begin(op, group, nbytes(t, info), "funcol", cuda=t.is_cuda)
-                except Exception as exc:
-                    tracer.error(op, exc)
-                    return original(*args, **kwargs)
-                prev = tracer.enter(p)
-                try:
-                    out = original(*args, **kwargs)
-                finally:
-                    tracer.leave(prev)
-                try:
-                    register(p, out)
-                except Exception as exc:
-                    tracer.error(op, exc)
-                return out
-            return wrapper
-        return make
+    return register
 
-    def coalesced(op: str, group_index: int, output_bytes: bool) -> Callable:
-        def make(original: Callable) -> Callable:
-            def wrapper(*args: Any, **kwargs: Any) -> Any:
-                if not tracer.enabled or tracer.busy() or compiling():
-                    return original(*args, **kwargs)
-                try:
-                    ts = args[0] if args else kwargs.get("self", kwargs.get("inputs"))
-                    group = args[group_index] if len(args) > group_index else kwargs["group"]
-                    n = tracer.mesh_info.lookup(group).size if output_bytes else 1
-                    ops = [tracer.begin(op, group, t.nbytes * n, "funcol", cuda=t.is_cuda) for t in ts]
-                except Exception as exc:
-                    tracer.error(op, exc)
-                    return original(*args, **kwargs)
-                prev = tracer.enter(None)
-                try:
-                    outs = original(*args, **kwargs)
-                finally:
-                    tracer.leave(prev)
-                try:
-                    for p, out in zip(ops, outs):
-                        register(p, out)
-                except Exception as exc:
-                    tracer.error(op, exc)
-                return outs
-            return wrapper
-        return make
 
-    input_bytes: Callable[[Any, Any], int] = lambda t, info: t.nbytes
-    tracer.patch(owners, "all_reduce", single("all_reduce", 2, input_bytes))
-    tracer.patch(owners, "all_gather_single", single("all_gather", 2, lambda t, info: t.nbytes * info.size))
-    tracer.patch(owners, "reduce_scatter_single", single("reduce_scatter", 3, input_bytes))
-    tracer.patch(owners, "all_to_all_single", single("all_to_all", 3, input_bytes))
-    tracer.patch(owners, "broadcast", single("broadcast", 2, input_bytes))
-    tracer.patch(owners, "all_reduce_coalesced", coalesced("all_reduce", 2, False))
-    tracer.patch(owners, "all_gather_single_coalesced", coalesced("all_gather", 1, True))
-    tracer.patch(owners, "reduce_scatter_single_coalesced", coalesced("reduce_scatter", 3, False))
+def single(original: Callable, *, tracer: Any, op: str, group_index: int,
+           nbytes: Callable[[Any, Any], int]) -> Callable:
+    """``original`` (a one-tensor funcol function; its group at ``group_index``) recording ``op`` through
+    ``tracer``; ``nbytes(tensor, group info)`` gives the op's bytes."""
+
+    def describe(args: tuple, kwargs: dict) -> Issue:
+        t = args[0] if args else kwargs["self"]
+        group = args[group_index] if len(args) > group_index else kwargs["group"]
+        info = tracer.mesh_info.lookup(group)
+        return tracer.begin(op, group, nbytes(t, info), "funcol", cuda=t.is_cuda), args, kwargs, False, None
+
+    return traced_call(original, tracer=tracer, where=op, describe=describe, finish=_registrar(tracer=tracer),
+                       skip=_compiling)
+
+
+def coalesced(original: Callable, *, tracer: Any, op: str, group_index: int, output_bytes: bool) -> Callable:
+    """``original`` (a ``*_coalesced`` funcol function) recording one ``op`` per tensor through ``tracer``;
+    ``output_bytes``: the op's bytes are the output's (all-gather: input × group size)."""
+
+    def describe(args: tuple, kwargs: dict) -> Issue:
+        ts = args[0] if args else kwargs.get("self", kwargs.get("inputs"))
+        group = args[group_index] if len(args) > group_index else kwargs["group"]
+        n = tracer.mesh_info.lookup(group).size if output_bytes else 1
+        ops = [tracer.begin(op, group, t.nbytes * n, "funcol", cuda=t.is_cuda) for t in ts]
+        return None, args, kwargs, False, ops
+
+    register = _registrar(tracer=tracer)
+
+    def finish(_: None, ops: list[Any], outs: Any) -> None:
+        for p, out in zip(ops, outs):
+            register(p, None, out)
+
+    return traced_call(original, tracer=tracer, where=op, describe=describe, finish=finish, skip=_compiling)
+
+
+def _input_bytes(t: Any, info: Any) -> int:
+    return t.nbytes
+
+
+def _output_bytes(t: Any, info: Any) -> int:
+    return t.nbytes * info.size
+
+
+# name → (op, position of the group argument, bytes(tensor, group info)); bytes follow nccl-tests.
+_SINGLE: dict[str, tuple[str, int, Callable[[Any, Any], int]]] = {
+    "all_reduce": ("all_reduce", 2, _input_bytes),
+    "all_gather_single": ("all_gather", 2, _output_bytes),
+    "reduce_scatter_single": ("reduce_scatter", 3, _input_bytes),
+    "all_to_all_single": ("all_to_all", 3, _input_bytes),
+    "broadcast": ("broadcast", 2, _input_bytes),
+}
+# name → (op, position of the group argument, bytes are the output's); one record per tensor.
+_COALESCED: dict[str, tuple[str, int, bool]] = {
+    "all_reduce_coalesced": ("all_reduce", 2, False),
+    "all_gather_single_coalesced": ("all_gather", 1, True),
+    "reduce_scatter_single_coalesced": ("reduce_scatter", 3, False),
+}
+
+
+def install(tracer: Any) -> None:
+    """Patch the funcol issue functions and ``wait_tensor`` through ``tracer.patch``
+    (``CollectiveTracer``: restored by its ``detach``)."""
+    owners = (funcol,)
+
+    for name, (op, group_index, nbytes) in _SINGLE.items():
+        tracer.patch(owners, name, functools.partial(single, tracer=tracer, op=op, group_index=group_index,
+                                                     nbytes=nbytes))
+    for name, (op, group_index, output_bytes) in _COALESCED.items():
+        tracer.patch(owners, name, functools.partial(coalesced, tracer=tracer, op=op, group_index=group_index,
+                                                     output_bytes=output_bytes))
 
     def wait(original: Callable) -> Callable:
         def wait_tensor(tensor: Any) -> Any:
             # An AsyncCollectiveTensor passed in directly: its dispatch calls this function again with the
             # plain tensor inside, which is where the wait is timed.
-            if not tracer.enabled or type(tensor) is act_type or compiling():
+            if not tracer.enabled or type(tensor) is _ACT or _compiling():
                 return original(tensor)
             try:
                 cur = tracer.current()
