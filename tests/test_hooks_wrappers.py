@@ -6,7 +6,6 @@ import graph of ``agent/instrument``: no module imports one that imports it back
 
 from __future__ import annotations
 
-import ast
 import functools
 import types
 from dataclasses import dataclass
@@ -340,46 +339,3 @@ def test_c10d_steps_aside_inside_a_coalescing_manager(monkeypatch: pytest.Monkey
     original = Original(_none)
     SITES[0].call(SITES[0].build(_tracer(recorder=rec), original))
     assert original.calls == [((T,), {"group": "g"})] and rec.collectives == []
-
-
-# ------------------------------------------------------------------------------------------ imports
-def _agent_imports() -> dict[str, set[str]]:
-    """Module → the meshscope.agent modules it imports, at any depth of the file (function-level imports
-    run too), parent packages included (Python runs a package's ``__init__`` before its modules)."""
-    modules = {}
-    for path in (ROOT / "agent").rglob("*.py"):
-        parts = ("meshscope", "agent", *path.relative_to(ROOT / "agent").with_suffix("").parts)
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        modules[name] = path
-    graph: dict[str, set[str]] = {}
-    for name, path in modules.items():
-        targets = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets.add(node.module)
-                targets.update(f"{node.module}.{a.name}" for a in node.names)
-        edges = set()
-        for target in targets:
-            parts = target.split(".")
-            edges.update(".".join(parts[:i]) for i in range(2, len(parts) + 1))
-        graph[name] = {t for t in edges if t in modules and t != name}
-    return graph
-
-
-def test_no_import_circle_through_agent_instrument() -> None:
-    graph = _agent_imports()
-    assert "meshscope.agent.instrument.traced_call" in graph  # the walk sees this package
-
-    def reaches(start: str) -> set[str]:
-        seen, todo = set(), [start]
-        while todo:
-            for nxt in graph[todo.pop()]:
-                if nxt not in seen:
-                    seen.add(nxt)
-                    todo.append(nxt)
-        return seen
-
-    circles = sorted(m for m in graph if m.startswith("meshscope.agent.instrument.") and m in reaches(m))
-    assert circles == [], f"modules that import themselves back: {circles}"
