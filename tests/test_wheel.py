@@ -1,11 +1,11 @@
 """The distribution as a user installs it: build the wheel, install it into a fresh venv, and run the
 reference trainer, ``ingest``, ``report`` and ``stack`` from there, outside the checkout.
 
-The venv sees the system's packages (torch and the other dependencies are gigabytes and already
-installed; nothing may be downloaded here) but not the checkout: it runs in a temporary directory, and
-the wheel's ``meshscope`` comes first on its path. ``pip install --no-index`` still resolves every declared
-dependency, so a missing one fails the install; the scan below checks that what the code imports is
-declared."""
+The wheel goes into an empty venv, outside the checkout. Only then does the venv get this interpreter's
+site-packages appended to its path (a ``.pth``), for the dependencies: torch and the others are
+gigabytes, already installed, and nothing may be downloaded here. Those directories come after the
+venv's own, and their ``.pth`` files are not run, so an editable meshscope there is never what the venv
+imports. The scan below checks that what the product imports is declared."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import ast
 import json
 import os
 import re
+import site
 import subprocess
 import sys
 import venv
@@ -56,10 +57,14 @@ def test_the_wheel_in_a_fresh_venv_trains_ingests_reports_and_runs_the_stack(tmp
                     str(ROOT)], check=True, capture_output=True, timeout=300)
     (wheel,) = dist.glob("meshscope-*.whl")
     env_dir = tmp_path / "venv"
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
+    venv.EnvBuilder(with_pip=False).create(env_dir)
     py = env_dir / "bin" / "python"
-    subprocess.run([py, "-m", "pip", "install", "--no-index", "-q", str(wheel)], check=True, capture_output=True,
-                   timeout=300)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index", "-q",
+                    str(wheel)], check=True, capture_output=True, timeout=300)
+    purelib = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    outer = [p for p in (*site.getsitepackages(), site.getusersitepackages()) if Path(p).is_dir()]
+    (Path(purelib) / "zz_dependencies.pth").write_text("\n".join(outer) + "\n")
     work = tmp_path / "work"
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -74,8 +79,8 @@ def test_the_wheel_in_a_fresh_venv_trains_ingests_reports_and_runs_the_stack(tmp
         "import importlib.util, json, meshscope, meshscope.agent, meshscope.grafana\n"
         "print(json.dumps({'meshscope': meshscope.agent.__file__, 'grafana': meshscope.grafana.__file__,\n"
         "  'agent': getattr(importlib.util.find_spec('agent'), 'origin', None)}))")).stdout)
-    site = str(env_dir)
-    assert where["meshscope"].startswith(site) and where["grafana"].startswith(site), where
+    venv_dir = str(env_dir)
+    assert where["meshscope"].startswith(venv_dir) and where["grafana"].startswith(venv_dir), where
     assert where["agent"] is None or str(ROOT) not in where["agent"], where  # `import agent` is not meshscope
 
     meshscope = str(env_dir / "bin" / "meshscope")
