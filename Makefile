@@ -9,7 +9,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # a range, so pip never resolves a newer torch with gigabytes of CUDA packages.
 install:
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
-	@$(PY) -c "import meshscope.agent, meshscope.dashboard, streamlit, duckdb, pyarrow, prometheus_client, pytest_timeout, hypothesis, playwright, yaml, cryptography, psutil, plotly, pynvml, tqdm, setuptools.command.bdist_wheel" 2>/dev/null \
+	@$(PY) -c "import meshscope.agent, meshscope.dashboard, streamlit, duckdb, pyarrow, prometheus_client, pytest_timeout, hypothesis, playwright, yaml, cryptography, psutil, plotly, pynvml, tqdm, setuptools.command.bdist_wheel, transformers, accelerate, lightning" 2>/dev/null \
 		|| $(PIP) install -e '.[test]'
 
 # Real servers and a real browser for the integration tiers (Debian packages).

@@ -11,6 +11,7 @@ import sys
 # exit code.
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("meshscope.trainer.launch", "main", "launch the reference trainer on this node (wraps torch.distributed.run)"),
+    "run": ("meshscope.agent.zerocode.cli", "main", "run any training command unchanged, observed (meshscope run -- torchrun ...)"),
     "agent": ("meshscope.agent.collector.cli", "agent_main", "run the node agent: follow rank spools, serve /metrics, write the store"),
     "ingest": ("meshscope.agent.collector.cli", "ingest_main", "ingest every spool under a store once and exit"),
     "demo": ("meshscope.trainer.demo", "main", "train every strategy instrumented, then serve the dashboard (make demo)"),

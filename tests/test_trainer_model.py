@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode
 
+from meshscope.agent.instrument.flops import sdpa_flop_mapping
 from meshscope.trainer import data
 from meshscope.trainer.model import FLAVORS, GPT, count_params, flops_per_token, loss_fn
 
@@ -26,29 +27,6 @@ def test_flavor_sizes():
     assert 0.95e9 < count_params(FLAVORS["1b"])[0] < 1.15e9
 
 
-def _sdpa_mapping():
-    """FlopCounterMode counts the CPU SDPA kernels as 0 in this torch: add the standard formulas."""
-    aten = torch.ops.aten
-
-    def fwd(q, k, v, *args, out_shape=None, **kw):
-        return sdpa_flop_count(q.shape, k.shape, v.shape)
-
-    def bwd(grad_out, q, k, v, *args, out_shape=None, **kw):
-        return sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
-
-    mapping = {}
-    for name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-                 "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention"):
-        if hasattr(aten, name):
-            mapping[getattr(aten, name)] = fwd
-    for name in ("_scaled_dot_product_flash_attention_for_cpu_backward",
-                 "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_flash_attention_backward",
-                 "_scaled_dot_product_cudnn_attention_backward"):
-        if hasattr(aten, name):
-            mapping[getattr(aten, name)] = bwd
-    return mapping
-
-
 @pytest.mark.parametrize(("flavor", "seq"), [("tiny", 64), ("small", 1024), ("1b", 2048)])
 def test_flops_formula_within_2_percent_of_flop_counter(flavor, seq):
     f = FLAVORS[flavor]
@@ -56,7 +34,7 @@ def test_flops_formula_within_2_percent_of_flop_counter(flavor, seq):
     with torch.device("meta"):
         m = GPT(f, seq_len=seq)
         x = torch.zeros(batch, seq, dtype=torch.long)
-    counter = FlopCounterMode(display=False, custom_mapping=_sdpa_mapping())
+    counter = FlopCounterMode(display=False, custom_mapping=sdpa_flop_mapping())
     with counter:
         loss = loss_fn(m(x), x)
         loss.backward()

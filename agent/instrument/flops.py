@@ -82,3 +82,29 @@ def _calibrate_cuda(device: torch.device, *, size: int = 8192) -> float:
     end.record()
     end.synchronize()
     return 10 * 2.0 * size**3 / (start.elapsed_time(end) / 1e3)
+
+
+def sdpa_flop_mapping() -> dict:
+    """``FlopCounterMode``'s ``custom_mapping`` for the SDPA kernels it counts as 0 in this torch (the CPU
+    ones among them): torch's own SDPA formulas."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    aten = torch.ops.aten
+
+    def fwd(q, k, v, *args, out_shape=None, **kw):
+        return sdpa_flop_count(q.shape, k.shape, v.shape)
+
+    def bwd(grad_out, q, k, v, *args, out_shape=None, **kw):
+        return sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
+
+    mapping = {}
+    for name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention"):
+        if hasattr(aten, name):
+            mapping[getattr(aten, name)] = fwd
+    for name in ("_scaled_dot_product_flash_attention_for_cpu_backward",
+                 "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_flash_attention_backward",
+                 "_scaled_dot_product_cudnn_attention_backward"):
+        if hasattr(aten, name):
+            mapping[getattr(aten, name)] = bwd
+    return mapping

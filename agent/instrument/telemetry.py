@@ -48,6 +48,8 @@ from meshscope.agent.contract import (
 )
 from meshscope.agent.instrument import memory
 from meshscope.agent.instrument.cpu import ThreadCPU
+from meshscope.agent.instrument.readout import as_float, where_is
+from meshscope.agent.instrument.stepstate import StepContext, StepState, pop_phase as _pop_phase
 
 COMPUTE_PHASES = frozenset({"forward", "backward", "optimizer", "pipeline", "compute"})
 _P2P = frozenset({"send", "recv"})
@@ -87,42 +89,6 @@ class TelemetryConfig:
             raise ValueError(f"invalid telemetry config: {', '.join(bad)}")
 
 
-class _StepState:
-    __slots__ = (
-        "step", "t_start", "phases", "phase", "waits_in_phase", "exposed", "pp_wait", "span_time",
-        "span_depth", "nonpp_wait_outside_spans", "span_kind_time", "n_collectives", "values", "cpu0",
-    )
-
-    def __init__(self, step: int, t_start: float, cpu0: tuple[float, float]) -> None:
-        self.step = step
-        self.t_start = t_start
-        self.cpu0 = cpu0
-        self.phases: dict[str, float] = collections.defaultdict(float)
-        self.phase: str | None = None
-        self.waits_in_phase: dict[str, float] = collections.defaultdict(float)
-        self.exposed = 0.0
-        self.pp_wait = 0.0
-        self.span_time = 0.0
-        self.span_depth = 0
-        self.nonpp_wait_outside_spans = 0.0
-        self.span_kind_time: dict[str, float] = collections.defaultdict(float)
-        self.n_collectives = 0
-        self.values: dict[str, Any] = {}
-
-
-class StepContext:
-    """Handed out by ``Telemetry.step``; ``update`` attaches the step's results."""
-
-    __slots__ = ("_state",)
-
-    def __init__(self, state: _StepState) -> None:
-        self._state = state
-
-    def update(self, **values: Any) -> None:
-        """Known keys: loss, tokens, flops, grad_norm, lr, skipped. Values may be tensors (read at step end)."""
-        self._state.values.update(values)
-
-
 class Telemetry:
     """Per-rank recorder. Implements ``agent.instrument.recorder.Recorder`` for the hooks."""
 
@@ -139,7 +105,7 @@ class Telemetry:
         self.dropped_records = 0  # rows refused by the bounded buffers
         self.errors = 0
         self._peak_flops = 0.0
-        self._cur: _StepState | None = None
+        self._cur: StepState | None = None
         self._last_step = -1
         self._tracers: list[Any] = []
         self._writer = writer if writer is not None else self._open_writer()
@@ -192,9 +158,13 @@ class Telemetry:
 
         try:
             self._census.add_modules(model_parts or [])
-            tracer = CollectiveTracer(self, mesh_info=MeshInfo(mesh))
+            # One tracer patches the process: a later call (the zero-code driver, as it finds each model)
+            # adds the models' hooks to it.
+            tracer = next((t for t in self._tracers if isinstance(t, CollectiveTracer)), None)
+            if tracer is None:
+                tracer = CollectiveTracer(self, mesh_info=MeshInfo(mesh))
+                self._tracers.append(tracer)
             tracer.attach(model_parts or [])
-            self._tracers.append(tracer)
             if schedule is not None:
                 ptracer = PipelineTracer(self, on_span_enter=self._span_enter, on_span_exit=self._span_exit)
                 ptracer.attach(schedule, stages)
@@ -225,22 +195,50 @@ class Telemetry:
             self.errors += 1
 
     # ------------------------------------------------------------------------------------ step API
-    @contextmanager
-    def step(self, step: int) -> Iterator[StepContext]:
-        state = _StepState(step, self.clock.now(), self._cpu.read())
+    def begin_step(self, step: int) -> StepContext:
+        """Start step ``step`` now (the explicit ``step()`` and the zero-code driver both use this)."""
+        state = StepState(step, self.clock.now(), self._cpu.read())
         self._cur = state
         self._progress(state.t_start)
-        try:
-            yield StepContext(state)
-        except BaseException as exc:
-            # An aborted step (e.g. a peer died and the collective failed) is not a completed step: no
-            # step record (it would run ahead of the failed rank and report a non-finite loss that never
-            # happened), an event saying why, and the exception goes on to the user's code.
-            self._cur = None
-            self.event("aborted_step", f"step {step} aborted: {type(exc).__name__}: {exc}"[:500], step=step)
+        return StepContext(state)
+
+    def end_step(self) -> None:
+        """End the current step now (its record is built here); nothing when no step is open."""
+        if self._cur is not None:
+            self._end_step(self._cur)
+
+    def update_step(self, **values: Any) -> None:
+        """``StepContext.update`` for the open step (nothing when none is open)."""
+        if self._cur is not None:
+            self._cur.values.update(values)
+
+    def open_phases(self) -> list[str]:
+        """The open step's phases, outermost first."""
+        state = self._cur
+        return [] if state is None or state.phase is None else [*state.outer, state.phase]
+
+    def discard_step(self) -> None:
+        """Drop the open step without a record (zero-code: an iteration that made no optimizer step)."""
+        self._cur = None
+
+    def abort_step(self, exc: BaseException) -> None:
+        """An aborted step (e.g. a peer died and the collective failed) is not a completed step: no step
+        record (it would run ahead of the failed rank and report a non-finite loss that never happened),
+        an event saying why."""
+        state, self._cur = self._cur, None
+        if state is not None:
+            self.event("aborted_step", f"step {state.step} aborted: {type(exc).__name__}: {exc}"[:500], step=state.step)
             self._wake.set()
+
+    @contextmanager
+    def step(self, step: int) -> Iterator[StepContext]:
+        ctx = self.begin_step(step)
+        try:
+            yield ctx
+        except BaseException as exc:  # goes on to the user's code
+            self.abort_step(exc)
             raise
-        self._end_step(state)
+        self._end_step(ctx._state)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -248,13 +246,28 @@ class Telemetry:
         if state is None or state.phase is not None:  # outside a step, or nested: time the outer only
             yield
             return
-        state.phase = name
-        t0 = time.perf_counter()
+        self.push_phase(name)
         try:
             yield
         finally:
-            state.phases[name] += time.perf_counter() - t0
-            state.phase = None
+            self.pop_phase()
+
+    def push_phase(self, name: str) -> None:
+        """Enter phase ``name``; a phase already open is paused until the matching ``pop_phase`` (the
+        zero-code driver nests: Lightning runs forward and backward inside ``optimizer.step``)."""
+        state = self._cur
+        if state is None:
+            return
+        now = time.perf_counter()
+        if state.phase is not None:
+            state.phases[state.phase] += now - state.phase_t0
+            state.outer.append(state.phase)
+        state.phase, state.phase_t0 = name, now
+
+    def pop_phase(self) -> None:
+        """Leave the innermost phase and resume the one it paused."""
+        if self._cur is not None:
+            _pop_phase(self._cur)
 
     def event(self, kind: str, message: str = "", *, step: int | None = None) -> None:
         self._push("event", event_record(t=self.clock.now(), step=self._last_step if step is None else step, kind=kind,
@@ -334,7 +347,9 @@ class Telemetry:
             return
         buf.append(row)
 
-    def _end_step(self, state: _StepState) -> None:
+    def _end_step(self, state: StepState) -> None:
+        while state.phase is not None:  # phases still open (zero-code: a step ended inside one) end here
+            _pop_phase(state)
         for tracer in self._tracers:  # async ops that completed without a Python-visible wait
             flush = getattr(tracer, "flush", None)
             if flush is not None:
@@ -359,8 +374,8 @@ class Telemetry:
                 bwd = state.span_kind_time.get("backward", 0.0) + state.span_kind_time.get("weight", 0.0)
             else:
                 fwd, bwd = state.phases.get("forward", 0.0), state.phases.get("backward", 0.0)
-            loss = _as_float(v.get("loss"))
-            flops = _as_float(v.get("flops"), 0.0)
+            loss = as_float(v.get("loss"))
+            flops = as_float(v.get("flops"), 0.0)
             mfu = flops / wall / self._peak_flops if wall > 0 and self._peak_flops > 0 else 0.0
             dropped = self.dropped_records + int(getattr(self._writer, "dropped_records", 0))
             self._push("step", step_record(
@@ -369,7 +384,7 @@ class Telemetry:
                 forward_s=fwd, backward_s=bwd, optimizer_s=state.phases.get("optimizer", 0.0),
                 tokens=int(v.get("tokens", 0)), flops=flops, mfu=mfu, loss=loss,
                 loss_nonfinite=not (loss == loss and abs(loss) != float("inf")),
-                grad_norm=_as_float(v.get("grad_norm")), lr=_as_float(v.get("lr"), 0.0),
+                grad_norm=as_float(v.get("grad_norm")), lr=as_float(v.get("lr"), 0.0),
                 skipped=bool(v.get("skipped", False)),
                 n_collectives=state.n_collectives, dropped_records_total=dropped, cpu_s=cpu, cpu_wait_s=cpu_wait,
             ))
@@ -412,7 +427,7 @@ class Telemetry:
             return
         self._hang_reported = True
         try:
-            where = _where(sys._current_frames().get(self._train_thread))
+            where = where_is(sys._current_frames().get(self._train_thread))
             state = self._cur
             context = f"step {state.step} phase {state.phase or '-'}" if state else f"between steps after {self._last_step}"
             last = self._last_coll
@@ -456,7 +471,7 @@ class NullTelemetry:
 
     @contextmanager
     def step(self, step: int) -> Iterator[StepContext]:
-        yield StepContext(_StepState(step, 0.0, (0.0, 0.0)))
+        yield StepContext(StepState(step, 0.0, (0.0, 0.0)))
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -470,28 +485,3 @@ class NullTelemetry:
 
     def close(self, timeout_s: float = 5.0) -> None:
         pass
-
-
-def _where(frame: Any) -> str:
-    """'in a collective: <function> (<file>:<line>)' or 'not in a collective: ...' from a thread's stack."""
-    top = frame
-    f = frame
-    while f is not None:
-        path = f.f_code.co_filename.replace("\\", "/")
-        if "torch/distributed/" in path:
-            return f"in a collective: {f.f_code.co_name} ({path.rsplit('/', 1)[-1]}:{f.f_lineno})"
-        if "torch/autograd/" in path:  # the C++ engine, where DDP's reducer waits for its all-reduces
-            return f"in backward: {f.f_code.co_name} ({path.rsplit('/', 1)[-1]}:{f.f_lineno})"
-        f = f.f_back
-    if top is None:
-        return "not in a collective: training thread not found"
-    return f"not in a collective: {top.f_code.co_name} ({top.f_code.co_filename.rsplit('/', 1)[-1]}:{top.f_lineno})"
-
-
-def _as_float(value: Any, default: float = float("nan")) -> float:
-    if value is None:
-        return default
-    try:
-        return float(value.item() if hasattr(value, "item") else value)
-    except (TypeError, ValueError, RuntimeError):
-        return default

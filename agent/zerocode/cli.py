@@ -1,0 +1,129 @@
+"""``meshscope run [--store DIR] [--run NAME] [--agent] -- COMMAND...``: run a training job as it is, with
+every Python process of it observed (see ``meshscope.agent.zerocode``).
+
+The job's standard output, standard error and exit status are its own: meshscope's lines go to stderr,
+prefixed ``meshscope:``, before and after the job; a job killed by signal N exits 128 + N, as a shell
+says. Ctrl-C reaches the job (it is in the terminal's process group) and this command waits for it;
+SIGTERM is passed on to the job. ``--agent`` runs a node agent on 127.0.0.1 for the job's lifetime."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from meshscope.agent.cliargs import ArgParser, UsageError, run_command
+from meshscope.agent.contract import check_run_name
+from meshscope.agent.zerocode import DEFAULT_STORE, ENV_RUN, ENV_STORE, disabled
+from meshscope.agent.zerocode.detect import default_run_name
+
+BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"
+
+
+def parser() -> ArgParser:
+    p = ArgParser(prog="meshscope run", description=(
+        "Run COMMAND (torchrun ..., python train.py ..., accelerate launch ...) unchanged, with meshscope "
+        "observing every Python process of it: steps, phases, collectives, memory, tokens, FLOPs per rank. "
+        "MESHSCOPE_DISABLE=1 runs it untouched."),
+        usage="meshscope run [--store DIR] [--run NAME] [--agent] [--agent-port N] -- COMMAND [ARGS...]")
+    p.add_argument("--store", type=Path, default=Path(DEFAULT_STORE), help=f"run store (default ./{DEFAULT_STORE})")
+    p.add_argument("--run", default=None, help="run name (default: the script's name and the time)")
+    p.add_argument("--agent", action="store_true", help="also run a node agent (/metrics, the store) for the job")
+    p.add_argument("--agent-port", type=int, default=9477, metavar="N", help="the agent's /metrics port (0: any)")
+    return p
+
+
+def job_environment(*, environ: dict[str, str], store: Path, run: str) -> dict[str, str]:
+    """The job's environment: the bootstrap first on PYTHONPATH (the job's own entries kept after it)."""
+    env = dict(environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BOOTSTRAP), environ.get("PYTHONPATH", "")) if p)
+    env[ENV_STORE] = str(store)
+    env[ENV_RUN] = run
+    return env
+
+
+def _say(message: str) -> None:
+    print(f"meshscope: {message}", file=sys.stderr, flush=True)
+
+
+def _start_agent(*, store: Path, port: int) -> subprocess.Popen:
+    agent = subprocess.Popen([sys.executable, "-m", "meshscope.agent.collector.cli", "--store", str(store),
+                              "--host", "127.0.0.1", "--port", str(port)], stdin=subprocess.DEVNULL)
+    _say(f"node agent (pid {agent.pid}) serving http://127.0.0.1:{port}/metrics")
+    return agent
+
+
+def _stop(proc: subprocess.Popen | None, *, timeout_s: float = 15.0) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _status(code: int) -> int:
+    return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell reports it
+
+
+def run(args, command: list[str]) -> int:
+    if not command:
+        raise UsageError("no command: meshscope run [options] -- COMMAND [ARGS...]")
+    if disabled():
+        _say("MESHSCOPE_DISABLE is set: running the command untouched")
+        try:
+            return _status(subprocess.call(command))
+        except OSError as e:
+            raise UsageError(f"cannot run {command[0]!r}: {e.strerror}") from None
+    run_name = args.run if args.run is not None else default_run_name(command)
+    try:
+        check_run_name(run_name)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if not 0 <= args.agent_port <= 65535:
+        raise UsageError(f"--agent-port {args.agent_port}: not a TCP port (0-65535)")
+    store = args.store.expanduser().absolute()
+    try:
+        store.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--store {str(args.store)!r}: cannot create it ({e.strerror})") from None
+    if not os.access(store, os.W_OK | os.X_OK):
+        raise UsageError(f"--store {str(args.store)!r}: not writable")
+    env = job_environment(environ=dict(os.environ), store=store, run=run_name)
+    _say(f"observing run {run_name!r} into {store}")
+    agent = _start_agent(store=store, port=args.agent_port) if args.agent else None
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the job's to handle; we wait for it
+    try:
+        try:
+            job = subprocess.Popen(command, env=env)
+        except OSError as e:
+            raise UsageError(f"cannot run {command[0]!r}: {e.strerror}") from None
+        signal.signal(signal.SIGTERM, lambda *_: job.send_signal(signal.SIGTERM))
+        t0 = time.monotonic()
+        code = _status(job.wait())
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _stop(agent)
+    _say(f"run {run_name!r} ended after {time.monotonic() - t0:.0f} s (exit {code}). Next:\n"
+         f"  meshscope report --store {store} --run {run_name}\n"
+         f"  meshscope dashboard --store {store}")
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after "--" is the job's, its -h included; without "--", from the first non-option on.
+    if "--" in argv:
+        i = argv.index("--")
+        ours, command = argv[:i], argv[i + 1:]
+    else:
+        i = next((k for k, a in enumerate(argv) if not a.startswith("-")
+                  and (k == 0 or argv[k - 1] not in ("--store", "--run", "--agent-port"))), len(argv))
+        ours, command = argv[:i], argv[i:]
+    return run_command(prog="meshscope run", parser=parser(), argv=ours, body=lambda args: run(args, command))

@@ -1,0 +1,245 @@
+"""What the zero-code driver reads off a job it did not write: where this process stands (rank, world,
+device), the token count of a model call, the FLOPs of one step, and the run record's fields.
+
+Each figure is measured or absent: a field the job does not reveal is left empty (0 or ""), never guessed."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+_NAN = float("nan")
+
+
+def patch(owner: Any, name: str, make: Callable[[Any], Callable]) -> None:
+    """Replace ``owner.name`` by ``make(original)`` (keeping the original's name and docstring)."""
+    original = getattr(owner, name)
+    setattr(owner, name, functools.wraps(original)(make(original)))
+
+
+@dataclass(frozen=True, slots=True)
+class Where:
+    rank: int
+    world_size: int
+    local_rank: int
+    attempt: int
+    device: Any
+    backend: str
+
+
+def process(module: Any) -> Where:
+    """This process's place in the job: the default process group's rank and size when one is initialised
+    (else torchrun's environment, else a single process), and the device of the model's parameters."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        rank, world, backend = dist.get_rank(), dist.get_world_size(), str(dist.get_backend())
+    else:
+        rank, world, backend = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), ""
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    return Where(rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+                 attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), device=device, backend=backend)
+
+
+def default_run_name(command: list[str], *, now: float | None = None) -> str:
+    """``<script stem>-<YYYYmmdd-HHMMSS>``: the script is the first ``*.py`` argument, or the module after
+    ``-m``, or the program's name; anything outside the run-name rule's characters becomes ``-``."""
+    stem = ""
+    for i, arg in enumerate(command):
+        if arg.endswith(".py"):
+            stem = os.path.basename(arg)[:-3]
+            break
+        if arg == "-m" and i + 1 < len(command):
+            stem = command[i + 1].rsplit(".", 1)[-1]
+            break
+    stem = stem or os.path.basename(command[0]) if command else stem
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", stem).strip("-.") or "job"
+    return f"{stem[:80]}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}"
+
+
+def shared_run_name(*, timeout_s: float = 60.0) -> str:
+    """A run name every rank agrees on when no launcher chose one (a framework callback added by hand):
+    rank 0 picks it and hands it over through the default process group's store, which is no collective,
+    so the job's collectives stay as they are."""
+    import torch.distributed as dist
+
+    name = default_run_name(sys.argv)
+    if not (dist.is_available() and dist.is_initialized()):
+        return name
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    key = "meshscope/run_name"
+    if dist.get_rank() == 0:
+        store.set(key, name)
+        return name
+    store.wait([key], timedelta(seconds=timeout_s))
+    return store.get(key).decode()
+
+
+def tokens(args: tuple, kwargs: dict) -> tuple[int, int]:
+    """(tokens, sequence length) of a model call whose input is token ids: ``input_ids``, else the first
+    integer (batch, sequence) tensor among the arguments (one level into a tuple, list or dict: a batch).
+    (0, 0) when there is none."""
+    import torch
+
+    def ids(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value if value.dim() == 2 and not value.is_floating_point() and not value.is_complex() \
+                and value.dtype != torch.bool else None
+        return None
+
+    candidates = [kwargs.get("input_ids"), *args, *kwargs.values()]
+    for value in candidates:
+        found = ids(value)
+        if found is None and isinstance(value, (tuple, list)):
+            found = next((t for t in map(ids, value) if t is not None), None)
+        elif found is None and isinstance(value, dict):
+            found = next((t for t in map(ids, [value.get("input_ids"), *value.values()]) if t is not None), None)
+        if found is not None:
+            return int(found.numel()), int(found.shape[1])
+    return 0, 0
+
+
+class FlopCount:
+    """Model FLOPs of the first step, counted by torch's ``FlopCounterMode`` (with the SDPA formulas it
+    lacks on CPU); per token where tokens are known, else per step. Off under tensor parallelism."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.tokens = 0
+        self.state = "idle"  # idle -> counting -> done | absent
+        self._mode: Any = None
+
+    def start(self, roots: list[Any]) -> None:
+        if self.state != "idle":
+            return
+        self.state = "absent"
+        if any(_tensor_parallel(root) for root in roots):
+            return  # DTensor matmuls are counted at their global shapes: not this rank's work
+        from torch.utils.flop_counter import FlopCounterMode
+
+        from meshscope.agent.instrument.flops import sdpa_flop_mapping
+
+        self._mode = FlopCounterMode(display=False, custom_mapping=sdpa_flop_mapping())
+        self._mode.__enter__()
+        self.state = "counting"
+
+    def stop(self, tokens: int) -> None:
+        if self.state != "counting":
+            return
+        mode, self._mode = self._mode, None
+        mode.__exit__(None, None, None)
+        self.total, self.tokens = float(mode.get_total_flops()), tokens
+        self.state = "done" if self.total > 0 else "absent"
+
+    def abandon(self) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        self.state = "absent"
+
+    @property
+    def per_token(self) -> float:
+        return self.total / self.tokens if self.state == "done" and self.tokens else 0.0
+
+    def per_step(self, tokens: int) -> float:
+        """This rank's model FLOPs for a step of ``tokens`` tokens (NaN where not counted)."""
+        if self.state != "done":
+            return _NAN
+        return self.per_token * tokens if self.tokens else self.total
+
+
+def _tensor_parallel(root: Any) -> bool:
+    """A parameter that stays a DTensor during compute: tensor parallelism (FSDP2 alone computes on the
+    gathered plain tensors; its sharded parameters live on a 1-D mesh)."""
+    for p in root.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None and (mesh.ndim > 1 or not _fsdp_managed(root)):
+            return True
+    return False
+
+
+def _fsdp_managed(root: Any) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in root.modules())
+
+
+def strategy(roots: list[Any], *, world_size: int) -> str:
+    """ddp / fsdp / tp / fsdp+tp from the wrappers; "single" for one process; "manual" for several
+    processes with none of them (the job synchronises by itself)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    parts = []
+    if any(isinstance(r, DistributedDataParallel) for r in roots):
+        parts.append("ddp")
+    if any(_fsdp_managed(r) for r in roots):
+        parts.append("fsdp")
+    if any(_tensor_parallel(r) for r in roots):
+        parts.append("tp")
+    return "+".join(parts) or ("single" if world_size == 1 else "manual")
+
+
+def _mesh(roots: list[Any], *, where: Where) -> tuple[dict, dict]:
+    """Sizes and this rank's coordinates per dimension: a parameter's DeviceMesh where there is one (its
+    dims named tp / dp / ...: a name with "tp" in it is tensor parallel, any other is data parallel), else
+    every rank data parallel."""
+    mesh, coords = {"dp": where.world_size, "tp": 1, "pp": 1}, {"dp": where.rank, "tp": 0, "pp": 0}
+    dmesh = next((getattr(p, "device_mesh", None) for r in roots for p in r.parameters()
+                  if getattr(p, "device_mesh", None) is not None), None)
+    if dmesh is None or not dmesh.mesh_dim_names:
+        return mesh, coords
+    mesh["dp"], coords["dp"] = 1, 0
+    for i, name in enumerate(dmesh.mesh_dim_names):
+        dim = "tp" if "tp" in name else "dp"
+        mesh[dim] *= dmesh.size(i)
+        coords[dim] = coords[dim] * dmesh.size(i) + int(dmesh.get_local_rank(i))
+    return mesh, coords
+
+
+def _unwrapped(root: Any) -> Any:
+    return getattr(root, "module", root)  # DDP and Lightning's wrappers keep the model in .module
+
+
+def run_info(*, roots: list[Any], where: Where, seq_len: int, tokens: int, flops: FlopCount, framework: str) -> dict:
+    """The run record's fields a job reveals (``Telemetry.start`` fills the process's own)."""
+    import json
+
+    import torch
+
+    from meshscope.agent.instrument.flops import device_peak
+
+    n = n_embed = 0
+    seen: set[int] = set()
+    for root in roots:
+        for module in root.modules():
+            for p in module.parameters(recurse=False):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                n += p.numel()  # a DTensor's numel is the global one
+                if isinstance(module, torch.nn.Embedding):
+                    n_embed += p.numel()
+    peak, source = device_peak(where.device)
+    strat = strategy(roots, world_size=where.world_size)
+    mesh, coords = _mesh(roots, where=where)
+    per_rank_batch = tokens // seq_len if seq_len else 0
+    model = "+".join(type(_unwrapped(r)).__name__ for r in roots)
+    return {
+        "strategy": strat, "mesh": mesh, "coords": coords,
+        "model": model, "n_params": n, "n_params_nonembedding": n - n_embed, "seq_len": seq_len,
+        "global_batch": per_rank_batch * mesh["dp"], "flops_per_token": flops.per_token, "peak_flops": peak,
+        "peak_source": source,
+        "device": torch.cuda.get_device_name(where.device) if where.device.type == "cuda" else "cpu",
+        "backend": where.backend, "dtype": str(next((p.dtype for r in roots for p in r.parameters()), "")).replace("torch.", ""),
+        "config": {"zero_code": True, "framework": framework, "argv": sys.argv[:50]},
+    }

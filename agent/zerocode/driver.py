@@ -1,0 +1,317 @@
+"""The zero-code driver: steps, phases, tokens, loss and FLOPs of an unmodified job, from torch's own
+hooks, fed to the same ``Telemetry`` the reference trainer uses.
+
+What it hooks (installed once torch is imported; nothing is imported before):
+- **steps**: torch's global optimizer step hooks. A step ends when the iteration's optimizer steps are
+  done: the first iteration counts how many optimizer steps it makes (several optimizers), later ones end
+  after that many (eagerly, so a loss all-reduce after ``optimizer.step()`` belongs to the next step,
+  inside its wall). Gradient accumulation needs nothing (one optimizer step per step); a step that
+  ``GradScaler`` skips ends when ``GradScaler.step`` returns without an optimizer step (``skipped``).
+- **forward**: the outermost module calls with parameters and grad enabled ("roots": the DDP wrapper,
+  the FSDP2 root, a plain model). A global forward hook finds them during the first step, then each root
+  gets its own hooks and the global ones are removed (a global hook costs a call on every module).
+- **backward**: ``torch.autograd.backward`` (what ``Tensor.backward`` calls), where DDP's reducer waits.
+- **optimizer**: between the optimizer hooks, less the forward and backward inside (Lightning runs them
+  in ``optimizer.step``'s closure).
+- **collectives**: the existing tracers (``Telemetry.attach``) on each root as it is found.
+- **tokens**: the root's integer (batch, sequence) input (``input_ids`` or the first such tensor).
+- **loss**: the scalar handed to backward (``GradScaler.scale``'s input when scaled), when there is one
+  backward per step, or when a framework integration says the losses are pre-divided by the accumulation
+  (their sum is the step's loss); otherwise absent. Read on CPU only: on CUDA ``.item()`` would make the
+  job wait for the device every step, so zero-code CUDA runs carry no loss.
+- **FLOPs**: ``FlopCounterMode`` over the first step (per token where tokens are known); absent under
+  tensor parallelism (it counts DTensor matmuls at global shapes).
+
+Every hook body is guarded: a failure is counted (``errors``), written as a ``telemetry_error`` event and
+said once on stderr; the job runs on unchanged."""
+
+from __future__ import annotations
+
+import atexit
+import sys
+from typing import Any
+
+from meshscope.agent.zerocode import detect
+
+_NAN = float("nan")
+
+
+class Driver:
+    def __init__(self, *, store: str, run: str | None, stderr: Any = None) -> None:
+        self.store, self.run = store, run
+        self.errors = 0
+        self._stderr = stderr
+        self._tel: Any = None
+        self._closed = False
+        self._torch: Any = None
+        self._handles: list[Any] = []  # global hooks (removed after the first step)
+        self._root_handles: list[Any] = []
+        self._roots: dict[int, Any] = {}
+        self._depth = 0  # module call depth while the global hooks are on
+        self._step = self._first_step = 0
+        self._opt_in_iter = 0  # optimizer steps since the last step ended
+        self._per_iter = 0  # optimizer steps per iteration (learnt in the first; 0: not yet)
+        self._first_pending = False  # step 0 made its optimizer steps; it ends at the next iteration
+        self._tokens = 0
+        self._seq_len = 0
+        self._losses: list[Any] = []
+        self._scaled: dict[int, Any] = {}  # id(GradScaler.scale output) -> the unscaled loss
+        self._loss_is_sum = False
+        self._framework = ""
+        self._flops = detect.FlopCount()
+        self._info_written = False
+        self._opt_total = 0
+        self._lr = 0.0
+        self._skipped = False
+
+    # ------------------------------------------------------------------------------ installation
+    def install(self, torch: Any) -> None:
+        """Called once ``torch`` is imported: the global hooks and patches."""
+        try:
+            from torch.nn.modules import module as nn_module
+            from torch.optim import optimizer as optim
+
+            self._torch = torch
+            self._handles += [
+                nn_module.register_module_forward_pre_hook(self._find_root_pre),
+                nn_module.register_module_forward_hook(self._find_root_post, always_call=True),
+            ]
+            optim.register_optimizer_step_pre_hook(self._opt_pre)
+            optim.register_optimizer_step_post_hook(self._opt_post)
+            detect.patch(torch.autograd, "backward", self._wrap_backward)
+            detect.patch(torch.amp.GradScaler, "scale", self._wrap_scale)
+            detect.patch(torch.amp.GradScaler, "step", self._wrap_scaler_step)
+            if torch.distributed.is_available():
+                from torch.distributed import distributed_c10d
+
+                for owner in (torch.distributed, distributed_c10d):
+                    detect.patch(owner, "destroy_process_group", self._wrap_destroy)
+            atexit.register(self.close)
+        except Exception as exc:
+            self.error("install", exc)
+
+    def framework(self, *, name: str, step: int = 0, loss_is_sum: bool = False) -> None:
+        """A framework integration's word: its name, its global step at the start of training (a resumed
+        run keeps its numbering) and whether the losses handed to backward are pre-divided by the
+        accumulation (so their sum is the step's loss)."""
+        self._framework = name
+        self._loss_is_sum = loss_is_sum
+        if self._tel is None and step > 0:
+            self._step = self._first_step = step
+
+    # ------------------------------------------------------------------------------ hooks
+    def _find_root_pre(self, module: Any, args: tuple) -> None:
+        self._depth += 1
+        if self._depth != 1 or self._closed:
+            return
+        try:
+            if id(module) in self._roots or not self._torch.is_grad_enabled():
+                return
+            if not any(p.requires_grad for p in module.parameters()):
+                return  # a loss module or a frozen part: not the model
+            self._add_root(module)
+            self._root_pre(module, args)  # its own pre-hook runs from the next call on
+        except Exception as exc:
+            self.error("find_root", exc)
+
+    def _find_root_post(self, module: Any, args: tuple, output: Any) -> None:
+        self._depth -= 1
+
+    def _add_root(self, module: Any) -> None:
+        self._roots[id(module)] = module
+        self._root_handles += [
+            module.register_forward_pre_hook(self._root_pre, prepend=True),
+            # with kwargs: the token ids of a Hugging Face model come as input_ids=...
+            module.register_forward_hook(self._root_post, with_kwargs=True, always_call=True),
+        ]
+        tel = self._ensure_started(module)
+        if tel is not None:
+            tel.attach(model_parts=[module])
+
+    def _root_pre(self, module: Any, args: tuple) -> None:
+        if self._tel is None or self._closed or not self._torch.is_grad_enabled():  # evaluation: not training
+            return
+        try:
+            self._activity()
+            if self._step == self._first_step:
+                self._flops.start(list(self._roots.values()))
+            self._tel.push_phase("forward")
+            module.__dict__["_meshscope_in_forward"] = True
+        except Exception as exc:
+            self.error("forward_pre", exc)
+
+    def _root_post(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        if not module.__dict__.pop("_meshscope_in_forward", False):
+            return
+        try:
+            self._tel.pop_phase()
+            tokens, seq = detect.tokens(args, kwargs)
+            self._tokens += tokens
+            self._seq_len = self._seq_len or seq
+        except Exception as exc:
+            self.error("forward_post", exc)
+
+    def _wrap_backward(self, original):
+        def backward(tensors, *args, **kwargs):
+            timed = False
+            if self._tel is not None and not self._closed:
+                try:
+                    self._activity()
+                    self._take_loss(tensors)
+                    self._tel.push_phase("backward")
+                    timed = True
+                except Exception as exc:
+                    self.error("backward", exc)
+            try:
+                return original(tensors, *args, **kwargs)
+            finally:
+                if timed:
+                    self._tel.pop_phase()
+        return backward
+
+    def _wrap_scale(self, original):
+        def scale(scaler, outputs, *args, **kwargs):
+            out = original(scaler, outputs, *args, **kwargs)
+            if self._torch is not None and isinstance(out, self._torch.Tensor) and out is not outputs:
+                if len(self._scaled) > 64:  # scaled losses never handed to backward
+                    self._scaled.clear()
+                self._scaled[id(out)] = outputs
+            return out
+        return scale
+
+    def _wrap_scaler_step(self, original):
+        def step(scaler, optimizer, *args, **kwargs):
+            before = self._opt_total
+            out = original(scaler, optimizer, *args, **kwargs)
+            if self._opt_total == before and self._tel is not None and not self._closed:
+                self._optimizer_done(skipped=True)  # inf/NaN gradients: GradScaler skipped the step
+            return out
+        return step
+
+    def _wrap_destroy(self, original):
+        def destroy_process_group(*args, **kwargs):
+            self.close()  # the collectives' hooks come off before their groups are gone
+            return original(*args, **kwargs)
+        return destroy_process_group
+
+    def _opt_pre(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        if self._tel is None or self._closed:
+            return
+        try:
+            self._tel.push_phase("optimizer")
+        except Exception as exc:
+            self.error("optimizer_pre", exc)
+
+    def _opt_post(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        self._opt_total += 1
+        if self._tel is None or self._closed:
+            return
+        try:
+            self._tel.pop_phase()
+            self._lr = optimizer.param_groups[0].get("lr", 0.0) if optimizer.param_groups else 0.0
+            self._optimizer_done(skipped=False)
+        except Exception as exc:
+            self.error("optimizer_post", exc)
+
+    # ------------------------------------------------------------------------------ steps
+    def _optimizer_done(self, *, skipped: bool) -> None:
+        self._skipped = self._skipped or skipped
+        self._opt_in_iter += 1
+        if self._per_iter == 0:  # the first iteration: how many optimizer steps it makes is learnt at its end
+            self._first_pending = True
+            self._flops.stop(self._tokens)
+            return
+        if self._opt_in_iter >= self._per_iter:
+            self._end_step()
+
+    def _activity(self) -> None:
+        """A forward or backward: the first one after the first iteration's optimizer steps ends step 0."""
+        if self._first_pending:
+            self._per_iter = self._opt_in_iter
+            self._end_step()
+
+    def _end_step(self) -> None:
+        tel = self._tel
+        self._first_pending = False
+        self._opt_in_iter = 0
+        if not self._info_written:
+            self._write_info()
+        tokens = self._tokens
+        tel.update_step(tokens=tokens, flops=self._flops.per_step(tokens), loss=self._loss(), lr=self._lr,
+                        skipped=self._skipped)
+        open_phases = tel.open_phases()  # e.g. Lightning's next optimizer.step, already entered
+        tel.end_step()
+        self._tokens, self._losses, self._skipped = 0, [], False
+        self._step += 1
+        tel.begin_step(self._step)
+        for name in open_phases:
+            tel.push_phase(name)
+
+    def _take_loss(self, tensors: Any) -> None:
+        torch = self._torch
+        if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
+            self._losses.append(self._scaled.pop(id(tensors), tensors))
+
+    def _loss(self) -> float:
+        losses = self._losses
+        if not losses or (len(losses) > 1 and not self._loss_is_sum):
+            return _NAN  # several backwards, unknown whether they are pre-divided: absent, not wrong
+        if any(t.device.type != "cpu" for t in losses):
+            return _NAN
+        return float(sum(float(t.detach()) for t in losses))
+
+    # ------------------------------------------------------------------------------ lifecycle
+    def _ensure_started(self, module: Any) -> Any:
+        if self._tel is not None or self._closed:
+            return self._tel
+        from meshscope.agent.instrument.telemetry import Telemetry, TelemetryConfig
+
+        where = detect.process(module)
+        self._where = where
+        run = self.run or detect.shared_run_name()
+        self._tel = Telemetry(config=TelemetryConfig(store=self.store, run=run), rank=where.rank,
+                              world_size=where.world_size, local_rank=where.local_rank, attempt=where.attempt,
+                              device=where.device)
+        self._tel.begin_step(self._step)
+        return self._tel
+
+    def _write_info(self) -> None:
+        self._info_written = True
+        info = detect.run_info(roots=list(self._roots.values()), where=self._where, seq_len=self._seq_len,
+                               tokens=self._tokens, flops=self._flops, framework=self._framework)
+        self._tel.start(info)
+
+    def close(self) -> None:
+        """At exit or ``destroy_process_group``: an iteration that made no optimizer step is not a step."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._flops.abandon()
+            for handle in self._handles + self._root_handles:
+                handle.remove()
+            tel = self._tel
+            if tel is None:
+                return
+            if self._first_pending:
+                self._per_iter = self._opt_in_iter
+                self._end_step()
+            tel.discard_step()  # the open iteration made no optimizer step
+            if not self._info_written:
+                self._write_info()
+            tel.event("end", f"{self._step} steps observed (zero-code)")
+            tel.close()
+        except Exception as exc:
+            self.error("close", exc)
+
+    def error(self, where: str, exc: BaseException) -> None:
+        self.errors += 1
+        try:
+            if self._tel is not None:
+                self._tel.record_error(f"zerocode.{where}", exc)
+            if self.errors == 1:
+                print(f"meshscope: telemetry error in {where} ({type(exc).__name__}: {exc}); counted, the job goes on",
+                      file=self._stderr or sys.stderr)
+        except Exception:
+            pass
+

@@ -1,0 +1,177 @@
+"""Zero-code observation (``meshscope run -- COMMAND``) of unmodified jobs: the scripts in tests/jobs/ have
+no meshscope in them. Each run is compared with what the job itself knows: its optimizer steps, its
+gradient bytes, its own printed loss, the step's wall time."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from meshscope.agent.collector.reader import read_table
+
+JOBS = Path(__file__).resolve().parent / "jobs"
+TIMEOUT = 240
+
+
+def meshscope_run(cwd: Path, *argv: str, env: dict | None = None, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    full = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "meshscope", "run", *argv], cwd=cwd, env=full, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def torchrun(script: str, *args: str, nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            str(JOBS / script), *args]
+
+
+def ingest(store: Path) -> None:
+    subprocess.run([sys.executable, "-m", "meshscope", "ingest", "--store", str(store)], check=True,
+                   capture_output=True, timeout=120)
+
+
+def report(store: Path, run: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "meshscope", "report", "--store", str(store), "--run", run, "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+def assert_breakdown_sums_to_wall(steps: pd.DataFrame) -> None:
+    parts = steps["compute_s"] + steps["exposed_comm_s"] + steps["bubble_s"] + steps["other_s"]
+    assert (parts - steps["wall_s"]).abs().max() < 1e-6, steps[["wall_s", "compute_s", "exposed_comm_s", "other_s"]]
+    assert (steps[["compute_s", "exposed_comm_s", "other_s"]] >= 0).all().all()
+
+
+def printed_losses(stdout: str) -> dict[int, float]:
+    return {int(line.split()[1]): float(line.split()[3]) for line in stdout.splitlines() if line.startswith("step ")}
+
+
+# ----------------------------------------------------------------------------------------- unit tier
+def test_a_bad_run_name_or_store_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "file").write_text("")
+    for argv, needle in ((["--run", "run-ü", "--", "true"], "run-ü"),
+                         (["--store", str(tmp_path / "file" / "x"), "--", "true"], "file/x"),
+                         (["--"], "no command")):
+        out = meshscope_run(tmp_path, *argv)
+        assert out.returncode == 2, out
+        assert len(out.stderr.strip().splitlines()) == 1 and needle in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_jobs_exit_code_output_and_its_own_sitecustomize_are_kept(tmp_path):
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "sitecustomize.py").write_text("import os\nos.environ['JOB_SITE'] = 'kept'\n")
+    script = ("import os, sys\nprint('out', os.environ.get('JOB_SITE'), 'meshscope.agent.zerocode' in sys.modules)\n"
+              "print('err', file=sys.stderr)\nraise SystemExit(7)\n")
+    out = meshscope_run(tmp_path, "--store", str(tmp_path / "s"), "--run", "exit7", "--", sys.executable, "-c", script,
+                        env={"PYTHONPATH": str(own)})
+    assert out.returncode == 7
+    assert out.stdout == "out kept True\n"  # the job's own stdout, untouched; its sitecustomize ran too
+    assert "err" in out.stderr and "meshscope report --store" in out.stderr
+
+
+def test_a_job_that_raises_keeps_its_traceback_and_exit_code(tmp_path):
+    out = meshscope_run(tmp_path, "--store", str(tmp_path / "s"), "--run", "boom", "--", sys.executable, "-c",
+                        "import torch\nraise ValueError('the job failed')")
+    assert out.returncode == 1
+    assert "Traceback" in out.stderr and "ValueError: the job failed" in out.stderr
+
+
+def test_meshscope_disable_leaves_the_job_untouched(tmp_path):
+    script = "import sys, torch\nprint(sorted(m for m in sys.modules if m.startswith('meshscope')))"
+    out = meshscope_run(tmp_path, "--store", str(tmp_path / "s"), "--", sys.executable, "-c", script,
+                        env={"MESHSCOPE_DISABLE": "1"})
+    assert out.returncode == 0 and out.stdout == "[]\n", out
+    # set for one process only: its sitecustomize imports nothing of meshscope either
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "agent" / "zerocode" / "bootstrap"),
+           "MESHSCOPE_DISABLE": "1"}
+    out = subprocess.run([sys.executable, "-c", script], env={**os.environ, **env}, capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout == "[]\n", out
+
+
+def test_the_bootstrap_imports_no_torch(tmp_path):
+    out = meshscope_run(tmp_path, "--store", str(tmp_path / "s"), "--", sys.executable, "-c",
+                        "import sys; print('torch' in sys.modules, 'meshscope.agent.zerocode' in sys.modules)")
+    assert out.stdout == "False True\n", out
+
+
+def test_a_single_process_loop_is_observed(tmp_path):
+    script = ("import torch\nm = torch.nn.Linear(8, 8)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+              "for i in range(5):\n    loss = m(torch.randn(4, 8)).pow(2).mean()\n    loss.backward()\n"
+              "    opt.step()\n    opt.zero_grad()\n    print(f'step {i} loss {loss.item():.6f}')\n")
+    store = tmp_path / "s"
+    out = meshscope_run(tmp_path, "--store", str(store), "--run", "single", "--", sys.executable, "-c", script)
+    assert out.returncode == 0, out.stderr
+    ingest(store)
+    steps = read_table(store, "step", run="single")
+    assert list(steps["step"]) == [0, 1, 2, 3, 4]
+    assert steps["loss"].round(6).tolist() == list(printed_losses(out.stdout).values())
+    assert_breakdown_sums_to_wall(steps)
+    run = read_table(store, "run", run="single").iloc[0]
+    assert (run["strategy"], run["world_size"], run["n_params"]) == ("single", 1, 72)
+
+
+# ----------------------------------------------------------------------------------------- gloo tier
+@pytest.mark.gloo
+def test_a_plain_ddp_script_is_observed_without_changes(tmp_path):
+    store = tmp_path / "store"
+    out = meshscope_run(tmp_path, "--store", str(store), "--run", "ddp0", "--",
+                        *torchrun("plain_ddp.py", "--steps", "8", "--accumulate", "2"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    ingest(store)
+    steps = read_table(store, "step", run="ddp0")
+    assert sorted(steps.groupby("rank")["step"].apply(list).tolist()) == [list(range(8))] * 2  # 8 optimizer steps × 2
+    assert_breakdown_sums_to_wall(steps)
+    # two backwards per step that the script divides itself: the loss is absent, not a wrong figure
+    assert steps["loss"].isna().all()
+    grads = 4 * (256 * 512 + 512 + 512 * 16 + 16)  # fp32 gradient bytes of ToyModel
+    coll = read_table(store, "collective", run="ddp0")
+    dp = coll[coll["source"] == "ddp_comm_hook"]
+    per_step = dp[dp["step"] >= 1].groupby(["rank", "step"])["bytes"].sum()
+    # DDP all-reduces the gradients on every backward the script does not wrap in no_sync(): twice a step
+    assert (per_step == 2 * grads).all(), per_step
+    # the script's own loss all-reduce after optimizer.step() belongs to the next step, inside its wall
+    own = coll[(coll["source"] == "c10d") & (coll["op"] == "all_reduce")]
+    assert len(own) == 2 * 8
+    run = read_table(store, "run", run="ddp0").iloc[0]
+    assert (run["strategy"], json.loads(run["mesh"])["dp"], run["model"]) == ("ddp", 2, "ToyModel")
+    assert json.loads(run["config"])["zero_code"] is True
+    rep = report(store, "ddp0")
+    assert rep["world_size"] == 2 and rep["steps"] == [0, 7]
+
+
+@pytest.mark.gloo
+def test_a_plain_fsdp2_script_is_observed_with_tokens_flops_and_its_loss(tmp_path):
+    store = tmp_path / "store"
+    out = meshscope_run(tmp_path, "--store", str(store), "--run", "fsdp0", "--", *torchrun("plain_fsdp2.py", "--steps", "6"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    ingest(store)
+    steps = read_table(store, "step", run="fsdp0")
+    assert len(steps) == 6 * 2
+    assert_breakdown_sums_to_wall(steps)
+    assert (steps["tokens"] == 8 * 32).all()
+    r0 = steps[steps["rank"] == 0].set_index("step")
+    printed = printed_losses(out.stdout)
+    assert {s: round(v, 4) for s, v in r0["loss"].items()} == printed
+    run = read_table(store, "run", run="fsdp0").iloc[0]
+    assert run["strategy"] == "fsdp" and run["seq_len"] == 32
+    n = 256 * 64 + 2 * (2 * 64 + 64 * 256 + 256 + 256 * 64 + 64) + 64 * 256 + 256
+    assert run["n_params"] == n
+    # FlopCounterMode's count on the first step against the matmul formula of this model: 6 FLOPs per
+    # parameter of every Linear per token (forward 2, backward 4); the embedding is a lookup
+    linear = n - 256 * 64 - 2 * 2 * 64  # less the embedding and the LayerNorms
+    linear_biases = 2 * (256 + 64) + 256
+    assert run["flops_per_token"] == pytest.approx(6 * (linear - linear_biases), rel=0.01)
+    assert (steps["mfu"] > 0).all()
+    coll = read_table(store, "collective", run="fsdp0")
+    rs = coll[(coll["source"] == "fsdp_comm") & (coll["op"] == "reduce_scatter") & (coll["step"] == 2)]
+    grads = 4 * n
+    per_rank = rs.groupby("rank")["bytes"].sum()
+    assert ((per_rank >= grads) & (per_rank <= grads + 4 * 2 * 16)).all(), per_rank  # padding to the world size
