@@ -330,7 +330,8 @@ def memory(load: Loader, *, run: str, steps) -> Memory:
     view.figures["per_rank"] = figures.memory_by_rank(mem, current=current, peak=view.peak_col, label=view.label)
     view.figures["trend"] = figures.memory_trend(d["per_step"], peak=view.peak_col, label=view.label)
     view.meta = meta = meta_of(load("runs_table"), run)
-    view.model_missing = [f for f in _MODEL_FIELDS if f not in meta]
+    # 0 is how a writer says "not known" (a zero-code run does not know a model's layers or width)
+    view.model_missing = [f for f in _MODEL_FIELDS if f not in meta or not (pd.notna(meta[f]) and meta[f] > 0)]
     if not view.model_missing:
         view.model = memory_model(spec_from_meta(meta))
         view.states = states_vs_tensors(view.model, mem)

@@ -2,11 +2,11 @@
 
 ``meshscope run`` (``.cli``) puts ``bootstrap/`` first on the job's PYTHONPATH. Its ``sitecustomize``
 runs in every Python process the command starts (torchrun and its ranks, ``accelerate launch``, a plain
-``python``), chains the job's own ``sitecustomize``, and calls :func:`activate`, which imports no torch:
-it waits for the job to import torch (``.imports``) and then installs the driver's hooks (``.driver``),
-and adds the framework integrations (``.frameworks``) to Hugging Face and Lightning trainers as they are
-built. A user who does not launch through ``meshscope run`` calls :func:`observe` (or adds a framework
-callback) in the training script instead: the same driver.
+``python``), chains the job's own ``sitecustomize``, and calls ``.inject.activate``, which imports no
+torch: :func:`observe` waits for the job to import torch (``.imports``) and then installs the driver's
+hooks (``.driver``); the framework integrations (``.frameworks``) are added to Hugging Face and Lightning
+trainers as they are built. A user who does not launch through ``meshscope run`` calls :func:`observe`
+(or adds a framework callback) in the training script instead: the same driver.
 
 The environment variables below are the launcher's word to the bootstrap, read here only."""
 
@@ -27,13 +27,6 @@ def disabled(environ: Mapping[str, str] = os.environ) -> bool:
     return environ.get(ENV_DISABLE, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def activate(*, environ: Mapping[str, str] = os.environ) -> Any:
-    """Install the zero-code driver in this process (once); ``None`` when disabled."""
-    if disabled(environ):
-        return None
-    return observe(store=environ.get(ENV_STORE) or DEFAULT_STORE, run=environ.get(ENV_RUN) or None)
-
-
 def observe(*, store: str | None = None, run: str | None = None) -> Any:
     """Observe this process's training with no other change: steps from the optimizer, phases from the
     model's hooks, collectives, memory, tokens, FLOPs. Call before the first forward. Idempotent: the
@@ -41,14 +34,12 @@ def observe(*, store: str | None = None, run: str | None = None) -> Any:
     global _driver
     if _driver is not None:
         return _driver
-    from meshscope.agent.zerocode import frameworks
     from meshscope.agent.zerocode.driver import Driver
     from meshscope.agent.zerocode.imports import when_imported
 
     _driver = Driver(store=store or os.environ.get(ENV_STORE) or DEFAULT_STORE,
                      run=run or os.environ.get(ENV_RUN) or None)
     when_imported("torch", _driver.install)
-    frameworks.add_when_imported(when_imported, on_error=_driver.error)
     return _driver
 
 

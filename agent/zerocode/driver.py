@@ -236,6 +236,7 @@ class Driver:
         self._opt_in_iter = 0
         if not self._info_written:
             self._write_info()
+            self._remove(self._handles)  # the roots are known: no hook on every module call from now on
         tokens = self._tokens
         tel.update_step(tokens=tokens, flops=self._flops.per_step(tokens), loss=self._loss(), lr=self._lr,
                         skipped=self._skipped)
@@ -288,8 +289,8 @@ class Driver:
         self._closed = True
         try:
             self._flops.abandon()
-            for handle in self._handles + self._root_handles:
-                handle.remove()
+            self._remove(self._handles)
+            self._remove(self._root_handles)
             tel = self._tel
             if tel is None:
                 return
@@ -303,6 +304,11 @@ class Driver:
             tel.close()
         except Exception as exc:
             self.error("close", exc)
+
+    @staticmethod
+    def _remove(handles: list[Any]) -> None:
+        while handles:
+            handles.pop().remove()
 
     def error(self, where: str, exc: BaseException) -> None:
         self.errors += 1

@@ -17,6 +17,7 @@ class TinyLM(L.LightningModule):
         self.embed = nn.Embedding(vocab, dim)
         self.block = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
         self.head = nn.Linear(dim, vocab)
+        self.losses = []
 
     def forward(self, ids):
         return self.head(self.block(self.embed(ids)))
@@ -26,6 +27,7 @@ class TinyLM(L.LightningModule):
         logits = self(ids[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1))
         self.log("train_loss", loss)
+        self.losses.append(loss.item())  # the job's own record of each micro-batch's loss
         return loss
 
     def configure_optimizers(self):
@@ -43,10 +45,10 @@ def main():
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=args.steps,
                         accumulate_grad_batches=args.accumulate, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(TinyLM(), loader)
-    if trainer.is_global_zero:
-        with open(os.path.join(args.out, "lightning.json"), "w") as f:
-            json.dump({"global_step": trainer.global_step}, f)
+    model = TinyLM()
+    trainer.fit(model, loader)
+    with open(os.path.join(args.out, f"lightning-rank{trainer.global_rank}.json"), "w") as f:
+        json.dump({"global_step": trainer.global_step, "losses": model.losses}, f)
 
 
 if __name__ == "__main__":

@@ -36,9 +36,9 @@ def _activate():
     if os.environ.get("MESHSCOPE_DISABLE", "").strip().lower() in ("1", "true", "yes", "on"):
         return
     try:
-        from meshscope.agent import zerocode
+        from meshscope.agent.zerocode import inject
 
-        zerocode.activate()
+        inject.activate()
     except Exception as err:
         sys.stderr.write(f"meshscope: zero-code observation is off in this process ({type(err).__name__}: {err})\n")
 

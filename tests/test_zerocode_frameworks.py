@@ -1,0 +1,95 @@
+"""Zero-code on the frameworks people train with: a Hugging Face ``Trainer`` and a Lightning ``Trainer``
+(tests/jobs/, no meshscope in them) under ``meshscope run -- torchrun``, which adds meshscope's callback
+to each trainer by itself. Compared with what each framework itself reports: its global step, its
+logged loss, its model's gradient bytes; then ``report`` and every dashboard page on the run."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from meshscope.agent.collector.reader import read_table
+from tests.test_zerocode import assert_breakdown_sums_to_wall, ingest, meshscope_run, report, torchrun
+
+pytestmark = pytest.mark.gloo
+APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
+PAGES = ["runs", "overview", "pipeline", "communication", "memory", "scaling", "gpu", "live"]
+
+
+def every_page_renders(monkeypatch, store: Path) -> dict[str, int]:
+    monkeypatch.setattr(sys, "argv", ["app.py", "--store", str(store)])
+    at = AppTest.from_file(str(APP), default_timeout=60).run()
+    assert not at.exception
+    charts = {}
+    for page in PAGES:
+        at.switch_page(f"app_pages/{page}.py")
+        at.run()
+        assert not at.exception, (page, at.exception)
+        assert not at.error, (page, [e.value for e in at.error])
+        charts[page] = len(at.get("plotly_chart"))
+    return charts
+
+
+def ddp_bytes_per_step(store: Path, run: str):
+    coll = read_table(store, "collective", run=run)
+    dp = coll[coll["source"] == "ddp_comm_hook"]
+    return dp.groupby(["rank", "step"])["bytes"].sum()
+
+
+def test_a_hugging_face_trainer_with_accumulation(tmp_path, monkeypatch):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    store, out = tmp_path / "store", tmp_path / "out"
+    res = meshscope_run(tmp_path, "--store", str(store), "--run", "hf", "--",
+                        *torchrun("hf_trainer.py", "--out", str(out), "--steps", "5", "--accumulate", "2"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    history = json.loads((out / "log_history.json").read_text())
+    ingest(store)
+    steps = read_table(store, "step", run="hf")
+    assert len(steps) == history["global_step"] * 2 == 10  # every optimizer step of every rank
+    assert_breakdown_sums_to_wall(steps)
+    # HF logs each step's loss averaged over the ranks (logging_steps=1): the ranks' losses, averaged, agree
+    logged = [h["loss"] for h in history["log"] if "loss" in h]
+    measured = steps.groupby("step")["loss"].mean().tolist()
+    assert measured == pytest.approx(logged, abs=2e-4)
+    assert (steps["tokens"] == 2 * 4 * 32).all()  # 2 micro-batches of 4 × 32 token ids per rank
+    # DDP all-reduces every gradient once per optimizer step (HF syncs only the last micro-batch)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=2))
+    grads = 4 * sum(p.numel() for p in model.parameters())
+    assert (ddp_bytes_per_step(store, "hf") == grads).all()
+    run = read_table(store, "run", run="hf").iloc[0]
+    assert json.loads(run["config"])["framework"] == "transformers"  # the callback was added by itself
+    assert (run["strategy"], run["model"], run["n_params"]) == ("ddp", "GPT2LMHeadModel", grads // 4)
+    rep = report(store, "hf")
+    assert rep["steps"] == [0, 4]
+    charts = every_page_renders(monkeypatch, store)
+    assert charts["overview"] >= 1 and charts["communication"] >= 1, charts
+
+
+def test_a_lightning_trainer_ddp_with_accumulation(tmp_path, monkeypatch):
+    store, out = tmp_path / "store", tmp_path / "out"
+    out.mkdir()
+    res = meshscope_run(tmp_path, "--store", str(store), "--run", "pl", "--",
+                        *torchrun("lightning_job.py", "--out", str(out), "--steps", "5", "--accumulate", "2"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    ingest(store)
+    steps = read_table(store, "step", run="pl")
+    for rank in (0, 1):
+        own = json.loads((out / f"lightning-rank{rank}.json").read_text())
+        mine = steps[steps["rank"] == rank].sort_values("step")
+        assert len(mine) == own["global_step"] == 5
+        # Lightning divides each micro-batch's loss by the accumulation before backward: the step's loss is
+        # the mean of the job's own two micro-batch losses
+        expected = [sum(own["losses"][2 * i:2 * i + 2]) / 2 for i in range(5)]
+        assert mine["loss"].tolist() == pytest.approx(expected, abs=1e-5)
+    assert_breakdown_sums_to_wall(steps)
+    n = 256 * 64 + (64 * 256 + 256) + (256 * 64 + 64) + (64 * 256 + 256)
+    assert (ddp_bytes_per_step(store, "pl") == 4 * n).all()  # one all-reduce of every gradient per step
+    run = read_table(store, "run", run="pl").iloc[0]
+    assert json.loads(run["config"])["framework"] == "lightning" and run["n_params"] == n
+    assert report(store, "pl")["steps"] == [0, 4]
+    every_page_renders(monkeypatch, store)
