@@ -175,3 +175,18 @@ def test_a_plain_fsdp2_script_is_observed_with_tokens_flops_and_its_loss(tmp_pat
     grads = 4 * n
     per_rank = rs.groupby("rank")["bytes"].sum()
     assert ((per_rank >= grads) & (per_rank <= grads + 4 * 2 * 16)).all(), per_rank  # padding to the world size
+
+
+@pytest.mark.gloo
+def test_a_rank_that_raises_keeps_the_jobs_exit_and_is_the_key_event(tmp_path):
+    store = tmp_path / "store"
+    out = meshscope_run(tmp_path, "--store", str(store), "--run", "crash", "--",
+                        *torchrun("plain_ddp.py", "--steps", "8", "--fail-at", "3"))
+    assert out.returncode == 1  # torchrun's own status for a failed worker
+    assert "RuntimeError: injected failure at step 3" in out.stderr and "Traceback" in out.stderr
+    rep = report(store, "crash")
+    # rank 1 raised after its 4th optimizer step; rank 0 then failed inside a collective: an aborted step
+    assert rep["events"]["key_event"]["kind"] == "crash" and rep["events"]["key_event"]["rank"] == 1, rep["events"]
+    assert "injected failure" in rep["events"]["key_event"]["message"]
+    steps = read_table(store, "step", run="crash")
+    assert sorted(steps[steps["rank"] == 1]["step"]) == [0, 1, 2, 3]

@@ -87,8 +87,28 @@ class Driver:
                 for owner in (torch.distributed, distributed_c10d):
                     detect.patch(owner, "destroy_process_group", self._wrap_destroy)
             atexit.register(self.close)
+            self._chain_excepthook()
         except Exception as exc:
             self.error("install", exc)
+
+    def _chain_excepthook(self) -> None:
+        """An exception that ends the process is an event: raised inside a collective, the step was aborted
+        (a peer failed, or the collective timed out): ``aborted_step``, as the explicit API records it;
+        raised anywhere else, the rank ``crash``-ed: the Failures banner's key event. The job's own hook
+        (Python's: the traceback) runs after, unchanged."""
+        previous = sys.excepthook
+
+        def excepthook(etype, value, tb):
+            try:
+                if self._tel is not None and not self._closed:
+                    in_collective = any(_in_collective(f.f_code.co_filename) for f, _ in _frames(tb))
+                    kind = "aborted_step" if in_collective else "crash"
+                    self._tel.event(kind, f"{etype.__name__}: {value}"[:500], step=self._step)
+            except Exception:
+                pass
+            previous(etype, value, tb)
+
+        sys.excepthook = excepthook
 
     def framework(self, *, name: str, step: int = 0, loss_is_sum: bool = False) -> None:
         """A framework integration's word: its name, its global step at the start of training (a resumed
@@ -321,3 +341,17 @@ class Driver:
         except Exception:
             pass
 
+
+def _frames(tb: Any):
+    import traceback
+
+    return traceback.walk_tb(tb)
+
+
+# torch's collectives, and meshscope's wrappers of them (an async op's wait raises there)
+_COLLECTIVE_CODE = ("torch/distributed/", "/agent/instrument/comm_", "/agent/instrument/traced_call.py")
+
+
+def _in_collective(filename: str) -> bool:
+    path = filename.replace("\\", "/")
+    return any(part in path for part in _COLLECTIVE_CODE)
