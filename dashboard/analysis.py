@@ -333,7 +333,9 @@ def step_throughput(per_step: pd.DataFrame, *, dp: int) -> pd.DataFrame:
 
     ``per_step``: ``step``, ``tokens_mean``, ``step_time_s`` (max wall over ranks)."""
     t = per_step.copy()
-    t["tokens_per_s"] = np.where(t["step_time_s"] > 0, t["tokens_mean"] * dp / t["step_time_s"], np.nan)
+    # no tokens recorded (a zero-code job whose model does not take token ids): not known, not 0 tokens/s
+    t["tokens_per_s"] = np.where((t["step_time_s"] > 0) & (t["tokens_mean"] > 0),
+                                 t["tokens_mean"] * dp / t["step_time_s"], np.nan)
     return t
 
 

@@ -89,6 +89,12 @@ def test_the_wheel_in_a_fresh_venv_trains_ingests_reports_and_runs_the_stack(tmp
     run(meshscope, "ingest", "--store", str(store))
     report = json.loads(run(meshscope, "report", "--store", str(store), "--run", "wheel", "--json").stdout)
     assert (report["run"], report["world_size"], report["steps"]) == ("wheel", 2, [0, 1]), report
+    # zero-code from the wheel: the bootstrap is package data, and the job's python finds meshscope
+    loop = ("import torch\nm = torch.nn.Linear(4, 4)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+            "for _ in range(3):\n    m(torch.randn(2, 4)).sum().backward()\n    opt.step()\n    opt.zero_grad()\n")
+    run(meshscope, "run", "--store", str(store), "--run", "zc", "--", str(py), "-c", loop)
+    report = json.loads(run(meshscope, "report", "--store", str(store), "--run", "zc", "--json").stdout)
+    assert (report["world_size"], report["steps"]) == (1, [0, 2]), report
     assert "Prometheus" in run(meshscope, "stack", "--help").stdout
     # the stack's shipped configs are package data: rendering them works from the wheel
     assert (Path(where["grafana"]).parent / "prometheus" / "prometheus.yml").is_file()

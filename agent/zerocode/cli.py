@@ -50,10 +50,9 @@ def _say(message: str) -> None:
 
 
 def _start_agent(*, store: Path, port: int) -> subprocess.Popen:
-    agent = subprocess.Popen([sys.executable, "-m", "meshscope.agent.collector.cli", "--store", str(store),
-                              "--host", "127.0.0.1", "--port", str(port)], stdin=subprocess.DEVNULL)
-    _say(f"node agent (pid {agent.pid}) serving http://127.0.0.1:{port}/metrics")
-    return agent
+    # its lines (the /metrics URL first) go to stderr: the job's stdout is the job's
+    return subprocess.Popen([sys.executable, "-m", "meshscope.agent.collector.cli", "--store", str(store),
+                             "--host", "127.0.0.1", "--port", str(port)], stdin=subprocess.DEVNULL, stdout=sys.stderr)
 
 
 def _stop(proc: subprocess.Popen | None, *, timeout_s: float = 15.0) -> None:
