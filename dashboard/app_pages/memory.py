@@ -29,7 +29,9 @@ def main(ctx: ui.Context) -> None:
 
     st.subheader("Analytic model vs measured")
     if view.model is None:
-        st.info(f"No analytic model: the run records lack {', '.join(view.model_missing)}.")
+        st.info(f"No analytic model: the run records lack {', '.join(view.model_missing)} (a job observed with "
+                "`meshscope run` does not reveal its model's layers and width; the reference trainer and the API "
+                "record them).")
         return
     if view.states is not None:
         ui.chart(view.figures["states"])
