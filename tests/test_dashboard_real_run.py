@@ -24,11 +24,13 @@ def real_store(tmp_path_factory) -> Path:
     return root
 
 
-def test_every_page_on_a_real_training_store(monkeypatch, real_store):
-    monkeypatch.setattr(sys, "argv", ["app.py", "--store", str(real_store)])
+def every_page_renders(monkeypatch, store: Path, *, focus: str) -> dict[str, int]:
+    """Every page under AppTest on ``store`` with ``focus`` as the sidebar's run: no exception, no error
+    box; the number of charts each page draws."""
+    monkeypatch.setattr(sys, "argv", ["app.py", "--store", str(store)])
     at = AppTest.from_file(str(APP), default_timeout=60).run()
     assert not at.exception
-    assert at.sidebar.selectbox[0].value == "pp-real"  # the newest run is the focus
+    assert at.sidebar.selectbox[0].value == focus  # the newest run is the focus
     charts = {}
     for page in PAGES:
         at.switch_page(f"app_pages/{page}.py")
@@ -36,6 +38,11 @@ def test_every_page_on_a_real_training_store(monkeypatch, real_store):
         assert not at.exception, (page, at.exception)
         assert not at.error, (page, [e.value for e in at.error])
         charts[page] = len(at.get("plotly_chart"))
+    return charts
+
+
+def test_every_page_on_a_real_training_store(monkeypatch, real_store):
+    charts = every_page_renders(monkeypatch, real_store, focus="pp-real")
     # The pages that have data in a CPU pipeline run draw it (no GPU samples on CPU, no Prometheus here).
     for page in ("overview", "pipeline", "communication", "memory"):
         assert charts[page] >= 1, (page, charts)

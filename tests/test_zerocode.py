@@ -190,3 +190,43 @@ def test_a_rank_that_raises_keeps_the_jobs_exit_and_is_the_key_event(tmp_path):
     assert "injected failure" in rep["events"]["key_event"]["message"]
     steps = read_table(store, "step", run="crash")
     assert sorted(steps[steps["rank"] == 1]["step"]) == [0, 1, 2, 3]
+
+
+def _run_loop(tmp_path, name: str, script: str) -> tuple:
+    store = tmp_path / name
+    out = meshscope_run(tmp_path, "--store", str(store), "--run", name, "--", sys.executable, "-c", script)
+    assert out.returncode == 0, out.stderr
+    ingest(store)
+    return read_table(store, "step", run=name).sort_values("step"), out
+
+
+def test_two_optimizers_per_iteration_are_one_step(tmp_path):
+    """A GAN-style loop: the discriminator's and the generator's optimizer step in each iteration, with a
+    forward and backward between them. From the second step on, each step is one iteration."""
+    script = ("import torch\ng, d = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)\n"
+              "og, od = torch.optim.SGD(g.parameters(), lr=0.1), torch.optim.SGD(d.parameters(), lr=0.1)\n"
+              "for i in range(6):\n"
+              "    d(g(torch.randn(2, 4)).detach()).mean().backward(); od.step(); od.zero_grad()\n"
+              "    (-d(g(torch.randn(2, 4))).mean()).backward(); og.step(); og.zero_grad()\n")
+    steps, _ = _run_loop(tmp_path, "gan", script)
+    assert steps["step"].tolist() == list(range(6))  # six iterations, six steps
+    assert_breakdown_sums_to_wall(steps)
+    assert steps["loss"].iloc[1:].isna().all()  # two backwards of two models per iteration: no single loss
+
+
+def test_gradscaler_skipped_steps_and_unscaled_loss(tmp_path):
+    """GradScaler on CPU: the loss handed to backward is scaled (65536 x); meshscope records the unscaled
+    one; a step whose gradients are not finite is skipped by GradScaler (no optimizer step) and recorded
+    ``skipped``."""
+    script = ("import torch\nm = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(m.parameters(), lr=0.01)\n"
+              "scaler = torch.amp.GradScaler('cpu')\n"
+              "for i in range(5):\n"
+              "    loss = m(torch.randn(8, 4)).pow(2).mean() * (float('inf') if i == 2 else 1.0)\n"
+              "    scaler.scale(loss).backward()\n    scaler.step(opt)\n    scaler.update()\n    opt.zero_grad()\n"
+              "    print(f'step {i} loss {loss.item():.6f}')\n")
+    steps, out = _run_loop(tmp_path, "scaler", script)
+    assert steps["step"].tolist() == list(range(5))
+    assert steps["skipped"].tolist() == [False, False, True, False, False]
+    printed = printed_losses(out.stdout)
+    finite = steps[~steps["skipped"]]
+    assert finite["loss"].round(6).tolist() == [printed[s] for s in finite["step"]]

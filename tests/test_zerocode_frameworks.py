@@ -6,32 +6,15 @@ logged loss, its model's gradient bytes; then ``report`` and every dashboard pag
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-from streamlit.testing.v1 import AppTest
 
 from meshscope.agent.collector.reader import read_table
+from tests.test_dashboard_real_run import every_page_renders
 from tests.test_zerocode import assert_breakdown_sums_to_wall, ingest, meshscope_run, report, torchrun
 
 pytestmark = pytest.mark.gloo
-APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
-PAGES = ["runs", "overview", "pipeline", "communication", "memory", "scaling", "gpu", "live"]
-
-
-def every_page_renders(monkeypatch, store: Path) -> dict[str, int]:
-    monkeypatch.setattr(sys, "argv", ["app.py", "--store", str(store)])
-    at = AppTest.from_file(str(APP), default_timeout=60).run()
-    assert not at.exception
-    charts = {}
-    for page in PAGES:
-        at.switch_page(f"app_pages/{page}.py")
-        at.run()
-        assert not at.exception, (page, at.exception)
-        assert not at.error, (page, [e.value for e in at.error])
-        charts[page] = len(at.get("plotly_chart"))
-    return charts
 
 
 def ddp_bytes_per_step(store: Path, run: str):
@@ -66,7 +49,7 @@ def test_a_hugging_face_trainer_with_accumulation(tmp_path, monkeypatch):
     assert (run["strategy"], run["model"], run["n_params"]) == ("ddp", "GPT2LMHeadModel", grads // 4)
     rep = report(store, "hf")
     assert rep["steps"] == [0, 4]
-    charts = every_page_renders(monkeypatch, store)
+    charts = every_page_renders(monkeypatch, store, focus="hf")
     assert charts["overview"] >= 1 and charts["communication"] >= 1, charts
 
 
@@ -92,4 +75,4 @@ def test_a_lightning_trainer_ddp_with_accumulation(tmp_path, monkeypatch):
     run = read_table(store, "run", run="pl").iloc[0]
     assert json.loads(run["config"])["framework"] == "lightning" and run["n_params"] == n
     assert report(store, "pl")["steps"] == [0, 4]
-    every_page_renders(monkeypatch, store)
+    every_page_renders(monkeypatch, store, focus="pl")

@@ -212,8 +212,6 @@ def _unwrapped(root: Any) -> Any:
 
 def run_info(*, roots: list[Any], where: Where, seq_len: int, tokens: int, flops: FlopCount, framework: str) -> dict:
     """The run record's fields a job reveals (``Telemetry.start`` fills the process's own)."""
-    import json
-
     import torch
 
     from meshscope.agent.instrument.flops import device_peak

@@ -2,11 +2,10 @@
 hooks, fed to the same ``Telemetry`` the reference trainer uses.
 
 What it hooks (installed once torch is imported; nothing is imported before):
-- **steps**: torch's global optimizer step hooks. A step ends when the iteration's optimizer steps are
-  done: the first iteration counts how many optimizer steps it makes (several optimizers), later ones end
-  after that many (eagerly, so a loss all-reduce after ``optimizer.step()`` belongs to the next step,
-  inside its wall). Gradient accumulation needs nothing (one optimizer step per step); a step that
-  ``GradScaler`` skips ends when ``GradScaler.step`` returns without an optimizer step (``skipped``).
+- **steps**: torch's global optimizer step hooks. A step ends at the step of the iteration's last
+  optimizer (``_optimizer_done``), at once, so a loss all-reduce after ``optimizer.step()`` belongs to the
+  next step, inside its wall. Gradient accumulation needs nothing (one optimizer step per step); a step
+  that ``GradScaler`` skips ends when ``GradScaler.step`` returns without an optimizer step (``skipped``).
 - **forward**: the outermost module calls with parameters and grad enabled ("roots": the DDP wrapper,
   the FSDP2 root, a plain model). A global forward hook finds them during the first step, then each root
   gets its own hooks and the global ones are removed (a global hook costs a call on every module).
@@ -49,9 +48,8 @@ class Driver:
         self._roots: dict[int, Any] = {}
         self._depth = 0  # module call depth while the global hooks are on
         self._step = self._first_step = 0
-        self._opt_in_iter = 0  # optimizer steps since the last step ended
-        self._per_iter = 0  # optimizer steps per iteration (learnt in the first; 0: not yet)
-        self._first_pending = False  # step 0 made its optimizer steps; it ends at the next iteration
+        self._last_optimizer: int | None = None  # id of the optimizer whose step ends an iteration
+        self._optimizers: set[int] = set()
         self._tokens = 0
         self._seq_len = 0
         self._losses: list[Any] = []
@@ -152,7 +150,6 @@ class Driver:
         if self._tel is None or self._closed or not self._torch.is_grad_enabled():  # evaluation: not training
             return
         try:
-            self._activity()
             if self._step == self._first_step:
                 self._flops.start(list(self._roots.values()))
             self._tel.push_phase("forward")
@@ -176,7 +173,6 @@ class Driver:
             timed = False
             if self._tel is not None and not self._closed:
                 try:
-                    self._activity()
                     self._take_loss(tensors)
                     self._tel.push_phase("backward")
                     timed = True
@@ -204,7 +200,7 @@ class Driver:
             before = self._opt_total
             out = original(scaler, optimizer, *args, **kwargs)
             if self._opt_total == before and self._tel is not None and not self._closed:
-                self._optimizer_done(skipped=True)  # inf/NaN gradients: GradScaler skipped the step
+                self._optimizer_done(optimizer, skipped=True)  # inf/NaN gradients: GradScaler skipped it
             return out
         return step
 
@@ -229,31 +225,32 @@ class Driver:
         try:
             self._tel.pop_phase()
             self._lr = optimizer.param_groups[0].get("lr", 0.0) if optimizer.param_groups else 0.0
-            self._optimizer_done(skipped=False)
+            self._optimizer_done(optimizer, skipped=False)
         except Exception as exc:
             self.error("optimizer_post", exc)
 
     # ------------------------------------------------------------------------------ steps
-    def _optimizer_done(self, *, skipped: bool) -> None:
+    def _optimizer_done(self, optimizer: Any, *, skipped: bool) -> None:
+        """The step ends with the iteration's last optimizer: the first optimizer to step is taken as the
+        last one; an optimizer never seen before steps later in the iteration, and becomes the last one
+        (it does not end a step: its work belongs to the iteration the previous end cut, which the next
+        step then holds with the following iteration). One optimizer: every step ends at its step.
+        Several: from the second step on, each step is one iteration."""
         self._skipped = self._skipped or skipped
-        self._opt_in_iter += 1
-        if self._per_iter == 0:  # the first iteration: how many optimizer steps it makes is learnt at its end
-            self._first_pending = True
-            self._flops.stop(self._tokens)
+        key = id(optimizer)
+        if key not in self._optimizers:
+            self._optimizers.add(key)
+            first = self._last_optimizer is None
+            self._last_optimizer = key
+            if not first:
+                return
+        if key != self._last_optimizer:
             return
-        if self._opt_in_iter >= self._per_iter:
-            self._end_step()
-
-    def _activity(self) -> None:
-        """A forward or backward: the first one after the first iteration's optimizer steps ends step 0."""
-        if self._first_pending:
-            self._per_iter = self._opt_in_iter
-            self._end_step()
+        self._flops.stop(self._tokens)
+        self._end_step()
 
     def _end_step(self) -> None:
         tel = self._tel
-        self._first_pending = False
-        self._opt_in_iter = 0
         if not self._info_written:
             self._write_info()
             self._remove(self._handles)  # the roots are known: no hook on every module call from now on
@@ -314,9 +311,6 @@ class Driver:
             tel = self._tel
             if tel is None:
                 return
-            if self._first_pending:
-                self._per_iter = self._opt_in_iter
-                self._end_step()
             tel.discard_step()  # the open iteration made no optimizer step
             if not self._info_written:
                 self._write_info()
