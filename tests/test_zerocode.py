@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import pandas as pd
 import pytest
 
 from meshscope.agent.collector.reader import read_table
+from tests.test_dashboard_real_run import every_page_renders
 
 JOBS = Path(__file__).resolve().parent / "jobs"
 TIMEOUT = 240
@@ -120,19 +122,21 @@ def test_a_single_process_loop_is_observed(tmp_path):
 
 # ----------------------------------------------------------------------------------------- gloo tier
 @pytest.mark.gloo
-def test_a_plain_ddp_script_is_observed_without_changes(tmp_path):
+def test_a_plain_ddp_script_is_observed_without_changes(tmp_path, monkeypatch):
     store = tmp_path / "store"
-    out = meshscope_run(tmp_path, "--store", str(store), "--run", "ddp0", "--",
-                        *torchrun("plain_ddp.py", "--steps", "8", "--accumulate", "2"))
+    out = meshscope_run(tmp_path, "--store", str(store), "--", *torchrun("plain_ddp.py", "--steps", "8", "--accumulate", "2"))
     assert out.returncode == 0, out.stderr[-3000:]
+    # the default run name: the script's and the time, said before and after the job
+    (name,) = set(re.findall(r"run '(plain_ddp-\d{8}-\d{6})'", out.stderr))
+    assert f"meshscope report --store {store} --run {name}" in out.stderr
     ingest(store)
-    steps = read_table(store, "step", run="ddp0")
+    steps = read_table(store, "step", run=name)
     assert sorted(steps.groupby("rank")["step"].apply(list).tolist()) == [list(range(8))] * 2  # 8 optimizer steps × 2
     assert_breakdown_sums_to_wall(steps)
     # two backwards per step that the script divides itself: the loss is absent, not a wrong figure
     assert steps["loss"].isna().all()
     grads = 4 * (256 * 512 + 512 + 512 * 16 + 16)  # fp32 gradient bytes of ToyModel
-    coll = read_table(store, "collective", run="ddp0")
+    coll = read_table(store, "collective", run=name)
     dp = coll[coll["source"] == "ddp_comm_hook"]
     per_step = dp[dp["step"] >= 1].groupby(["rank", "step"])["bytes"].sum()
     # DDP all-reduces the gradients on every backward the script does not wrap in no_sync(): twice a step
@@ -140,15 +144,17 @@ def test_a_plain_ddp_script_is_observed_without_changes(tmp_path):
     # the script's own loss all-reduce after optimizer.step() belongs to the next step, inside its wall
     own = coll[(coll["source"] == "c10d") & (coll["op"] == "all_reduce")]
     assert len(own) == 2 * 8
-    run = read_table(store, "run", run="ddp0").iloc[0]
+    run = read_table(store, "run", run=name).iloc[0]
     assert (run["strategy"], json.loads(run["mesh"])["dp"], run["model"]) == ("ddp", 2, "ToyModel")
     assert json.loads(run["config"])["zero_code"] is True
-    rep = report(store, "ddp0")
+    rep = report(store, name)
     assert rep["world_size"] == 2 and rep["steps"] == [0, 7]
+    assert rep["tokens_per_s"] is None  # the model takes no token ids: not known, not 0
+    every_page_renders(monkeypatch, store, focus=name)
 
 
 @pytest.mark.gloo
-def test_a_plain_fsdp2_script_is_observed_with_tokens_flops_and_its_loss(tmp_path):
+def test_a_plain_fsdp2_script_is_observed_with_tokens_flops_and_its_loss(tmp_path, monkeypatch):
     store = tmp_path / "store"
     out = meshscope_run(tmp_path, "--store", str(store), "--run", "fsdp0", "--", *torchrun("plain_fsdp2.py", "--steps", "6"))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -175,6 +181,8 @@ def test_a_plain_fsdp2_script_is_observed_with_tokens_flops_and_its_loss(tmp_pat
     grads = 4 * n
     per_rank = rs.groupby("rank")["bytes"].sum()
     assert ((per_rank >= grads) & (per_rank <= grads + 4 * 2 * 16)).all(), per_rank  # padding to the world size
+    charts = every_page_renders(monkeypatch, store, focus="fsdp0")
+    assert charts["overview"] >= 1 and charts["communication"] >= 1, charts
 
 
 @pytest.mark.gloo
@@ -230,3 +238,44 @@ def test_gradscaler_skipped_steps_and_unscaled_loss(tmp_path):
     printed = printed_losses(out.stdout)
     finite = steps[~steps["skipped"]]
     assert finite["loss"].round(6).tolist() == [printed[s] for s in finite["step"]]
+
+
+def test_the_agent_option_runs_an_agent_for_the_jobs_lifetime(tmp_path):
+    script = ("import torch, time\nm = torch.nn.Linear(4, 4)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+              "for i in range(12):\n    m(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()\n"
+              "    time.sleep(0.05)\nprint('job done')\n")
+    store = tmp_path / "s"
+    out = meshscope_run(tmp_path, "--store", str(store), "--run", "withagent", "--agent", "--agent-port", "0", "--",
+                        sys.executable, "-c", script)
+    assert out.returncode == 0 and out.stdout == "job done\n", out  # the agent's lines are on stderr
+    assert re.search(r"serving http://127\.0\.0\.1:\d+/metrics", out.stderr)
+    # the agent wrote the store (no ingest here) and is gone
+    assert len(read_table(store, "step", run="withagent")) == 12
+    ps = subprocess.run(["pgrep", "-f", f"collector.cli --store {store}"], capture_output=True)
+    assert ps.returncode == 1, ps.stdout
+
+
+@pytest.mark.gloo
+def test_a_plain_pipeline_script_has_its_schedule_spans_and_bubble(tmp_path):
+    store = tmp_path / "store"
+    out = meshscope_run(tmp_path, "--store", str(store), "--run", "pp0", "--",
+                        *torchrun("plain_pipeline.py", "--steps", "6", "--schedule", "1f1b", "--microbatches", "4"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    ingest(store)
+    steps = read_table(store, "step", run="pp0")
+    assert len(steps) == 6 * 2
+    assert_breakdown_sums_to_wall(steps)
+    spans = read_table(store, "span", run="pp0")
+    # every microbatch's forward and backward on each stage, every step: the schedule's own work
+    assert spans.groupby(["rank", "kind"]).size().to_dict() == {(r, k): 6 * 4 for r in (0, 1)
+                                                               for k in ("forward", "backward")}
+    later = steps[steps["step"] >= 1]
+    assert (later["bubble_s"] > 0).all()  # a stage waits for its neighbour in fill and drain
+    span_time = (spans["t_end"] - spans["t_start"]).groupby([spans["rank"], spans["step"]]).sum()
+    compute = later.set_index(["rank", "step"])["compute_s"]
+    assert (span_time.loc[compute.index] <= compute + 1e-3).all()  # the spans are inside the compute
+    run = read_table(store, "run", run="pp0").sort_values("rank")
+    assert run["strategy"].tolist() == ["pp", "pp"] and run["schedule"].tolist() == ["1f1b", "1f1b"]
+    assert [json.loads(c)["pp"] for c in run["coords"]] == [0, 1]
+    rep = report(store, "pp0")["pipeline"]
+    assert (rep["schedule"], rep["p"], rep["m"]) == ("1f1b", 2, 4)

@@ -130,6 +130,10 @@ class FlopCount:
         from meshscope.agent.instrument.flops import sdpa_flop_mapping
 
         self._mode = FlopCounterMode(display=False, custom_mapping=sdpa_flop_mapping())
+        if hasattr(self._mode, "mod_tracker"):
+            # Only the total is used: no per-module breakdown, so none of the module tracker's hooks on
+            # every module and every backward (they fail under autograd.grad, which a job may use).
+            self._mode.mod_tracker = _TotalOnly()
         self._mode.__enter__()
         self.state = "counting"
 
@@ -156,6 +160,18 @@ class FlopCount:
         if self.state != "done":
             return _NAN
         return self.per_token * tokens if self.tokens else self.total
+
+
+class _TotalOnly:
+    """Stands in for ``FlopCounterMode``'s ``ModuleTracker``: every count goes to "Global" only."""
+
+    parents = ("Global",)
+
+    def __enter__(self) -> "_TotalOnly":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
 
 
 def _tensor_parallel(root: Any) -> bool:
@@ -210,7 +226,25 @@ def _unwrapped(root: Any) -> Any:
     return getattr(root, "module", root)  # DDP and Lightning's wrappers keep the model in .module
 
 
-def run_info(*, roots: list[Any], where: Where, seq_len: int, tokens: int, flops: FlopCount, framework: str) -> dict:
+# torch.distributed.pipelining's schedule classes -> the names the reference trainer and the pages use
+SCHEDULES = {"ScheduleGPipe": "gpipe", "Schedule1F1B": "1f1b", "ScheduleInterleaved1F1B": "interleaved",
+             "ScheduleInterleavedZeroBubble": "interleaved-zb", "ScheduleLoopedBFS": "looped-bfs"}
+
+
+def pipeline(schedules: list[Any]) -> dict:
+    """The run record's pipeline fields from the first schedule this rank stepped: its name, microbatches,
+    virtual stages per rank, the pipeline degree and this rank's place in it."""
+    if not schedules:
+        return {}
+    sched = schedules[0]
+    stages = list(getattr(sched, "_stages", None) or [sched._stage])
+    name = type(sched).__name__
+    return {"schedule": SCHEDULES.get(name, name.lower()), "microbatches": int(sched._n_microbatches),
+            "virtual_stages": len(stages), "pp": int(stages[0].group_size), "pp_rank": int(stages[0].group_rank)}
+
+
+def run_info(*, roots: list[Any], where: Where, seq_len: int, tokens: int, flops: FlopCount, framework: str,
+             schedules: list[Any]) -> dict:
     """The run record's fields a job reveals (``Telemetry.start`` fills the process's own)."""
     import torch
 
@@ -230,10 +264,17 @@ def run_info(*, roots: list[Any], where: Where, seq_len: int, tokens: int, flops
     peak, source = device_peak(where.device)
     strat = strategy(roots, world_size=where.world_size)
     mesh, coords = _mesh(roots, where=where)
+    pp = pipeline(schedules)
+    if pp:  # the pipeline dimension: the other ranks of a stage's group are not data parallel
+        strat = "+".join(["pp"] + ([strat] if strat not in ("single", "manual") else []))
+        mesh["pp"], coords["pp"] = pp["pp"], pp["pp_rank"]
+        if mesh["dp"] * mesh["tp"] * pp["pp"] != where.world_size:
+            mesh["dp"], coords["dp"] = where.world_size // (pp["pp"] * mesh["tp"]), where.rank // pp["pp"]
     per_rank_batch = tokens // seq_len if seq_len else 0
     model = "+".join(type(_unwrapped(r)).__name__ for r in roots)
     return {
-        "strategy": strat, "mesh": mesh, "coords": coords,
+        "strategy": strat, "mesh": mesh, "coords": coords, "schedule": pp.get("schedule", ""),
+        "microbatches": pp.get("microbatches", 0), "virtual_stages": pp.get("virtual_stages", 1),
         "model": model, "n_params": n, "n_params_nonembedding": n - n_embed, "seq_len": seq_len,
         "global_batch": per_rank_batch * mesh["dp"], "flops_per_token": flops.per_token, "peak_flops": peak,
         "peak_source": source,

@@ -19,7 +19,10 @@ What it hooks (installed once torch is imported; nothing is imported before):
   (their sum is the step's loss); otherwise absent. Read on CPU only: on CUDA ``.item()`` would make the
   job wait for the device every step, so zero-code CUDA runs carry no loss.
 - **FLOPs**: ``FlopCounterMode`` over the first step (per token where tokens are known); absent under
-  tensor parallelism (it counts DTensor matmuls at global shapes).
+  tensor parallelism (it counts DTensor matmuls at global shapes) and in pipeline stages (the first
+  stage call is torch's shape inference, where a dispatch mode has no business).
+- **pipeline**: each schedule's ``step`` is the ``pipeline`` phase, its stages' spans come from the
+  existing ``PipelineTracer``; the roots' forward / backward are not timed inside it (the spans are).
 
 Every hook body is guarded: a failure is counted (``errors``), written as a ``telemetry_error`` event and
 said once on stderr; the job runs on unchanged."""
@@ -61,6 +64,8 @@ class Driver:
         self._opt_total = 0
         self._lr = 0.0
         self._skipped = False
+        self._schedules: list[Any] = []  # pipeline schedules seen, in order (attached once telemetry runs)
+        self._in_pipeline = 0  # > 0 inside a schedule's step: its spans time the compute, not the roots
 
     # ------------------------------------------------------------------------------ installation
     def install(self, torch: Any) -> None:
@@ -81,9 +86,12 @@ class Driver:
             detect.patch(torch.amp.GradScaler, "step", self._wrap_scaler_step)
             if torch.distributed.is_available():
                 from torch.distributed import distributed_c10d
+                from torch.distributed.pipelining import schedules
 
                 for owner in (torch.distributed, distributed_c10d):
                     detect.patch(owner, "destroy_process_group", self._wrap_destroy)
+                for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+                    detect.patch(cls, "step", self._wrap_schedule_step)
             atexit.register(self.close)
             self._chain_excepthook()
         except Exception as exc:
@@ -142,13 +150,18 @@ class Driver:
             # with kwargs: the token ids of a Hugging Face model come as input_ids=...
             module.register_forward_hook(self._root_post, with_kwargs=True, always_call=True),
         ]
+        started = self._tel is None
         tel = self._ensure_started(module)
         if tel is not None:
             tel.attach(model_parts=[module])
+            if started:  # the first stage module runs inside the first schedule step
+                for schedule in self._schedules:
+                    tel.attach(schedule=schedule)
+
 
     def _root_pre(self, module: Any, args: tuple) -> None:
-        if self._tel is None or self._closed or not self._torch.is_grad_enabled():  # evaluation: not training
-            return
+        if self._tel is None or self._closed or self._in_pipeline or not self._torch.is_grad_enabled():
+            return  # not started, evaluation (no grad), or a pipeline stage (its spans are the compute)
         try:
             if self._step == self._first_step:
                 self._flops.start(list(self._roots.values()))
@@ -171,7 +184,7 @@ class Driver:
     def _wrap_backward(self, original):
         def backward(tensors, *args, **kwargs):
             timed = False
-            if self._tel is not None and not self._closed:
+            if self._tel is not None and not self._closed and not self._in_pipeline:
                 try:
                     self._take_loss(tensors)
                     self._tel.push_phase("backward")
@@ -202,6 +215,29 @@ class Driver:
             if self._opt_total == before and self._tel is not None and not self._closed:
                 self._optimizer_done(optimizer, skipped=True)  # inf/NaN gradients: GradScaler skipped it
             return out
+        return step
+
+    def _wrap_schedule_step(self, original):
+        def step(schedule, *args, **kwargs):
+            pushed = False
+            if not self._closed:
+                try:
+                    if all(schedule is not known for known in self._schedules):
+                        self._schedules.append(schedule)
+                        if self._tel is not None:
+                            self._tel.attach(schedule=schedule)
+                    if self._tel is not None:
+                        self._tel.push_phase("pipeline")
+                        pushed = True
+                except Exception as exc:
+                    self.error("pipeline", exc)
+            self._in_pipeline += 1
+            try:
+                return original(schedule, *args, **kwargs)
+            finally:
+                self._in_pipeline -= 1
+                if pushed and self._tel is not None:
+                    self._tel.pop_phase()
         return step
 
     def _wrap_destroy(self, original):
@@ -296,7 +332,8 @@ class Driver:
     def _write_info(self) -> None:
         self._info_written = True
         info = detect.run_info(roots=list(self._roots.values()), where=self._where, seq_len=self._seq_len,
-                               tokens=self._tokens, flops=self._flops, framework=self._framework)
+                               tokens=self._tokens, flops=self._flops, framework=self._framework,
+                               schedules=self._schedules)
         self._tel.start(info)
 
     def close(self) -> None:
