@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -63,6 +64,21 @@ def test_a_bad_run_name_or_store_is_one_line_and_exit_2(tmp_path):
         out = meshscope_run(tmp_path, *argv)
         assert out.returncode == 2, out
         assert len(out.stderr.strip().splitlines()) == 1 and needle in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_default_run_name_is_the_scripts_and_the_time():
+    from meshscope.agent.contract import check_run_name
+    from meshscope.agent.zerocode.detect import default_run_name
+
+    when = 1795600000.0
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(when))
+    for command, stem in ((["python", "-m", "torch.distributed.run", "--nproc_per_node", "2", "a/train.py"], "train"),
+                          (["torchrun", "--nproc_per_node", "2", "-m", "pkg.fine_tune"], "fine_tune"),
+                          (["accelerate", "launch", "x/sft.py", "--lr", "1"], "sft"),
+                          (["./my job"], "my-job"), (["python", "-c", "pass"], "python")):
+        name = default_run_name(command, now=when)
+        assert name == f"{stem}-{stamp}", command
+        check_run_name(name)
 
 
 def test_the_jobs_exit_code_output_and_its_own_sitecustomize_are_kept(tmp_path):

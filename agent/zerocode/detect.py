@@ -48,17 +48,13 @@ def process(module: Any) -> Where:
 
 
 def default_run_name(command: list[str], *, now: float | None = None) -> str:
-    """``<script stem>-<YYYYmmdd-HHMMSS>``: the script is the first ``*.py`` argument, or the module after
-    ``-m``, or the program's name; anything outside the run-name rule's characters becomes ``-``."""
-    stem = ""
-    for i, arg in enumerate(command):
-        if arg.endswith(".py"):
-            stem = os.path.basename(arg)[:-3]
-            break
-        if arg == "-m" and i + 1 < len(command):
-            stem = command[i + 1].rsplit(".", 1)[-1]
-            break
-    stem = stem or os.path.basename(command[0]) if command else stem
+    """``<script stem>-<YYYYmmdd-HHMMSS>``: the script is the first ``*.py`` argument, else the module of
+    the last ``-m`` (``python -m torch.distributed.run ... -m pkg.train`` trains ``pkg.train``), else the
+    program's name; anything outside the run-name rule's characters becomes ``-``."""
+    stem = next((os.path.basename(a)[:-3] for a in command if a.endswith(".py")), "")
+    if not stem:
+        modules = [command[i + 1] for i, a in enumerate(command[:-1]) if a == "-m"]
+        stem = modules[-1].rsplit(".", 1)[-1] if modules else (os.path.basename(command[0]) if command else "")
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", stem).strip("-.") or "job"
     return f"{stem[:80]}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}"
 

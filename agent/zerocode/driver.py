@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import atexit
 import sys
+import threading
 from typing import Any
 
 from meshscope.agent.zerocode import detect
 
 _NAN = float("nan")
+_IN_FORWARD = "_meshscope_in_forward"  # a root module's open forward calls (an instance attribute)
 
 
 class Driver:
@@ -66,6 +68,7 @@ class Driver:
         self._skipped = False
         self._schedules: list[Any] = []  # pipeline schedules seen, in order (attached once telemetry runs)
         self._in_pipeline = 0  # > 0 inside a schedule's step: its spans time the compute, not the roots
+        self._thread = 0
 
     # ------------------------------------------------------------------------------ installation
     def install(self, torch: Any) -> None:
@@ -75,27 +78,39 @@ class Driver:
             from torch.optim import optimizer as optim
 
             self._torch = torch
+            atexit.register(self.close)
             self._handles += [
                 nn_module.register_module_forward_pre_hook(self._find_root_pre),
                 nn_module.register_module_forward_hook(self._find_root_post, always_call=True),
             ]
             optim.register_optimizer_step_pre_hook(self._opt_pre)
             optim.register_optimizer_step_post_hook(self._opt_post)
-            detect.patch(torch.autograd, "backward", self._wrap_backward)
-            detect.patch(torch.amp.GradScaler, "scale", self._wrap_scale)
-            detect.patch(torch.amp.GradScaler, "step", self._wrap_scaler_step)
-            if torch.distributed.is_available():
-                from torch.distributed import distributed_c10d
-                from torch.distributed.pipelining import schedules
-
-                for owner in (torch.distributed, distributed_c10d):
-                    detect.patch(owner, "destroy_process_group", self._wrap_destroy)
-                for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
-                    detect.patch(cls, "step", self._wrap_schedule_step)
-            atexit.register(self.close)
-            self._chain_excepthook()
         except Exception as exc:
             self.error("install", exc)
+            return
+        # Each of the rest on its own: what a torch lacks costs that part only.
+        for where, install in (("backward", lambda: detect.patch(torch.autograd, "backward", self._wrap_backward)),
+                               ("grad_scaler", self._patch_grad_scaler), ("distributed", self._patch_distributed),
+                               ("excepthook", self._chain_excepthook)):
+            try:
+                install()
+            except Exception as exc:
+                self.error(f"install.{where}", exc)
+
+    def _patch_grad_scaler(self) -> None:
+        detect.patch(self._torch.amp.GradScaler, "scale", self._wrap_scale)
+        detect.patch(self._torch.amp.GradScaler, "step", self._wrap_scaler_step)
+
+    def _patch_distributed(self) -> None:
+        if not self._torch.distributed.is_available():
+            return
+        from torch.distributed import distributed_c10d
+        from torch.distributed.pipelining import schedules
+
+        for owner in (self._torch.distributed, distributed_c10d):
+            detect.patch(owner, "destroy_process_group", self._wrap_destroy)
+        for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+            detect.patch(cls, "step", self._wrap_schedule_step)
 
     def _chain_excepthook(self) -> None:
         """An exception that ends the process is an event: raised inside a collective, the step was aborted
@@ -160,19 +175,24 @@ class Driver:
 
 
     def _root_pre(self, module: Any, args: tuple) -> None:
-        if self._tel is None or self._closed or self._in_pipeline or not self._torch.is_grad_enabled():
-            return  # not started, evaluation (no grad), or a pipeline stage (its spans are the compute)
+        if self._tel is None or self._closed or self._in_pipeline or not self._torch.is_grad_enabled() \
+                or threading.get_ident() != self._thread:
+            return  # not started, evaluation (no grad), a pipeline stage (its spans are the compute), or
+            # a call from another thread than the training thread's (its phases are that thread's)
         try:
             if self._step == self._first_step:
                 self._flops.start(list(self._roots.values()))
             self._tel.push_phase("forward")
-            module.__dict__["_meshscope_in_forward"] = True
+            d = module.__dict__
+            d[_IN_FORWARD] = d.get(_IN_FORWARD, 0) + 1  # re-entrant calls each pop their own push
         except Exception as exc:
             self.error("forward_pre", exc)
 
     def _root_post(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
-        if not module.__dict__.pop("_meshscope_in_forward", False):
+        d = module.__dict__
+        if not d.get(_IN_FORWARD):
             return
+        d[_IN_FORWARD] -= 1
         try:
             self._tel.pop_phase()
             tokens, seq = detect.tokens(args, kwargs)
@@ -322,6 +342,7 @@ class Driver:
 
         where = detect.process(module)
         self._where = where
+        self._thread = threading.get_ident()  # the training thread: the one that runs the model first
         run = self.run or detect.shared_run_name()
         self._tel = Telemetry(config=TelemetryConfig(store=self.store, run=run), rank=where.rank,
                               world_size=where.world_size, local_rank=where.local_rank, attempt=where.attempt,
