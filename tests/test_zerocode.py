@@ -295,3 +295,18 @@ def test_a_plain_pipeline_script_has_its_schedule_spans_and_bubble(tmp_path):
     assert [json.loads(c)["pp"] for c in run["coords"]] == [0, 1]
     rep = report(store, "pp0")["pipeline"]
     assert (rep["schedule"], rep["p"], rep["m"]) == ("1f1b", 2, 4)
+
+
+def test_an_unwritable_store_costs_the_job_nothing_but_the_records(tmp_path):
+    """The store's path turns out unusable inside the job (here: under a file): the job's output and exit
+    status are unchanged, and one line says how many records were lost and why."""
+    (tmp_path / "afile").write_text("")
+    script = ("import torch\nm = torch.nn.Linear(4, 4)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+              "for i in range(4):\n    m(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()\n"
+              "print('job done')\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "agent" / "zerocode" / "bootstrap"),
+           "MESHSCOPE_STORE": str(tmp_path / "afile" / "store"), "MESHSCOPE_RUN": "lost"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout) == (0, "job done\n")
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "telemetry records could not be written" in lines[0] and "Not a directory" in lines[0]

@@ -81,28 +81,58 @@ def shared_run_name(*, timeout_s: float = 60.0) -> str:
     return store.get(key).decode()
 
 
-def tokens(args: tuple, kwargs: dict) -> tuple[int, int]:
+class TokenFinder:
     """(tokens, sequence length) of a model call whose input is token ids: ``input_ids``, else the first
-    integer (batch, sequence) tensor among the arguments (one level into a tuple, list or dict: a batch).
-    (0, 0) when there is none."""
-    import torch
+    integer (batch, sequence) tensor among the arguments (one level into a tuple, list or dict: a batch);
+    (0, 0) when there is none. Where it found them is remembered: a training loop calls its model the same
+    way every step, so later calls look there first (a few attribute reads) before searching again."""
 
-    def ids(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return value if value.dim() == 2 and not value.is_floating_point() and not value.is_complex() \
-                and value.dtype != torch.bool else None
+    def __init__(self) -> None:
+        import torch
+
+        self._tensor, self._bool = torch.Tensor, torch.bool
+        self._where: tuple = ()
+
+    def _ids(self, value: Any) -> Any:
+        if isinstance(value, self._tensor) and value.dim() == 2 and not value.is_floating_point() \
+                and not value.is_complex() and value.dtype != self._bool:
+            return value
         return None
 
-    candidates = [kwargs.get("input_ids"), *args, *kwargs.values()]
-    for value in candidates:
-        found = ids(value)
-        if found is None and isinstance(value, (tuple, list)):
-            found = next((t for t in map(ids, value) if t is not None), None)
-        elif found is None and isinstance(value, dict):
-            found = next((t for t in map(ids, [value.get("input_ids"), *value.values()]) if t is not None), None)
-        if found is not None:
-            return int(found.numel()), int(found.shape[1])
-    return 0, 0
+    def _at(self, where: tuple, args: tuple, kwargs: dict) -> Any:
+        try:
+            value = kwargs[where[1]] if where[0] == "kw" else args[where[1]]
+            for key in where[2:]:
+                if not isinstance(value, (tuple, list, dict)):  # a tensor there now: not the batch it was
+                    return None
+                value = value[key]
+            return self._ids(value)
+        except (KeyError, IndexError, TypeError):
+            return None
+
+    def _search(self, args: tuple, kwargs: dict) -> tuple:
+        places = [("kw", "input_ids")] + [("arg", i) for i in range(len(args))] + [("kw", k) for k in kwargs]
+        for place in places:
+            value = kwargs.get(place[1]) if place[0] == "kw" else args[place[1]]
+            if self._ids(value) is not None:
+                return place
+            if isinstance(value, (tuple, list)):
+                inner = range(len(value))
+            elif isinstance(value, dict):
+                inner = ["input_ids", *value] if "input_ids" in value else list(value)
+            else:
+                continue
+            for key in inner:
+                if self._ids(value[key]) is not None:
+                    return (*place, key)
+        return ()
+
+    def __call__(self, args: tuple, kwargs: dict) -> tuple[int, int]:
+        found = self._at(self._where, args, kwargs) if self._where else None
+        if found is None:
+            self._where = self._search(args, kwargs)
+            found = self._at(self._where, args, kwargs) if self._where else None
+        return (int(found.numel()), int(found.shape[1])) if found is not None else (0, 0)
 
 
 class FlopCount:

@@ -78,6 +78,7 @@ class Driver:
             from torch.optim import optimizer as optim
 
             self._torch = torch
+            self._find_tokens = detect.TokenFinder()
             atexit.register(self.close)
             self._handles += [
                 nn_module.register_module_forward_pre_hook(self._find_root_pre),
@@ -195,7 +196,7 @@ class Driver:
         d[_IN_FORWARD] -= 1
         try:
             self._tel.pop_phase()
-            tokens, seq = detect.tokens(args, kwargs)
+            tokens, seq = self._find_tokens(args, kwargs)
             self._tokens += tokens
             self._seq_len = self._seq_len or seq
         except Exception as exc:
@@ -330,9 +331,9 @@ class Driver:
         losses = self._losses
         if not losses or (len(losses) > 1 and not self._loss_is_sum):
             return _NAN  # several backwards, unknown whether they are pre-divided: absent, not wrong
-        if any(t.device.type != "cpu" for t in losses):
+        if not all(t.is_cpu for t in losses):
             return _NAN
-        return float(sum(float(t.detach()) for t in losses))
+        return float(losses[0].detach()) if len(losses) == 1 else float(sum(float(t.detach()) for t in losses))
 
     # ------------------------------------------------------------------------------ lifecycle
     def _ensure_started(self, module: Any) -> Any:
@@ -374,6 +375,12 @@ class Driver:
                 self._write_info()
             tel.event("end", f"{self._step} steps observed (zero-code)")
             tel.close()
+            writer = tel._writer
+            dropped = tel.dropped_records + int(getattr(writer, "dropped_records", 0))
+            if dropped:  # the job went on; say once what telemetry lost, and why
+                why = getattr(writer, "last_error", "") or "buffers full"
+                print(f"meshscope: rank {self._where.rank}: {dropped} telemetry records could not be written to "
+                      f"{self.store} ({why}); the job was not affected", file=self._stderr or sys.stderr)
         except Exception as exc:
             self.error("close", exc)
 
