@@ -6,9 +6,13 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 .PHONY: demo test install install-servers test-fast bench clean
 
 # torch first, from the pinned CPU wheel (a GPU machine keeps the torch it has): pyproject only declares
-# a range, so pip never resolves a newer torch with gigabytes of CUDA packages.
+# a range, so pip never resolves a newer torch with gigabytes of CUDA packages. Then meshscope itself,
+# editable from this checkout (a clone elsewhere on the same machine must not test another checkout's
+# code), then whatever of the rest is missing.
 install:
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	@$(PY) -c "import os, meshscope.agent; assert os.path.realpath(meshscope.agent.__file__).startswith(os.path.realpath('agent') + os.sep)" 2>/dev/null \
+		|| $(PIP) install -q --no-deps -e .
 	@$(PY) -c "import meshscope.agent, meshscope.dashboard, streamlit, duckdb, pyarrow, prometheus_client, pytest_timeout, hypothesis, playwright, yaml, cryptography, psutil, plotly, pynvml, tqdm, setuptools.command.bdist_wheel, transformers, accelerate, lightning" 2>/dev/null \
 		|| $(PIP) install -e '.[test]'
 

@@ -60,7 +60,7 @@ def test_a_bad_run_name_or_store_is_one_line_and_exit_2(tmp_path):
     (tmp_path / "file").write_text("")
     for argv, needle in ((["--run", "run-ü", "--", "true"], "run-ü"),
                          (["--store", str(tmp_path / "file" / "x"), "--", "true"], "file/x"),
-                         (["--"], "no command")):
+                         (["--"], "no command"), (["--", "no-such-command-x"], "no-such-command-x")):
         out = meshscope_run(tmp_path, *argv)
         assert out.returncode == 2, out
         assert len(out.stderr.strip().splitlines()) == 1 and needle in out.stderr and "Traceback" not in out.stderr

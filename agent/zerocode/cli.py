@@ -9,6 +9,7 @@ SIGTERM is passed on to the job. ``--agent`` runs a node agent on 127.0.0.1 for 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,6 +80,8 @@ def run(args, command: list[str]) -> int:
             return _status(subprocess.call(command))
         except OSError as e:
             raise UsageError(f"cannot run {command[0]!r}: {e.strerror}") from None
+    if shutil.which(command[0]) is None:
+        raise UsageError(f"cannot run {command[0]!r}: no such command")
     run_name = args.run if args.run is not None else default_run_name(command)
     try:
         check_run_name(run_name)
