@@ -91,7 +91,7 @@ def test_the_jobs_exit_code_output_and_its_own_sitecustomize_are_kept(tmp_path):
                         env={"PYTHONPATH": str(own)})
     assert out.returncode == 7
     assert out.stdout == "out kept True\n"  # the job's own stdout, untouched; its sitecustomize ran too
-    assert "err" in out.stderr and "meshscope report --store" in out.stderr
+    assert "err" in out.stderr and "recorded nothing" in out.stderr  # it trained no model
 
 
 def test_a_job_that_raises_keeps_its_traceback_and_exit_code(tmp_path):
@@ -310,3 +310,30 @@ def test_an_unwritable_store_costs_the_job_nothing_but_the_records(tmp_path):
     assert (out.returncode, out.stdout) == (0, "job done\n")
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "telemetry records could not be written" in lines[0] and "Not a directory" in lines[0]
+
+
+@pytest.mark.gloo
+def test_a_job_that_uses_the_api_is_not_recorded_twice(tmp_path):
+    """The reference trainer (explicit API) under meshscope run: zero-code stands down in each rank."""
+    out = meshscope_run(tmp_path, "--store", str(tmp_path / "zc"), "--run", "zc", "--", sys.executable, "-m", "meshscope",
+                        "train", "--nproc", "2", "--steps", "3", "--store", str(tmp_path / "ex"), "--run", "ex")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.count("zero-code observation stands down") == 2 and "recorded nothing" in out.stderr
+    assert not (tmp_path / "zc" / "spool").exists()
+    ingest(tmp_path / "ex")
+    assert len(read_table(tmp_path / "ex", "step", run="ex")) == 3 * 2
+
+
+@pytest.mark.gloo
+def test_an_observed_job_computes_exactly_what_it_computes_alone(tmp_path):
+    """Byte-for-byte the same output, observed or not: the hooks, the DDP comm hook (the default
+    all-reduce) and the first step's FLOP count under a dispatch mode change no number of the job. Its
+    model uses fused attention (the FLOP count's SDPA formulas run) and clips gradients."""
+    job = torchrun("attention_lm.py", "--steps", "5")
+    alone = meshscope_run(tmp_path, "--", *job, env={"MESHSCOPE_DISABLE": "1"})
+    observed = meshscope_run(tmp_path, "--store", str(tmp_path / "s"), "--run", "lm", "--", *job)
+    assert alone.returncode == observed.returncode == 0, observed.stderr[-3000:]
+    assert alone.stdout.count("step ") == 5 and observed.stdout == alone.stdout
+    ingest(tmp_path / "s")
+    run = read_table(tmp_path / "s", "run", run="lm").iloc[0]
+    assert run["flops_per_token"] > 0 and "telemetry_error" not in set(read_table(tmp_path / "s", "event", run="lm")["kind"])

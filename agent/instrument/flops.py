@@ -86,16 +86,17 @@ def _calibrate_cuda(device: torch.device, *, size: int = 8192) -> float:
 
 def sdpa_flop_mapping() -> dict:
     """``FlopCounterMode``'s ``custom_mapping`` for the SDPA kernels it counts as 0 in this torch (the CPU
-    ones among them): torch's own SDPA formulas."""
+    ones among them): torch's own SDPA formulas. ``FlopCounterMode`` hands a mapping the arguments' shapes,
+    not the tensors."""
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
     aten = torch.ops.aten
 
-    def fwd(q, k, v, *args, out_shape=None, **kw):
-        return sdpa_flop_count(q.shape, k.shape, v.shape)
+    def fwd(q_shape, k_shape, v_shape, *args, out_shape=None, **kw):
+        return sdpa_flop_count(q_shape, k_shape, v_shape)
 
-    def bwd(grad_out, q, k, v, *args, out_shape=None, **kw):
-        return sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
+    def bwd(grad_out_shape, q_shape, k_shape, v_shape, *args, out_shape=None, **kw):
+        return sdpa_backward_flop_count(grad_out_shape, q_shape, k_shape, v_shape)
 
     mapping = {}
     for name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",

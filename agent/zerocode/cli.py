@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from meshscope.agent.cliargs import ArgParser, UsageError, run_command
-from meshscope.agent.contract import check_run_name
+from meshscope.agent.contract import check_run_name, spool_path
 from meshscope.agent.zerocode import DEFAULT_STORE, ENV_RUN, ENV_STORE, disabled
 from meshscope.agent.zerocode.detect import default_run_name
 
@@ -112,6 +112,11 @@ def run(args, command: list[str]) -> int:
         signal.signal(signal.SIGINT, previous)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         _stop(agent)
+    spools = spool_path(str(store), run=run_name, rank=0, attempt=0).parent
+    if not (spools.is_dir() and any(spools.iterdir())):
+        _say(f"run {run_name!r} ended after {time.monotonic() - t0:.0f} s (exit {code}); zero-code observation "
+             "recorded nothing (no process ran a model with gradients, or each stood down, as said above)")
+        return code
     _say(f"run {run_name!r} ended after {time.monotonic() - t0:.0f} s (exit {code}). Next:\n"
          f"  meshscope report --store {store} --run {run_name}\n"
          f"  meshscope dashboard --store {store}")

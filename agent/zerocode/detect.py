@@ -47,6 +47,13 @@ def process(module: Any) -> Where:
                  attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), device=device, backend=backend)
 
 
+def instrumented_by_api(torch: Any) -> bool:
+    """A ``Telemetry`` of the explicit API has attached its collective tracer in this process (the
+    tracer marks what it patches): zero-code would record the same job twice."""
+    dist = torch.distributed
+    return dist.is_available() and getattr(getattr(dist, "all_reduce", None), "__meshscope_tracer__", None) is not None
+
+
 def default_run_name(command: list[str], *, now: float | None = None) -> str:
     """``<script stem>-<YYYYmmdd-HHMMSS>``: the script is the first ``*.py`` argument, else the module of
     the last ``-m`` (``python -m torch.distributed.run ... -m pkg.train`` trains ``pkg.train``), else the
@@ -143,6 +150,7 @@ class FlopCount:
         self.total = 0.0
         self.tokens = 0
         self.state = "idle"  # idle -> counting -> done | absent
+        self.failed = False  # a formula raised: the count is incomplete
         self._mode: Any = None
 
     def start(self, roots: list[Any]) -> None:
@@ -160,6 +168,17 @@ class FlopCount:
             # Only the total is used: no per-module breakdown, so none of the module tracker's hooks on
             # every module and every backward (they fail under autograd.grad, which a job may use).
             self._mode.mod_tracker = _TotalOnly()
+        count = self._mode._count_flops
+
+        def count_or_give_up(func_packet, out, args, kwargs):
+            # Runs inside the job's ops: a formula that fails costs the count (absent), never the op.
+            try:
+                return count(func_packet, out, args, kwargs)
+            except Exception:
+                self.failed = True
+                return out
+
+        self._mode._count_flops = count_or_give_up
         self._mode.__enter__()
         self.state = "counting"
 
@@ -169,7 +188,7 @@ class FlopCount:
         mode, self._mode = self._mode, None
         mode.__exit__(None, None, None)
         self.total, self.tokens = float(mode.get_total_flops()), tokens
-        self.state = "done" if self.total > 0 else "absent"
+        self.state = "done" if self.total > 0 and not self.failed else "absent"
 
     def abandon(self) -> None:
         if self._mode is not None:

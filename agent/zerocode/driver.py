@@ -341,6 +341,9 @@ class Driver:
             return self._tel
         from meshscope.agent.instrument.telemetry import Telemetry, TelemetryConfig
 
+        if detect.instrumented_by_api(self._torch):  # e.g. the reference trainer under meshscope run
+            self._stand_down("this process records through meshscope's API already")
+            return None
         where = detect.process(module)
         self._where = where
         self._thread = threading.get_ident()  # the training thread: the one that runs the model first
@@ -383,6 +386,12 @@ class Driver:
                       f"{self.store} ({why}); the job was not affected", file=self._stderr or sys.stderr)
         except Exception as exc:
             self.error("close", exc)
+
+    def _stand_down(self, why: str) -> None:
+        self._closed = True
+        self._remove(self._handles)
+        self._remove(self._root_handles)
+        print(f"meshscope: zero-code observation stands down: {why}", file=self._stderr or sys.stderr)
 
     @staticmethod
     def _remove(handles: list[Any]) -> None:
