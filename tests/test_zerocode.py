@@ -337,3 +337,23 @@ def test_an_observed_job_computes_exactly_what_it_computes_alone(tmp_path):
     ingest(tmp_path / "s")
     run = read_table(tmp_path / "s", "run", run="lm").iloc[0]
     assert run["flops_per_token"] > 0 and "telemetry_error" not in set(read_table(tmp_path / "s", "event", run="lm")["kind"])
+
+
+def test_ctrl_c_reaches_the_job_and_sigterm_is_passed_on(tmp_path):
+    """Ctrl-C in a terminal signals the whole foreground process group: the job gets its KeyboardInterrupt
+    (it could not, were SIGINT ignored when the job was started) and its exit status is run's."""
+    import signal as sig
+
+    script = ("import sys, time\nprint('ready', flush=True)\ntry:\n    time.sleep(60)\n"
+              "except KeyboardInterrupt:\n    print('interrupted', flush=True)\n    sys.exit(3)\n")
+    for signum, status, said in ((sig.SIGINT, 3, "interrupted\n"), (sig.SIGTERM, 128 + sig.SIGTERM, "")):
+        p = subprocess.Popen([sys.executable, "-m", "meshscope", "run", "--store", str(tmp_path / "s"), "--",
+                              sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)
+        assert p.stdout.readline() == "ready\n"
+        if signum == sig.SIGINT:
+            os.killpg(p.pid, signum)  # the terminal's Ctrl-C: every process of the group
+        else:
+            p.send_signal(signum)  # a scheduler stopping meshscope run alone
+        out, _ = p.communicate(timeout=60)
+        assert (p.returncode, out) == (status, said)

@@ -41,9 +41,11 @@ def table_peak(device_name: str) -> tuple[float, str] | None:
 
 
 def calibrate_cpu_peak(*, size: int = 512, min_seconds: float = 0.2, dtype: torch.dtype = torch.float32) -> float:
-    """Best observed FLOP/s of a square matmul on this process's CPU threads (2·n³ FLOPs per matmul)."""
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
+    """Best observed FLOP/s of a square matmul on this process's CPU threads (2·n³ FLOPs per matmul). Its
+    operands come from a generator of its own: the job's random stream is not advanced."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, dtype=dtype, generator=g)
+    b = torch.randn(size, size, dtype=dtype, generator=g)
     torch.mm(a, b)  # warm-up: thread pool, caches
     best = 0.0
     deadline = time.perf_counter() + min_seconds
@@ -56,8 +58,10 @@ def calibrate_cpu_peak(*, size: int = 512, min_seconds: float = 0.2, dtype: torc
             return best
 
 
-def device_peak(device: torch.device, *, override: float = 0.0) -> tuple[float, str]:
-    """(peak FLOP/s, where it came from)."""
+def device_peak(device: torch.device, *, override: float = 0.0, calibrate_gpu: bool = True) -> tuple[float, str]:
+    """(peak FLOP/s, where it came from). ``calibrate_gpu=False``: a GPU missing from the table has no
+    peak (0.0, "unknown:<name>"), for callers that must not allocate or synchronise on the device (a job
+    observed with zero code)."""
     if override > 0:
         return override, "override"
     if device.type == "cuda":
@@ -66,13 +70,16 @@ def device_peak(device: torch.device, *, override: float = 0.0) -> tuple[float, 
         if found:
             return found
         # Unknown GPU: say so rather than guess; MFU is then reported against the calibrated figure.
+        if not calibrate_gpu:
+            return 0.0, f"unknown:{name}"
         return _calibrate_cuda(device), f"calibrated:{name}"
     return calibrate_cpu_peak(), "calibrated-cpu"
 
 
 def _calibrate_cuda(device: torch.device, *, size: int = 8192) -> float:
-    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=g)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=g)
     torch.mm(a, b)
     torch.cuda.synchronize(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

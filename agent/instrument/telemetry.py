@@ -376,7 +376,8 @@ class Telemetry:
                 fwd, bwd = state.phases.get("forward", 0.0), state.phases.get("backward", 0.0)
             loss = as_float(v.get("loss"))
             flops = as_float(v.get("flops"), 0.0)
-            mfu = flops / wall / self._peak_flops if wall > 0 and self._peak_flops > 0 else 0.0
+            # no peak to compare with (an unknown device, or none given): MFU is not known, not 0
+            mfu = flops / wall / self._peak_flops if wall > 0 and self._peak_flops > 0 else float("nan")
             dropped = self.dropped_records + int(getattr(self._writer, "dropped_records", 0))
             self._push("step", step_record(
                 step=state.step, t_start=state.t_start, t_end=t_end, wall_s=wall, compute_s=compute,

@@ -30,9 +30,10 @@ def disabled(environ: Mapping[str, str] = os.environ) -> bool:
 def observe(*, store: str | None = None, run: str | None = None) -> Any:
     """Observe this process's training with no other change: steps from the optimizer, phases from the
     model's hooks, collectives, memory, tokens, FLOPs. Call before the first forward. Idempotent: the
-    first call's store and run stand. ``run=None``: the launcher's name, else one rank 0 picks."""
+    first call's store and run stand. ``run=None``: the launcher's name, else one rank 0 picks.
+    ``None`` (nothing observed) when MESHSCOPE_DISABLE is set."""
     global _driver
-    if _driver is not None:
+    if _driver is not None or disabled():
         return _driver
     from meshscope.agent.zerocode.driver import Driver
     from meshscope.agent.zerocode.imports import when_imported

@@ -4,7 +4,7 @@ every Python process of it observed (see ``meshscope.agent.zerocode``).
 The job's standard output, standard error and exit status are its own: meshscope's lines go to stderr,
 prefixed ``meshscope:``, before and after the job; a job killed by signal N exits 128 + N, as a shell
 says. Ctrl-C reaches the job (it is in the terminal's process group) and this command waits for it;
-SIGTERM is passed on to the job. ``--agent`` runs a node agent on 127.0.0.1 for the job's lifetime."""
+SIGTERM is passed on to the job (``_wait``). ``--agent`` runs a node agent on 127.0.0.1 for the job's lifetime."""
 
 from __future__ import annotations
 
@@ -71,17 +71,31 @@ def _status(code: int) -> int:
     return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell reports it
 
 
+def _wait(command: list[str], env: dict[str, str]) -> int:
+    """Run the job and wait for it. Ctrl-C goes to the whole foreground process group, the job included:
+    here it is caught and does nothing (a caught signal is reset to its default in the job at exec, where
+    an ignored one would stay ignored, and the job could not be interrupted), and SIGTERM is passed on."""
+    previous = signal.signal(signal.SIGINT, lambda *_: None)
+    try:
+        try:
+            job = subprocess.Popen(command, env=env)
+        except OSError as e:
+            raise UsageError(f"cannot run {command[0]!r}: {e.strerror}") from None
+        signal.signal(signal.SIGTERM, lambda *_: job.send_signal(signal.SIGTERM))
+        return _status(job.wait())
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def run(args, command: list[str]) -> int:
     if not command:
         raise UsageError("no command: meshscope run [options] -- COMMAND [ARGS...]")
-    if disabled():
-        _say("MESHSCOPE_DISABLE is set: running the command untouched")
-        try:
-            return _status(subprocess.call(command))
-        except OSError as e:
-            raise UsageError(f"cannot run {command[0]!r}: {e.strerror}") from None
     if shutil.which(command[0]) is None:
         raise UsageError(f"cannot run {command[0]!r}: no such command")
+    if disabled():
+        _say("MESHSCOPE_DISABLE is set: running the command untouched")
+        return _wait(command, dict(os.environ))
     run_name = args.run if args.run is not None else default_run_name(command)
     try:
         check_run_name(run_name)
@@ -99,26 +113,18 @@ def run(args, command: list[str]) -> int:
     env = job_environment(environ=dict(os.environ), store=store, run=run_name)
     _say(f"observing run {run_name!r} into {store}")
     agent = _start_agent(store=store, port=args.agent_port) if args.agent else None
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the job's to handle; we wait for it
+    t0 = time.monotonic()
     try:
-        try:
-            job = subprocess.Popen(command, env=env)
-        except OSError as e:
-            raise UsageError(f"cannot run {command[0]!r}: {e.strerror}") from None
-        signal.signal(signal.SIGTERM, lambda *_: job.send_signal(signal.SIGTERM))
-        t0 = time.monotonic()
-        code = _status(job.wait())
+        code = _wait(command, env)
     finally:
-        signal.signal(signal.SIGINT, previous)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         _stop(agent)
+    took = f"ended after {time.monotonic() - t0:.0f} s (exit {code})"
     spools = spool_path(str(store), run=run_name, rank=0, attempt=0).parent
     if not (spools.is_dir() and any(spools.iterdir())):
-        _say(f"run {run_name!r} ended after {time.monotonic() - t0:.0f} s (exit {code}); zero-code observation "
-             "recorded nothing (no process ran a model with gradients, or each stood down, as said above)")
+        _say(f"run {run_name!r} {took}; zero-code observation recorded nothing (no process ran a model with "
+             "gradients, or each stood down, as said above)")
         return code
-    _say(f"run {run_name!r} ended after {time.monotonic() - t0:.0f} s (exit {code}). Next:\n"
-         f"  meshscope report --store {store} --run {run_name}\n"
+    _say(f"run {run_name!r} {took}. Next:\n  meshscope report --store {store} --run {run_name}\n"
          f"  meshscope dashboard --store {store}")
     return code
 

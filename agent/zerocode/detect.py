@@ -185,16 +185,16 @@ class FlopCount:
     def stop(self, tokens: int) -> None:
         if self.state != "counting":
             return
-        mode, self._mode = self._mode, None
+        mode, self._mode, self.state = self._mode, None, "absent"  # settled first: __exit__ may raise
         mode.__exit__(None, None, None)
         self.total, self.tokens = float(mode.get_total_flops()), tokens
         self.state = "done" if self.total > 0 and not self.failed else "absent"
 
     def abandon(self) -> None:
-        if self._mode is not None:
-            self._mode.__exit__(None, None, None)
-            self._mode = None
-        self.state = "absent"
+        """No count (a second optimizer: the first step was cut short; or the end of the run)."""
+        mode, self._mode, self.state = self._mode, None, "absent"
+        if mode is not None:
+            mode.__exit__(None, None, None)
 
     @property
     def per_token(self) -> float:
@@ -306,7 +306,7 @@ def run_info(*, roots: list[Any], where: Where, seq_len: int, tokens: int, flops
                 n += p.numel()  # a DTensor's numel is the global one
                 if isinstance(module, torch.nn.Embedding):
                     n_embed += p.numel()
-    peak, source = device_peak(where.device)
+    peak, source = device_peak(where.device, calibrate_gpu=False)
     strat = strategy(roots, world_size=where.world_size)
     mesh, coords = _mesh(roots, where=where)
     pp = pipeline(schedules)

@@ -30,6 +30,7 @@ said once on stderr; the job runs on unchanged."""
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 from typing import Any
@@ -38,6 +39,7 @@ from meshscope.agent.zerocode import detect
 
 _NAN = float("nan")
 _IN_FORWARD = "_meshscope_in_forward"  # a root module's open forward calls (an instance attribute)
+_MAX_LOSSES = 1024  # backward scalars kept for one step (a loop that never steps must not grow)
 
 
 class Driver:
@@ -92,11 +94,19 @@ class Driver:
         # Each of the rest on its own: what a torch lacks costs that part only.
         for where, install in (("backward", lambda: detect.patch(torch.autograd, "backward", self._wrap_backward)),
                                ("grad_scaler", self._patch_grad_scaler), ("distributed", self._patch_distributed),
-                               ("excepthook", self._chain_excepthook)):
+                               ("excepthook", self._chain_excepthook), ("fork", self._on_fork)):
             try:
                 install()
             except Exception as exc:
                 self.error(f"install.{where}", exc)
+
+    def _on_fork(self) -> None:
+        """A forked child (a data-loader worker, a user's fork) is not the rank: it records nothing, and never
+        writes the parent's buffered records into the parent's spool at its exit."""
+        def in_child() -> None:
+            self._closed, self._tel = True, None
+
+        os.register_at_fork(after_in_child=in_child)
 
     def _patch_grad_scaler(self) -> None:
         detect.patch(self._torch.amp.GradScaler, "scale", self._wrap_scale)
@@ -106,12 +116,20 @@ class Driver:
         if not self._torch.distributed.is_available():
             return
         from torch.distributed import distributed_c10d
-        from torch.distributed.pipelining import schedules
+
+        from meshscope.agent.zerocode.imports import when_imported
 
         for owner in (self._torch.distributed, distributed_c10d):
             detect.patch(owner, "destroy_process_group", self._wrap_destroy)
-        for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
-            detect.patch(cls, "step", self._wrap_schedule_step)
+        # pipelining imports dynamo, FSDP and DTensor: only in a job that imports it itself
+        when_imported("torch.distributed.pipelining.schedules", self._patch_schedules)
+
+    def _patch_schedules(self, schedules: Any) -> None:
+        try:
+            for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+                detect.patch(cls, "step", self._wrap_schedule_step)
+        except Exception as exc:
+            self.error("install.pipeline", exc)
 
     def _chain_excepthook(self) -> None:
         """An exception that ends the process is an event: raised inside a collective, the step was aborted
@@ -122,9 +140,8 @@ class Driver:
 
         def excepthook(etype, value, tb):
             try:
-                if self._tel is not None and not self._closed:
-                    in_collective = any(_in_collective(f.f_code.co_filename) for f, _ in _frames(tb))
-                    kind = "aborted_step" if in_collective else "crash"
+                if self._tel is not None and not self._closed and not issubclass(etype, KeyboardInterrupt):
+                    kind = "aborted_step" if _raised_by_a_collective(self._torch, value, tb) else "crash"
                     self._tel.event(kind, f"{etype.__name__}: {value}"[:500], step=self._step)
             except Exception:
                 pass
@@ -147,8 +164,9 @@ class Driver:
         if self._depth != 1 or self._closed:
             return
         try:
-            if id(module) in self._roots or not self._torch.is_grad_enabled():
-                return
+            if id(module) in self._roots or not self._torch.is_grad_enabled() \
+                    or self._torch._C._current_graph_task_id() != -1:
+                return  # known, evaluation, or a recompute inside backward (activation checkpointing)
             if not any(p.requires_grad for p in module.parameters()):
                 return  # a loss module or a frozen part: not the model
             self._add_root(module)
@@ -231,11 +249,19 @@ class Driver:
 
     def _wrap_scaler_step(self, original):
         def step(scaler, optimizer, *args, **kwargs):
-            before = self._opt_total
-            out = original(scaler, optimizer, *args, **kwargs)
-            if self._opt_total == before and self._tel is not None and not self._closed:
-                self._optimizer_done(optimizer, skipped=True)  # inf/NaN gradients: GradScaler skipped it
-            return out
+            before, active = self._opt_total, self._tel is not None and not self._closed
+            if active:  # unscaling and its inf check are the optimizer's work (on CUDA: where backward syncs)
+                self._tel.push_phase("optimizer")
+            try:
+                return original(scaler, optimizer, *args, **kwargs)
+            finally:
+                if active:
+                    try:
+                        self._tel.pop_phase()
+                        if self._opt_total == before and not self._closed:
+                            self._optimizer_done(optimizer, skipped=True)  # inf/NaN gradients: skipped
+                    except Exception as exc:
+                        self.error("grad_scaler", exc)
         return step
 
     def _wrap_schedule_step(self, original):
@@ -262,9 +288,10 @@ class Driver:
         return step
 
     def _wrap_destroy(self, original):
-        def destroy_process_group(*args, **kwargs):
-            self.close()  # the collectives' hooks come off before their groups are gone
-            return original(*args, **kwargs)
+        def destroy_process_group(group=None, *args, **kwargs):
+            if group is None or group is getattr(self._torch.distributed.group, "WORLD", None):
+                self.close()  # the collectives' hooks come off before their groups are gone
+            return original(group, *args, **kwargs)
         return destroy_process_group
 
     def _opt_pre(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
@@ -281,7 +308,9 @@ class Driver:
             return
         try:
             self._tel.pop_phase()
-            self._lr = optimizer.param_groups[0].get("lr", 0.0) if optimizer.param_groups else 0.0
+            lr = optimizer.param_groups[0].get("lr", 0.0) if optimizer.param_groups else 0.0
+            # a tensor lr on the device would cost a synchronisation per step to read: not read
+            self._lr = lr if not isinstance(lr, self._torch.Tensor) else float(lr) if lr.is_cpu else _NAN
             self._optimizer_done(optimizer, skipped=False)
         except Exception as exc:
             self.error("optimizer_post", exc)
@@ -300,6 +329,7 @@ class Driver:
             first = self._last_optimizer is None
             self._last_optimizer = key
             if not first:
+                self._flops.abandon()  # the count stopped at the first optimizer: not one iteration's work
                 return
         if key != self._last_optimizer:
             return
@@ -308,12 +338,15 @@ class Driver:
 
     def _end_step(self) -> None:
         tel = self._tel
-        if not self._info_written:
-            self._write_info()
-            self._remove(self._handles)  # the roots are known: no hook on every module call from now on
-        tokens = self._tokens
-        tel.update_step(tokens=tokens, flops=self._flops.per_step(tokens), loss=self._loss(), lr=self._lr,
-                        skipped=self._skipped)
+        try:  # the step's figures: each one that fails is absent, the step itself is still recorded
+            if not self._info_written:
+                self._remove(self._handles)  # the roots are known: no hook on every module call from now on
+                self._write_info()
+            tokens = self._tokens
+            tel.update_step(tokens=tokens, flops=self._flops.per_step(tokens), loss=self._loss(), lr=self._lr,
+                            skipped=self._skipped)
+        except Exception as exc:
+            self.error("step_values", exc)
         open_phases = tel.open_phases()  # e.g. Lightning's next optimizer.step, already entered
         tel.end_step()
         self._tokens, self._losses, self._skipped = 0, [], False
@@ -324,8 +357,8 @@ class Driver:
 
     def _take_loss(self, tensors: Any) -> None:
         torch = self._torch
-        if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
-            self._losses.append(self._scaled.pop(id(tensors), tensors))
+        if isinstance(tensors, torch.Tensor) and tensors.numel() == 1 and len(self._losses) < _MAX_LOSSES:
+            self._losses.append(self._scaled.pop(id(tensors), tensors).detach())
 
     def _loss(self) -> float:
         losses = self._losses
@@ -333,7 +366,9 @@ class Driver:
             return _NAN  # several backwards, unknown whether they are pre-divided: absent, not wrong
         if not all(t.is_cpu for t in losses):
             return _NAN
-        return float(losses[0].detach()) if len(losses) == 1 else float(sum(float(t.detach()) for t in losses))
+        if len(losses) >= _MAX_LOSSES:  # more backwards than a step plausibly has: no step is ending
+            return _NAN
+        return float(losses[0]) if len(losses) == 1 else float(sum(float(t) for t in losses))
 
     # ------------------------------------------------------------------------------ lifecycle
     def _ensure_started(self, module: Any) -> Any:
@@ -356,9 +391,13 @@ class Driver:
 
     def _write_info(self) -> None:
         self._info_written = True
-        info = detect.run_info(roots=list(self._roots.values()), where=self._where, seq_len=self._seq_len,
-                               tokens=self._tokens, flops=self._flops, framework=self._framework,
-                               schedules=self._schedules)
+        try:
+            info = detect.run_info(roots=list(self._roots.values()), where=self._where, seq_len=self._seq_len,
+                                   tokens=self._tokens, flops=self._flops, framework=self._framework,
+                                   schedules=self._schedules)
+        except Exception as exc:  # the run still gets its record: what Telemetry knows of the process
+            self.error("run_info", exc)
+            info = {"config": {"zero_code": True, "framework": self._framework}}
         self._tel.start(info)
 
     def close(self) -> None:
@@ -366,18 +405,23 @@ class Driver:
         if self._closed:
             return
         self._closed = True
+        tel = self._tel
         try:
-            self._flops.abandon()
             self._remove(self._handles)
             self._remove(self._root_handles)
-            tel = self._tel
+            self._flops.abandon()
             if tel is None:
                 return
             tel.discard_step()  # the open iteration made no optimizer step
             if not self._info_written:
                 self._write_info()
             tel.event("end", f"{self._step} steps observed (zero-code)")
-            tel.close()
+        except Exception as exc:
+            self.error("close", exc)
+        if tel is None:
+            return
+        try:
+            tel.close()  # whatever failed above: the buffered records are written, the patches removed
             writer = tel._writer
             dropped = tel.dropped_records + int(getattr(writer, "dropped_records", 0))
             if dropped:  # the job went on; say once what telemetry lost, and why
@@ -410,16 +454,22 @@ class Driver:
             pass
 
 
-def _frames(tb: Any):
+# where a collective's failure is raised: torch's c10d and functional collectives, and meshscope's wrappers
+# of them (an async op's wait raises there)
+_COLLECTIVE_CODE = ("torch/distributed/distributed_c10d.py", "torch/distributed/_functional_collectives",
+                    "torch/distributed/c10d_logger.py", "/agent/instrument/comm_", "/agent/instrument/traced_call.py")
+
+
+def _raised_by_a_collective(torch: Any, exc: BaseException, tb: Any) -> bool:
+    """torch's distributed error types, or an error raised in the innermost frame of a collective call
+    (gloo's errors are plain RuntimeErrors): a peer failed or the collective timed out."""
+    dist_error = getattr(torch.distributed, "DistError", None) if torch is not None else None
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
     import traceback
 
-    return traceback.walk_tb(tb)
-
-
-# torch's collectives, and meshscope's wrappers of them (an async op's wait raises there)
-_COLLECTIVE_CODE = ("torch/distributed/", "/agent/instrument/comm_", "/agent/instrument/traced_call.py")
-
-
-def _in_collective(filename: str) -> bool:
-    path = filename.replace("\\", "/")
+    frames = list(traceback.walk_tb(tb))
+    if not frames:
+        return False
+    path = frames[-1][0].f_code.co_filename.replace("\\", "/")
     return any(part in path for part in _COLLECTIVE_CODE)

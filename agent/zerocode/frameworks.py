@@ -23,10 +23,14 @@ _TRAINERS = {
 }
 
 
-def _observe() -> Any:
+def _tell(**word: Any) -> None:
+    """Start the driver if nothing has (a callback added by hand) and give it the framework's word;
+    nothing when MESHSCOPE_DISABLE is set."""
     from meshscope.agent import zerocode
 
-    return zerocode.observe()
+    driver = zerocode.observe()
+    if driver is not None:
+        driver.framework(**word)
 
 
 @functools.cache
@@ -38,7 +42,7 @@ def transformers_callback() -> type:
         """meshscope's Hugging Face integration: ``Trainer(..., callbacks=[meshscope.TransformersCallback()])``."""
 
         def on_train_begin(self, args, state, control, **kwargs):
-            _observe().framework(name="transformers", step=int(state.global_step or 0), loss_is_sum=True)
+            _tell(name="transformers", step=int(state.global_step or 0), loss_is_sum=True)
 
     return MeshscopeCallback
 
@@ -55,7 +59,7 @@ def lightning_callback(package: str = "lightning.pytorch") -> type:
         """meshscope's Lightning integration: ``Trainer(..., callbacks=[meshscope.LightningCallback()])``."""
 
         def on_train_start(self, trainer, pl_module):
-            _observe().framework(name=package.split(".")[0], step=int(trainer.global_step or 0), loss_is_sum=True)
+            _tell(name=package.split(".")[0], step=int(trainer.global_step or 0), loss_is_sum=True)
 
     return MeshscopeCallback
 

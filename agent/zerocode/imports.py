@@ -49,9 +49,16 @@ class _Loader(importlib.abc.Loader):
         module.__loader__ = self.inner
         if module.__spec__ is not None:
             module.__spec__.loader = self.inner
-        self.inner.exec_module(module)
+        try:
+            self.inner.exec_module(module)
+        except BaseException:  # the import failed: wait for the next attempt
+            _FINDER.hooks.setdefault(module.__name__, []).extend(self.callbacks)
+            raise
         for callback in self.callbacks:
-            callback(module)
+            try:
+                callback(module)
+            except Exception:  # a callback's failure is its own business, never the importer's
+                pass
 
     def __getattr__(self, name):  # get_resource_reader, is_package, get_code, ...: the real loader's
         return getattr(self.inner, name)
