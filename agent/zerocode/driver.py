@@ -192,7 +192,6 @@ class Driver:
                 for schedule in self._schedules:
                     tel.attach(schedule=schedule)
 
-
     def _root_pre(self, module: Any, args: tuple) -> None:
         if self._tel is None or self._closed or self._in_pipeline or not self._torch.is_grad_enabled() \
                 or threading.get_ident() != self._thread:
@@ -251,7 +250,11 @@ class Driver:
         def step(scaler, optimizer, *args, **kwargs):
             before, active = self._opt_total, self._tel is not None and not self._closed
             if active:  # unscaling and its inf check are the optimizer's work (on CUDA: where backward syncs)
-                self._tel.push_phase("optimizer")
+                try:
+                    self._tel.push_phase("optimizer")
+                except Exception as exc:
+                    active = False
+                    self.error("grad_scaler", exc)
             try:
                 return original(scaler, optimizer, *args, **kwargs)
             finally:
