@@ -38,6 +38,7 @@ bench: install
 	$(PY) bench/profiler_agreement.py
 	$(PY) bench/dashboard_pages.py
 	$(PY) bench/spool_outage.py
+	$(PY) bench/zerocode_overhead.py
 
 clean:
 	rm -rf .runs artifacts .pytest_cache
