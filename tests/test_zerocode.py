@@ -183,7 +183,7 @@ def test_a_plain_fsdp2_script_is_observed_with_tokens_flops_and_its_loss(tmp_pat
     printed = printed_losses(out.stdout)
     assert {s: round(v, 4) for s, v in r0["loss"].items()} == printed
     run = read_table(store, "run", run="fsdp0").iloc[0]
-    assert run["strategy"] == "fsdp" and run["seq_len"] == 32
+    assert (run["strategy"], run["model"], run["seq_len"]) == ("fsdp", "TinyLM", 32)  # not fully_shard's FSDPTinyLM
     n = 256 * 64 + 2 * (2 * 64 + 64 * 256 + 256 + 256 * 64 + 64) + 64 * 256 + 256
     assert run["n_params"] == n
     # FlopCounterMode's count on the first step against the matmul formula of this model: 6 FLOPs per

@@ -267,8 +267,16 @@ def _mesh(roots: list[Any], *, where: Where) -> tuple[dict, dict]:
     return mesh, coords
 
 
-def _unwrapped(root: Any) -> Any:
-    return getattr(root, "module", root)  # DDP and Lightning's wrappers keep the model in .module
+def model_name(root: Any) -> str:
+    """The user's class: DDP and Lightning's wrappers keep the model in ``.module``; ``fully_shard`` makes a
+    class ``FSDP<Name>`` whose bases are (FSDPModule, the user's class)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model = getattr(root, "module", root)
+    cls = type(model)
+    if isinstance(model, FSDPModule) and cls.__name__.startswith("FSDP") and len(cls.__bases__) > 1:
+        cls = cls.__bases__[-1]
+    return cls.__name__
 
 
 # torch.distributed.pipelining's schedule classes -> the names the reference trainer and the pages use
@@ -316,7 +324,7 @@ def run_info(*, roots: list[Any], where: Where, seq_len: int, tokens: int, flops
         if mesh["dp"] * mesh["tp"] * pp["pp"] != where.world_size:
             mesh["dp"], coords["dp"] = where.world_size // (pp["pp"] * mesh["tp"]), where.rank // pp["pp"]
     per_rank_batch = tokens // seq_len if seq_len else 0
-    model = "+".join(type(_unwrapped(r)).__name__ for r in roots)
+    model = "+".join(model_name(r) for r in roots)
     return {
         "strategy": strat, "mesh": mesh, "coords": coords, "schedule": pp.get("schedule", ""),
         "microbatches": pp.get("microbatches", 0), "virtual_stages": pp.get("virtual_stages", 1),
