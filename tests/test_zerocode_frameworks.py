@@ -6,6 +6,8 @@ logged loss, its model's gradient bytes; then ``report`` and every dashboard pag
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -76,3 +78,20 @@ def test_a_lightning_trainer_ddp_with_accumulation(tmp_path, monkeypatch):
     assert json.loads(run["config"])["framework"] == "lightning" and run["n_params"] == n
     assert report(store, "pl")["steps"] == [0, 4]
     every_page_renders(monkeypatch, store, focus="pl")
+
+
+def test_the_one_line_callback_without_the_launcher(tmp_path):
+    """``callbacks=[meshscope.TransformersCallback()]`` under plain torchrun: the ranks agree on one run name
+    (rank 0's, through the process group's store) in the default store."""
+    out = tmp_path / "out"
+    res = subprocess.run(torchrun("hf_trainer.py", "--out", str(out), "--steps", "3", "--meshscope-callback"),
+                         cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    store = tmp_path / "meshscope-runs"
+    (run,) = [p.name for p in (store / "spool").iterdir()]
+    assert run.startswith("hf_trainer-")
+    ingest(store)
+    steps = read_table(store, "step", run=run)
+    assert sorted(steps["rank"].unique()) == [0, 1] and len(steps) == 3 * 2
+    assert json.loads(read_table(store, "run", run=run).iloc[0]["config"])["framework"] == "transformers"

@@ -1,6 +1,6 @@
 """A Hugging Face ``Trainer`` fine-tuning a tiny causal LM built from a config (random init, nothing
-downloaded), as a user writes one, with no meshscope in it: third-party code for tests/test_zerocode.py.
-Run under torchrun it trains with DDP (gloo on CPU)."""
+downloaded), as a user writes one, with no meshscope in it (unless --meshscope-callback adds the one-line
+integration): third-party code for tests/test_zerocode_frameworks.py. Under torchrun it trains with DDP."""
 
 import argparse
 import json
@@ -27,6 +27,7 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--meshscope-callback", action="store_true", help="the one-line integration, no launcher")
     args = parser.parse_args()
     config = GPT2Config(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=2)
     model = GPT2LMHeadModel(config)
@@ -35,7 +36,13 @@ def main():
         gradient_accumulation_steps=args.accumulate, learning_rate=1e-3, logging_steps=1, save_strategy="no",
         report_to=[], use_cpu=True, ddp_backend="gloo", dataloader_num_workers=0, disable_tqdm=True,
     )
-    trainer = Trainer(model=model, args=training, train_dataset=RandomTokens(256, 32, config.vocab_size))
+    callbacks = []
+    if args.meshscope_callback:
+        import meshscope
+
+        callbacks.append(meshscope.TransformersCallback())
+    trainer = Trainer(model=model, args=training, train_dataset=RandomTokens(256, 32, config.vocab_size),
+                      callbacks=callbacks)
     trainer.train()
     if trainer.is_world_process_zero():
         with open(os.path.join(args.out, "log_history.json"), "w") as f:
