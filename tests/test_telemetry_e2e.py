@@ -177,11 +177,16 @@ def test_bubble_fraction_matches_theory(tmp_path, schedule):
     # schedule + imbalance on every stage); medians over steps are taken per column. Which stage is the
     # slowest can change from step to step when the stages are this close (1F1B), so the check is on the
     # schedule share, not on the raw bubble of one fixed rank.
+    # The closed form treats P2P transfers as free: it is the replay's idle share (schedule_idle: fill and
+    # drain from the measured op times, transfers left out), as the interleaved and zero-bubble tests
+    # compare it; the schedule share carries the hops on top (GPipe's reached 23.4 % against 20 % on
+    # 2026-11-25 with its idle share at 20.7 %).
     for rank, row in frac.iterrows():
         # What the schedule implies for the op and transfer times measured.
         assert abs(row["schedule_bubble"] - row["replay_bubble"]) <= 0.03, (rank, row.to_dict())
         if not contended:
-            assert abs(row["schedule_bubble"] - theory) <= 0.03, (rank, row.to_dict(), theory)
+            assert abs(row["schedule_idle"] - theory) <= 0.03, (rank, row.to_dict(), theory)
+            assert row["schedule_bubble"] >= row["schedule_idle"] - 1e-9, (rank, row.to_dict())  # hops on top
     _theory_holds_unless_contended(frac, theory=theory, contended=contended)
 
 
