@@ -89,11 +89,14 @@ def per_call(calls: int, blocks: int) -> dict[str, Any]:
     from meshscope.agent.instrument.comm_ddp import _HookState, traced_allreduce_hook
     from meshscope.agent.instrument.comm_fsdp import TracedAllGather, TracedReduceScatter
     from meshscope.agent.instrument.pipeline import PipelineTracer
-    from meshscope.agent.instrument.recorder import ListRecorder
 
     _init(0, 1, _port())
     world = dist.group.WORLD
-    rec = ListRecorder()
+    # The real recorder, as a job has it: the telemetry core writing to a throwaway store, a step open (so
+    # every op is accounted to it), its flusher thread draining records off the training thread.
+    rec = _telemetry()
+    rec.begin_step(0)
+    rec.push_phase("forward")
     tracer = CollectiveTracer(rec)
 
     def on() -> None:
@@ -101,7 +104,6 @@ def per_call(calls: int, blocks: int) -> dict[str, Any]:
 
     def off() -> None:
         tracer.detach()
-        rec.collectives.clear()
 
     t = torch.ones(16)
     out = {}
@@ -177,18 +179,28 @@ def per_call(calls: int, blocks: int) -> dict[str, Any]:
             self.pipeline_order = None
 
     stage = Stage()
-    ptracer = PipelineTracer(rec, on_span_enter=lambda: None, on_span_exit=lambda: None)
+    ptracer = PipelineTracer(rec, deferred=True)  # as the telemetry core attaches it
 
     def pp_on() -> None:
         ptracer.attach(Schedule(stage))
 
     def pp_off() -> None:
         ptracer.detach()
-        rec.spans.clear()
+        ptracer.take()
 
     out["pipeline_span"] = _ab(lambda: stage.forward_one_chunk(0), pp_on, pp_off, calls=calls, blocks=blocks)
+    rec.close()
     dist.destroy_process_group()
     return out
+
+
+def _telemetry() -> Any:
+    import tempfile
+
+    from meshscope.agent.instrument.telemetry import Telemetry, TelemetryConfig
+
+    return Telemetry(config=TelemetryConfig(store=tempfile.mkdtemp(prefix="meshscope-hooks-bench-"), run="bench"),
+                     rank=0, world_size=1)
 
 
 def _step_worker(rank: int, world: int, port: int, steps: int, blocks: int, calls: int, q: Any) -> None:

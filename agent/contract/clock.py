@@ -30,3 +30,8 @@ class AnchoredClock:
 
     def now(self) -> float:
         return self._wall0 + (time.perf_counter() - self._perf0)
+
+    def offset(self) -> float:
+        """What to add to a ``time.perf_counter()`` reading to get ``now()`` at that reading (hot paths
+        take the raw reading and convert later, off the training thread)."""
+        return self._wall0 - self._perf0

@@ -4,6 +4,7 @@
     tracer.attach(model_parts)   # after DDP / fully_shard / parallelize_module wrapping, before step 1
     ...                          # each op → recorder.record_collective(...) on the thread that waited
     tracer.flush()               # at step end: ops that completed without a Python-visible wait
+    tracer.drain()               # any thread (the recorder's flusher): build and hand over the records
     tracer.detach()
 
 One record per op: op (nccl-tests name), mesh dim / group / group size (``MeshInfo``), bytes (the full
@@ -35,6 +36,16 @@ the op once, under its own source. Every hook wraps its own work in ``try/except
 collective itself propagates unchanged. The c10d, P2P, funcol and FSDP issue wrappers share one skeleton
 for this (``traced_call``); the plug-ins get this tracer as an argument and never import this module.
 
+The training thread pays only for what cannot be deferred (the goal is ≤ 2 µs of its CPU per op, measured
+by bench/hooks_overhead.py): per op it resolves the group (a cached dict hit), numbers the op, takes
+``perf_counter`` timestamps and, at completion, calls the recorder's ``account_collective`` (its step
+accounting: a few additions) and appends ``(op, t_end, wait_s, step)`` to a bounded deque. Everything else
+— the epoch time base, the record's fields, bandwidths, the row itself — is built by ``drain()`` on the
+recorder's flusher thread. No future callback is added to a work: completion of an async op is the return
+of its ``Work.wait`` (a callback runs on the backend's thread and has to take the GIL from the training
+thread: +20-30 µs of training-thread CPU per op, measured). A recorder without ``account_collective``
+(``ListRecorder``, tests) gets each record synchronously, at completion, as before.
+
 CUDA tensors (NCCL) take the ``comm_nccl`` path: futures complete at enqueue there, so CPU timestamps say
 nothing about completion; CUDA events give duration and exposure, resolved at ``flush()``. That path is
 written from torch's source and is UNTESTED (no GPU where it was written).
@@ -46,31 +57,30 @@ import collections
 import functools
 import inspect
 import threading
+import time
 from typing import Any, Callable
 
+from meshscope.agent.contract import AnchoredClock
 from meshscope.agent.instrument.meshinfo import GroupInfo, MeshInfo
 
 _MAX_PENDING = 4096  # async ops waiting for their wait(); beyond this the oldest are dropped (and counted)
+_MAX_DONE = 65536  # completed ops waiting for drain(); beyond this new ones are dropped (and counted)
 
 
 class _Op:
     """One issued op until it is recorded."""
 
     __slots__ = ("op", "info", "nbytes", "peer", "source", "seq", "t_start", "t_done", "wait_s", "waited",
-                 "cuda", "issued")
+                 "cuda")
 
-    def __init__(self, op: str, info: GroupInfo, nbytes: int, peer: int, source: str, seq: int) -> None:
+    def __init__(self, op: str, info: GroupInfo, nbytes: int, peer: int, source: str, seq: int,
+                 t_start: float) -> None:
         self.op, self.info, self.nbytes, self.peer, self.source, self.seq = op, info, nbytes, peer, source, seq
-        self.t_start = 0.0
-        self.t_done: float | None = None  # completion seen by a future callback (gloo collectives)
+        self.t_start = t_start
+        self.t_done: float | None = None  # completion seen before the record (DDP's callback, funcol's wait)
         self.wait_s = 0.0  # blocked time already attributed (waits nested inside the issuing call)
         self.waited = False
         self.cuda: Any = None  # CUDA events (comm_nccl), None on CPU
-        self.issued = False  # t_start re-stamped at the ProcessGroup call (comm_c10d's ProcessGroup wrappers)
-
-    def mark_done(self, _fut: Any = None, *, now: Callable[[], float]) -> None:
-        # Runs on the backend's worker thread: one attribute store, atomic under the GIL.
-        self.t_done = now()
 
 
 class _TLS(threading.local):
@@ -106,10 +116,23 @@ class CollectiveTracer:
         self.recorder = recorder
         self.ddp_comm_hook = ddp_comm_hook
         self.mesh_info = mesh_info if mesh_info is not None else MeshInfo()
-        self.now: Callable[[], float] = recorder.clock.now
+        # Timestamps on the hot path are raw perf_counter readings when the recorder's clock is the
+        # AnchoredClock (a C call, against a Python method call per reading); drain() adds the anchor.
+        clock = recorder.clock
+        if type(clock) is AnchoredClock:
+            self.now: Callable[[], float] = time.perf_counter
+            self._epoch = clock.offset()
+        else:  # a test's clock: read it as is
+            self.now = clock.now
+            self._epoch = 0.0
+        # The recorder's step accounting, when it defers building records to drain() (Telemetry).
+        self._account: Callable[[str, float], int] | None = getattr(recorder, "account_collective", None)
+        self._done: collections.deque[tuple[_Op, float, float, int]] = collections.deque()
         self.enabled = False
         self.stats: collections.Counter[str] = collections.Counter()
         self._tls = _TLS()
+        # Work.wait as torch defines it, for waits a wrapper makes itself (set by comm_c10d.install)
+        self.raw_wait: Callable[[Any], Any] = lambda work: work.wait()
         self._seq: dict[str, int] = {}
         # id(Work) → (the Work, kept alive so that its id stays unique; its ops; its future or None)
         self._pending_works: dict[int, tuple[Any, list[_Op], Any]] = {}
@@ -117,10 +140,6 @@ class CollectiveTracer:
         self._patches: list[_Patch] = []
         self._model_hooks: dict[int, Any] = {}  # id(module) → handle with .detach()
         self._cuda: Any = None  # comm_nccl.CudaCommTimer, created on the first CUDA op
-        # (op, group) whose works have no future (gloo's emulated reduce_scatter, P2P): asking again costs a
-        # C++ exception (~30-50 µs) per call.
-        self._no_future: set[tuple[str, str]] = set()
-        self._done = functools.partial(_Op.mark_done, now=self.now)
         # The Recorder protocol has no ``seq`` yet; pass the issue-order sequence number where accepted.
         self._pass_seq = _accepts_kw(recorder.record_collective, "seq")
 
@@ -155,6 +174,7 @@ class CollectiveTracer:
     def detach(self) -> None:
         """Restore every original; emit what already completed. Safe to call twice."""
         self.flush()
+        self.drain()
         self.enabled = False
         for handle in self._model_hooks.values():
             try:
@@ -168,33 +188,44 @@ class CollectiveTracer:
         self._pending_tensors.clear()
 
     def flush(self) -> int:
-        """Record async ops that completed without a Python-visible wait (``wait_s`` 0) and resolve CUDA
-        timings whose events have completed. Call at step end on the training thread. Returns how many
-        records it emitted."""
+        """Complete async ops that finished without a Python-visible wait (``wait_s`` 0) and resolve CUDA
+        timings whose events have completed. Call at step end on the training thread (their step is the
+        one ending). Returns how many ops it completed."""
         emitted = 0
         try:
-            now = self.now()
-            for key, (work, ops, fut) in list(self._pending_works.items()):
-                if ops[0].cuda is not None:
-                    if _completed(work):  # never waited in Python: CUDA timing without a stall
-                        del self._pending_works[key]
-                        for p in ops:
+            if self._pending_works:
+                now = self.now()
+                for key, (work, ops, _) in list(self._pending_works.items()):
+                    if not _completed(work):
+                        continue
+                    if self._pending_works.pop(key, None) is None:  # taken by its wait meanwhile
+                        continue
+                    for p in ops:
+                        if p.cuda is not None:  # never waited in Python: CUDA timing without a stall
                             p.cuda.work = work
                             self.cuda_timer().queue(p)
-                    continue
-                # gloo completes a work's future before the work itself, and runs the future's callbacks
-                # after waking its waiters: any of the three says the op is over.
-                if all(p.t_done is not None for p in ops) or _completed(work) or (fut is not None and fut.done()):
-                    del self._pending_works[key]
-                    for p in ops:
-                        # P2P works have no future: completion is first observed here.
-                        self.emit(p, t_end=p.t_done if p.t_done is not None else now, wait_s=0.0)
-                        emitted += 1
+                        else:  # completion is first observed here
+                            self.emit(p, t_end=p.t_done if p.t_done is not None else now, wait_s=0.0)
+                            emitted += 1
             if self._cuda is not None:
                 emitted += self._cuda.resolve(self)
         except Exception as exc:
             self.error("flush", exc)
         return emitted
+
+    def drain(self) -> int:
+        """Hand every completed op to the recorder as a record (``record_collective``). Safe on any thread
+        (Telemetry calls it from its flusher); a no-op for a recorder that records synchronously. Returns
+        how many records it made."""
+        done = self._done
+        n = 0
+        while True:
+            try:
+                p, t_end, wait_s, step = done.popleft()
+            except IndexError:
+                return n
+            self._record(p, t_end, wait_s, step)
+            n += 1
 
     # ----------------------------------------------------------------- used by the comm_* modules
     def busy(self) -> bool:
@@ -204,19 +235,16 @@ class CollectiveTracer:
               group_peer: int | None = None, cuda: bool = False) -> _Op:
         """Resolve the group, number the op, stamp its issue time (last, so lookup cost is not comm)."""
         info = self.mesh_info.lookup(group)
-        seq = self._seq.get(info.name, 0) + 1
-        self._seq[info.name] = seq
+        seqs = self._seq
+        seq = seqs[info.name] = seqs.get(info.name, 0) + 1
         if group_peer is not None:
             peer = info.global_rank(group_peer)
-        p = _Op(op, info, nbytes, peer, source, seq)
         if cuda:
+            p = _Op(op, info, nbytes, peer, source, seq, 0.0)
             self.cuda_timer().on_issue(p)
-        p.t_start = self.now()
-        return p
-
-    def done_callback(self, p: _Op) -> Callable[[Any], None]:
-        """A future done-callback that stamps ``p``'s completion (runs on the backend's thread)."""
-        return functools.partial(self._done, p)
+            p.t_start = self.now()
+            return p
+        return _Op(op, info, nbytes, peer, source, seq, self.now())
 
     def enter(self, p: _Op | None) -> _Op | None:
         tls = self._tls
@@ -240,31 +268,13 @@ class CollectiveTracer:
         t_end = self.now()
         self.emit(p, t_end=t_end, wait_s=t_end - p.t_start)
 
-    def track_work(self, work: Any, ops: list[_Op], *, use_future: bool) -> None:
-        """Remember an async op until ``Work.wait`` (or ``flush``). ``use_future``: stamp completion from
-        the work's future (gloo collectives; gloo P2P works have none)."""
-        fut = self._stamp_on_future(work, ops) if use_future and ops[0].cuda is None else None
+    def track_work(self, work: Any, ops: list[_Op]) -> None:
+        """Remember an async op until ``Work.wait`` (or ``flush``)."""
         pending = self._pending_works
         if len(pending) >= _MAX_PENDING:
             del pending[next(iter(pending))]
             self.stats["dropped_pending"] += 1
-        pending[id(work)] = (work, ops, fut)
-
-    def _stamp_on_future(self, work: Any, ops: list[_Op]) -> Any:
-        """Have the work's future stamp each op's completion; the future, or None when the work has none
-        (completion is then seen at wait())."""
-        key = (ops[0].op, ops[0].info.name)
-        if key in self._no_future:
-            return None
-        try:
-            fut = work.get_future()
-        except RuntimeError:
-            self._no_future.add(key)
-            self.stats["no_future"] += 1
-            return None
-        for p in ops:
-            fut.add_done_callback(self.done_callback(p))
-        return fut
+        pending[id(work)] = (work, ops, None)
 
     def take_work(self, work: Any) -> list[_Op] | None:
         if not self._pending_works:  # the common case for a wait() nobody asked us to time
@@ -286,22 +296,40 @@ class CollectiveTracer:
 
     def waited(self, ops: list[_Op], t0: float, t1: float) -> None:
         """The calling thread was blocked from ``t0`` to ``t1`` waiting for ``ops`` (one work, or one
-        coalesced work for several ops: the blocked time is split evenly)."""
+        coalesced work for several ops: the blocked time is split evenly). Completion is the wait's return
+        (an op that finished before its wait reads as ending there: an upper bound; its ``wait_s`` is
+        still exact)."""
         share = (t1 - t0) / len(ops)
         for p in ops:
             self.emit(p, t_end=min(p.t_done, t1) if p.t_done is not None else t1, wait_s=share)
 
     def emit(self, p: _Op, *, t_end: float, wait_s: float) -> None:
+        """``p`` completed at ``t_end`` (the tracer's clock) after blocking the thread for ``wait_s``."""
+        account = self._account
+        if account is None:  # a recorder without deferral: the record, now
+            self._record(p, t_end, wait_s, None)
+            return
         try:
-            info = p.info
+            step = account(p.op, wait_s)
+        except Exception as exc:
+            self.error("account_collective", exc)
+            step = -1
+        done = self._done
+        if len(done) >= _MAX_DONE:
+            self.stats["dropped_done"] += 1
+            return
+        done.append((p, t_end, wait_s, step))
+
+    def _record(self, p: _Op, t_end: float, wait_s: float, step: int | None) -> None:
+        try:
+            info, epoch = p.info, self._epoch
+            kw = dict(op=p.op, dim=info.dim, group=info.name, group_size=info.size, nbytes=p.nbytes,
+                      t_start=p.t_start + epoch, t_end=t_end + epoch, wait_s=wait_s, peer=p.peer, source=p.source)
             if self._pass_seq:
-                self.recorder.record_collective(
-                    op=p.op, dim=info.dim, group=info.name, group_size=info.size, nbytes=p.nbytes,
-                    t_start=p.t_start, t_end=t_end, wait_s=wait_s, peer=p.peer, source=p.source, seq=p.seq)
-            else:
-                self.recorder.record_collective(
-                    op=p.op, dim=info.dim, group=info.name, group_size=info.size, nbytes=p.nbytes,
-                    t_start=p.t_start, t_end=t_end, wait_s=wait_s, peer=p.peer, source=p.source)
+                kw["seq"] = p.seq
+            if step is not None:
+                kw["step"] = step
+            self.recorder.record_collective(**kw)
         except Exception as exc:
             self.error("record_collective", exc)
 

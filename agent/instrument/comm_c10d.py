@@ -14,13 +14,12 @@ Timing on CPU (gloo):
   path: issue, then ``work.wait()``); completion is the wait's return, the whole call is ``wait_s``
   (no future callback: see ``traced_call``). ``send`` / ``recv`` / ``_broadcast_coalesced``: completion
   = return.
-- asynchronous collective: completion is stamped by a callback on the work's future (runs on the gloo
-  worker thread when the op finishes); ``wait_s`` is the time spent inside ``Work.wait``. The record is
-  made at ``Work.wait``, or by ``CollectiveTracer.flush`` when nothing waits in Python.
-- asynchronous P2P: gloo's P2P works have no future, so completion is the return of ``Work.wait`` — the
-  same interval as the profiler's ``gloo:send`` / ``gloo:recv`` ranges, which also end in ``wait()``.
-  A send waited late (GPipe waits its sends after the last forward) therefore reads long; its ``wait_s``
-  is still exact.
+- asynchronous collective and P2P: completion is the return of ``Work.wait`` (no callback on the work's
+  future: it would run on the gloo worker thread and take the GIL from the training thread, +20-30 µs of
+  its CPU per op); ``wait_s`` is the time spent inside ``Work.wait``. For P2P this is the interval of the
+  profiler's ``gloo:send`` / ``gloo:recv`` ranges, which also end in ``wait()``. An op waited late (GPipe
+  waits its sends after the last forward) therefore reads long; its ``wait_s`` is still exact. The
+  record is made at ``Work.wait``, or by ``CollectiveTracer.flush`` when nothing waits in Python.
 CUDA tensors: see ``comm_nccl`` (events around the call / the wait; UNTESTED).
 
 ``P2POp`` identity: ``batch_isend_irecv`` picks the peer keyword with ``op.op is isend``. P2POps built
@@ -126,7 +125,7 @@ def collective(original: Callable, *, tracer: Any, op: str, extract: Callable,
         if not async_op:
             tracer.finish_sync(p)
         elif isinstance(result, work_type) and not isinstance(result, illegal_work):
-            tracer.track_work(result, [p], use_future=True)
+            tracer.track_work(result, [p])
 
     return traced_call(original, tracer=tracer, where=op, describe=describe, finish=finish, skip=_coalescing)
 
@@ -146,7 +145,7 @@ def p2p(original: Callable, *, tracer: Any, op: str, is_async: bool) -> Callable
         if not is_async:
             tracer.finish_sync(p)
         elif isinstance(result, work_type):
-            tracer.track_work(result, [p], use_future=False)
+            tracer.track_work(result, [p])
 
     # Called with the arguments normalised to (tensor, peer, group, tag, group_peer), positionally: the
     # order of the public signatures below, which are torch's own.
@@ -190,9 +189,9 @@ def batch(original: Callable, *, tracer: Any, isend: Callable, irecv: Callable) 
     def finish(_: None, ops: list[Any], works: Any) -> None:
         if works and len(works) == len(ops):
             for work, p in zip(works, ops):
-                tracer.track_work(work, [p], use_future=False)
+                tracer.track_work(work, [p])
         elif works:
-            tracer.track_work(works[-1], ops, use_future=False)
+            tracer.track_work(works[-1], ops)
 
     return traced_call(original, tracer=tracer, where="batch_isend_irecv", describe=describe, finish=finish)
 
@@ -201,6 +200,9 @@ def install(tracer: Any) -> None:
     """Patch every traced ``torch.distributed`` function, ``Work.wait`` and the ProcessGroup issue
     methods through ``tracer.patch`` (``CollectiveTracer``: restored by its ``detach``)."""
     owners = (c10d, dist)
+    # The unpatched Work.wait, for the waits the wrappers make themselves (a blocking call issued async):
+    # the patched one would only look the work up in vain.
+    tracer.raw_wait = torch._C._distributed_c10d.Work.wait
     for name, (op, extract, async_index) in _COLLECTIVES.items():
         if hasattr(c10d, name):
             tracer.patch(owners, name, functools.partial(collective, tracer=tracer, op=op, extract=extract,
@@ -232,34 +234,3 @@ def install(tracer: Any) -> None:
         return traced_wait
 
     tracer.patch((torch._C._distributed_c10d.Work,), "wait", wait)
-
-    # Issue time at the ProcessGroup call: the op being issued (``tracer.current()``: set by every wrapper
-    # above, the DDP hook and the FSDP comms) gets its ``t_start`` re-stamped where the Python API hands
-    # over to C++. c10d's Python wrapper before it (argument checks, group resolution, options) took 80-90
-    # µs per call on this VM: host overhead, not communication, and outside the profiler's issue event,
-    # which made small blocking all-reduces read 1.15-1.3 × the profiler. The first call per op counts
-    # (a ProcessGroup method never calls another one from Python).
-    pg_type = dist.ProcessGroup
-    now = tracer.now
-
-    def restamp(original: Callable) -> Callable:
-        def issue(self: Any, *args: Any, **kwargs: Any) -> Any:
-            p = tracer.current()
-            if p is not None and not p.issued and p.cuda is None:
-                p.issued = True
-                p.t_start = now()
-            return original(self, *args, **kwargs)
-        return issue
-
-    for name in _PG_ISSUE:
-        if name in vars(pg_type):
-            tracer.patch((pg_type,), name, restamp)
-
-
-# The ProcessGroup methods distributed_c10d calls to issue an op (torch 2.6-2.13 names; absent ones are
-# skipped).
-_PG_ISSUE = ("allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced", "all_gather_single",
-             "all_gather_single_coalesced", "_allgather_base", "allgather_into_tensor_coalesced",
-             "reduce_scatter", "reduce_scatter_single", "reduce_scatter_single_coalesced",
-             "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "alltoall", "alltoall_base",
-             "all_to_all_single", "broadcast", "reduce", "barrier", "send", "recv", "gather", "scatter")

@@ -8,8 +8,8 @@ keep accepting them) and delegate to whatever comm was installed before, timing 
 
 What they see, per call: the group, the bytes (all-gather output, reduce-scatter input: FSDP's flat
 padded buffers), issue time. On CPU/gloo FSDP calls both blocking (``async_op=False``): the wrapper
-issues the op async and waits for it itself (what c10d's blocking path does), so completion is stamped by
-the work's future when gloo finishes it, and the whole call is ``wait_s``. With ``async_op=True``
+issues the op async and waits for it itself (what c10d's blocking path does); completion is the wait's
+return and the whole call is ``wait_s``. With ``async_op=True``
 (explicit ``unshard(async_op=True)``) the work is tracked and the wait FSDP makes in
 ``foreach_all_gather_copy_out`` is timed by the ``Work.wait`` patch (``comm_c10d``).
 
@@ -46,7 +46,7 @@ def _traced(call: Callable, *, tracer: Any, op: str, buffer: int) -> Callable:
 
     def finish(p: Any, async_op: bool, work: Any) -> None:
         if async_op and work is not None:
-            tracer.track_work(work, [p], use_future=True)
+            tracer.track_work(work, [p])
         elif p.cuda is not None:
             tracer.cuda_timer().on_side_stream_return(p)
         else:

@@ -108,6 +108,10 @@ class Telemetry:
         self._cur: StepState | None = None
         self._last_step = -1
         self._tracers: list[Any] = []
+        self._ptracer: Any = None  # the pipeline tracer whose spans each step takes (attach)
+        self._epoch = self.clock.offset() if type(self.clock) is AnchoredClock else 0.0  # see PipelineTracer
+        # Ended steps waiting for the flusher to build their records: (state, t_end, cpu, spans, tensors)
+        self._ended: collections.deque[tuple] = collections.deque()
         self._writer = writer if writer is not None else self._open_writer()
         # Hang watchdog state: the training thread (the one that builds the Telemetry), the last time it
         # made progress (a step boundary or a completed collective), and whether this stall was reported.
@@ -166,9 +170,10 @@ class Telemetry:
                 self._tracers.append(tracer)
             tracer.attach(model_parts or [])
             if schedule is not None:
-                ptracer = PipelineTracer(self, on_span_enter=self._span_enter, on_span_exit=self._span_exit)
+                ptracer = PipelineTracer(self, deferred=True)
                 ptracer.attach(schedule, stages)
                 self._tracers.append(ptracer)
+                self._ptracer = ptracer
         except Exception as exc:  # instrumentation must never take training down
             self.record_error("attach", exc)
 
@@ -179,6 +184,8 @@ class Telemetry:
                 tracer.detach()
             except Exception as exc:
                 self.record_error("detach", exc)
+        self._loose_spans(self._last_step)
+        self._ptracer = None
         self._tracers.clear()
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -221,12 +228,21 @@ class Telemetry:
         """Drop the open step without a record (zero-code: an iteration that made no optimizer step)."""
         self._cur = None
 
+    def _loose_spans(self, step: int) -> None:
+        """Spans of a step that did not end (aborted, discarded, detached mid-step): recorded, not accounted."""
+        if self._ptracer is None:
+            return
+        for stage, microbatch, kind, t0, t1 in self._ptracer.take():
+            self._push("span", span_record(step=step, stage=stage, microbatch=microbatch, kind=kind,
+                                           t_start=t0 + self._epoch, t_end=t1 + self._epoch))
+
     def abort_step(self, exc: BaseException) -> None:
         """An aborted step (e.g. a peer died and the collective failed) is not a completed step: no step
         record (it would run ahead of the failed rank and report a non-finite loss that never happened),
         an event saying why."""
         state, self._cur = self._cur, None
         if state is not None:
+            self._loose_spans(state.step)
             self.event("aborted_step", f"step {state.step} aborted: {type(exc).__name__}: {exc}"[:500], step=state.step)
             self._wake.set()
 
@@ -278,10 +294,35 @@ class Telemetry:
         self._wake.set()
 
     # ------------------------------------------------------------------------------- Recorder API
-    def record_collective(self, *, op: str, dim: str, group: str, group_size: int, nbytes: int, t_start: float,
-                          t_end: float, wait_s: float, peer: int = -1, source: str, seq: int = 0) -> None:
+    def account_collective(self, op: str, wait_s: float) -> int:
+        """The hot half of a collective record, on the thread that waited (``CollectiveTracer.emit``): the
+        open step's accounting. Returns the step the op belongs to; the record itself is built later by
+        ``record_collective(..., step=...)`` on the flusher thread."""
         state = self._cur
-        step = state.step if state is not None else self._last_step
+        if state is None:
+            return self._last_step
+        state.n_collectives += 1
+        if wait_s != wait_s:  # NaN: exposure unknown for this op (e.g. FSDP on NCCL): not summed
+            return state.step
+        if op in _P2P:  # a pipeline stage waiting for its neighbour: bubble, not exposed communication
+            state.pp_wait += wait_s
+            return state.step
+        state.exposed += wait_s
+        phase = state.phase
+        if phase is not None:
+            state.waits_in_phase[phase] += wait_s
+            pt = self._ptracer
+            if state.span_depth == 0 and (pt is None or pt.depth == 0):
+                state.nonpp_wait_outside_spans += wait_s
+        return state.step
+
+    def record_collective(self, *, op: str, dim: str, group: str, group_size: int, nbytes: int, t_start: float,
+                          t_end: float, wait_s: float, peer: int = -1, source: str, seq: int = 0,
+                          step: int | None = None) -> None:
+        """One collective record. Without ``step`` the op is also accounted to the open step now (a direct
+        caller); with it, ``account_collective`` already did (the tracer's deferred path)."""
+        if step is None:
+            step = self.account_collective(op, wait_s)
         duration = t_end - t_start
         try:
             alg = algbw(nbytes, duration)
@@ -294,19 +335,6 @@ class Telemetry:
             t_end=t_end, duration_s=duration, wait_s=wait_s, algbw=alg, busbw=bus, peer=peer, source=source))
         self._last_coll = (op, dim, seq)
         self._progress(t_end)
-        if state is None:
-            return
-        state.n_collectives += 1
-        if wait_s != wait_s:  # NaN: exposure unknown for this op (e.g. FSDP on NCCL): not summed
-            return
-        if op in _P2P:  # a pipeline stage waiting for its neighbour: bubble, not exposed communication
-            state.pp_wait += wait_s
-            return
-        state.exposed += wait_s
-        if state.phase is not None:
-            state.waits_in_phase[state.phase] += wait_s
-            if state.span_depth == 0:
-                state.nonpp_wait_outside_spans += wait_s
 
     def record_span(self, *, stage: int, microbatch: int, kind: str, t_start: float, t_end: float) -> None:
         state = self._cur
@@ -348,18 +376,45 @@ class Telemetry:
         buf.append(row)
 
     def _end_step(self, state: StepState) -> None:
-        while state.phase is not None:  # phases still open (zero-code: a step ended inside one) end here
-            _pop_phase(state)
-        for tracer in self._tracers:  # async ops that completed without a Python-visible wait
-            flush = getattr(tracer, "flush", None)
-            if flush is not None:
-                try:
-                    flush()
-                except Exception as exc:
-                    self.record_error("tracer_flush", exc)
+        """The training thread's part of a step's end: close its phases, read the two clocks, take the
+        step's pipeline spans, queue it all for the flusher, which builds the records (``_build_step``)."""
         try:
+            while state.phase is not None:  # phases still open (zero-code: a step ended inside one) end here
+                _pop_phase(state)
+            for tracer in self._tracers:  # async ops that completed without a Python-visible wait
+                flush = getattr(tracer, "flush", None)
+                if flush is not None:
+                    try:
+                        flush()
+                    except Exception as exc:
+                        self.record_error("tracer_flush", exc)
             t_end = self.clock.now()
-            cpu, cpu_wait = (now - then for now, then in zip(self._cpu.read(), state.cpu0))
+            cpu = self._cpu.read()
+            spans = self._ptracer.take() if self._ptracer is not None else ()
+            ended = (state, t_end, cpu, spans, self._census.take())
+            if len(self._ended) >= self.config.max_rows_per_kind:
+                self.dropped_records += 1
+            else:
+                self._ended.append(ended)
+        except Exception as exc:
+            self.record_error("end_step", exc)
+        finally:
+            self._last_step = state.step
+            self._cur = None
+            self._progress(self.clock.now())
+
+    def _build_step(self, state: StepState, t_end: float, cpu_end: tuple[float, float], spans: Any,
+                    tensors: tuple[int, int, int]) -> None:
+        """Runs on the flusher thread: the step's span rows, its step row (the accounting of the module
+        docstring) and its memory sample."""
+        try:
+            for stage, microbatch, kind, t0, t1 in spans:
+                t0, t1 = t0 + self._epoch, t1 + self._epoch
+                self._push("span", span_record(step=state.step, stage=stage, microbatch=microbatch, kind=kind,
+                                               t_start=t0, t_end=t1))
+                state.span_time += t1 - t0
+                state.span_kind_time[kind] += t1 - t0
+            cpu, cpu_wait = (now - then for now, then in zip(cpu_end, state.cpu0))
             wall = t_end - state.t_start
             v = state.values
             pipeline_time = state.phases.get("pipeline", 0.0)
@@ -389,16 +444,12 @@ class Telemetry:
                 skipped=bool(v.get("skipped", False)),
                 n_collectives=state.n_collectives, dropped_records_total=dropped, cpu_s=cpu, cpu_wait_s=cpu_wait,
             ))
-            tensors = self._census.take()
+            # Sampled here, not at the step's end on the training thread: /proc reads and the allocator's
+            # stats are process-wide, so the flusher reads them a few ms later at no cost to training.
             if state.step % self.config.memory_every == 0 or tensors is not memory.NOT_MEASURED:
                 self._push("memory", memory.sample(state.step, t_end, self._device_or_cpu(), tensors))
         except Exception as exc:
             self.record_error("end_step", exc)
-        finally:
-            self._last_step = state.step
-            self._cur = None
-            self._progress(self.clock.now())
-            self._wake.set()
 
     def _device_or_cpu(self):
         if self._device is None:
@@ -411,12 +462,13 @@ class Telemetry:
         while not self._stop.is_set():
             self._wake.wait(self.config.flush_interval_s)
             self._wake.clear()
-            self._check_hang()
             self._drain()
+            self._check_hang()
 
     def _progress(self, t: float) -> None:
-        self._progress_t = t
-        self._hang_reported = False
+        if t >= self._progress_t:  # records drained late carry older times: progress never goes back
+            self._progress_t = t
+            self._hang_reported = False
 
     def _check_hang(self) -> None:
         """Runs on the flusher thread. After ``hang_after_s`` without progress, one ``hang`` event per
@@ -439,6 +491,22 @@ class Telemetry:
             self.record_error("hang_watchdog", exc)
 
     def _drain(self) -> None:
+        # Records whose building was deferred off the training thread: collectives first (a step's
+        # accounting is complete before its record), then the ended steps.
+        for tracer in tuple(self._tracers):
+            drain = getattr(tracer, "drain", None)
+            if drain is not None:
+                try:
+                    drain()
+                except Exception as exc:
+                    self.record_error("tracer_drain", exc)
+        ended = self._ended
+        while ended:
+            try:
+                item = ended.popleft()
+            except IndexError:
+                break
+            self._build_step(*item)
         for kind, buf in self._bufs.items():
             if not buf:
                 continue

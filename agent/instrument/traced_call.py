@@ -73,7 +73,7 @@ def traced_call(original: Callable, *, tracer: Any, where: str, describe: Callab
             # therefore the return of this wait, and the whole call is blocked time (``finish_sync``).
             # ``None``: c10d returns no work on a rank outside the group; nothing to wait for.
             if result is not None:
-                result.wait()
+                tracer.raw_wait(result)
             try:
                 tracer.finish_sync(op)
             except Exception as exc:
