@@ -321,11 +321,8 @@ def patch_targets() -> dict[str, Any]:
               "wait_tensor"]:
         out[f"funcol.{n}"] = getattr(funcol, n)
     out["Work.wait"] = torch._C._distributed_c10d.Work.__dict__["wait"]
-    from meshscope.agent.instrument.comm_c10d import _PG_ISSUE
-
-    for n in _PG_ISSUE:
-        if n in vars(dist.ProcessGroup):
-            out[f"ProcessGroup.{n}"] = vars(dist.ProcessGroup)[n]
+    for n, value in vars(dist.ProcessGroup).items():  # the tracer patches none of them: any change is a leak
+        out[f"ProcessGroup.{n}"] = value
     return out
 
 
