@@ -3,7 +3,7 @@ PY ?= python3
 PIP = $(PY) -m pip
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test install install-servers test-fast bench clean
+.PHONY: demo test install install-servers test-fast bench gpu-check clean
 
 # torch first, from the pinned CPU wheel (a GPU machine keeps the torch it has): pyproject only declares
 # a range, so pip never resolves a newer torch with gigabytes of CUDA packages. Then meshscope itself,
@@ -39,6 +39,12 @@ bench: install
 	$(PY) bench/dashboard_pages.py
 	$(PY) bench/spool_outage.py
 	$(PY) bench/zerocode_overhead.py
+
+# On a machine with an NVIDIA GPU (and the torch it has: `install` adds torch only where none imports):
+# the trainer's 1b MFU, collective timing vs the profiler, the allocator and NVML fields, the telemetry
+# overhead; a Markdown report in gpu-check.md. Prints one line and does nothing without a GPU.
+gpu-check: install
+	$(PY) bench/gpu_check.py
 
 clean:
 	rm -rf .runs artifacts .pytest_cache

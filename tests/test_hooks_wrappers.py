@@ -136,7 +136,7 @@ class Site:
     call: Callable[[Callable], Any]
     result: Callable[[tuple, dict], Any]
     records: list[tuple[str, int, str, int]]  # (op, nbytes, source, peer) of what a working call records
-    blocking: bool = False  # issued async and waited by the wrapper
+    blocking: bool = False  # returns once its op completed: recorded at the return, the whole call waited
 
 
 def _p2p(tracer: CollectiveTracer, original: Callable, *, op: str, is_async: bool) -> Callable:
@@ -154,9 +154,8 @@ def _batch(tracer: CollectiveTracer, original: Callable) -> Callable:
 
 
 def _c10d(name: str) -> Callable[[CollectiveTracer, Original], Callable]:
-    op, extract, async_index = comm_c10d._COLLECTIVES[name]
-    return lambda tracer, original: comm_c10d.collective(original, tracer=tracer, op=op, extract=extract,
-                                                         async_index=async_index)
+    op, bind = comm_c10d._COLLECTIVES[name]
+    return lambda tracer, original: comm_c10d.collective(original, tracer=tracer, op=op, bind=bind)
 
 
 def _funcol_single(name: str) -> Callable[[CollectiveTracer, Original], Callable]:
@@ -178,7 +177,7 @@ SITES = [
          lambda f: f(torch.ones(8), T, "g", True), _work, [("all_gather", 32, "c10d", -1)]),
     Site("c10d_no_async_variant", "broadcast",
          lambda tracer, original: comm_c10d.collective(original, tracer=tracer, op="broadcast",
-                                                       extract=comm_c10d._broadcast_coalesced, async_index=None),
+                                                       bind=comm_c10d._broadcast_coalesced),
          lambda f: f("g", [T, T], 1024, 0), _none, [("broadcast", 32, "c10d", -1)]),
     Site("p2p_isend", "send", functools.partial(_p2p, op="send", is_async=True), lambda f: f(T, 1, "g"), _work,
          [("send", 16, "c10d", 1)]),
@@ -226,9 +225,9 @@ def _run(site: Site, tracer: CollectiveTracer, original: Original) -> Any:
 
 
 def _expected_result(site: Site, original: Original) -> Any:
-    """What the caller gets without tracing: the blocking sites wait on the caller's behalf and return
-    None, the others the original's own result (compared by type: works are new objects per call)."""
-    return None if site.blocking else site.result(*original.calls[0])
+    """What the caller gets without tracing: the original's own result (compared by type: works are new
+    objects per call)."""
+    return site.result(*original.calls[0])
 
 
 def _same_result(got: Any, want: Any) -> bool:
@@ -249,8 +248,9 @@ def test_a_working_site_records_its_ops(site: Site) -> None:
     assert sorted(got) == sorted(site.records)
     assert all(r["t_end"] >= r["t_start"] and r["wait_s"] >= 0 for r in rec.collectives)
     assert rec.errors == [] and not tracer.busy() and tracer.current() is None
-    if site.blocking:  # issued async on the caller's behalf, and waited by the wrapper
-        assert _asks_async(*original.calls[0]) and [w.waits for w in original.works] == [1]
+    if site.blocking:  # made as the caller made it; the whole call is the op's blocked time
+        assert _shape(original.calls) == _untraced(site) and not _asks_async(*original.calls[0])
+        assert all(r["wait_s"] == pytest.approx(r["t_end"] - r["t_start"]) for r in rec.collectives)
 
 
 @pytest.mark.parametrize("site", SITES, ids=lambda s: s.name)
@@ -300,15 +300,6 @@ def test_the_calls_own_exception_propagates_unchanged(site: Site) -> None:
     assert raised.value is error
     assert rec.errors == [] and rec.collectives == []
     assert not tracer.busy() and tracer.current() is None  # the nesting state is restored
-
-
-@pytest.mark.parametrize("site", [s for s in SITES if s.blocking], ids=lambda s: s.name)
-def test_the_wait_made_for_a_blocking_call_propagates_its_exception(site: Site) -> None:
-    rec = ListRecorder()
-    error = UserError("timed out")
-    with pytest.raises(UserError) as raised:
-        site.call(site.build(_tracer(recorder=rec), Original(site.result, wait_fail=error)))
-    assert raised.value is error and rec.errors == [] and rec.collectives == []
 
 
 @pytest.mark.parametrize("site", SITES, ids=lambda s: s.name)

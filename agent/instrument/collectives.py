@@ -37,14 +37,14 @@ collective itself propagates unchanged. The c10d, P2P, funcol and FSDP issue wra
 for this (``traced_call``); the plug-ins get this tracer as an argument and never import this module.
 
 The training thread pays only for what cannot be deferred (the goal is ≤ 2 µs of its CPU per op, measured
-by bench/hooks_overhead.py): per op it resolves the group (a cached dict hit), numbers the op, takes
-``perf_counter`` timestamps and, at completion, calls the recorder's ``account_collective`` (its step
-accounting: a few additions) and appends ``(op, t_end, wait_s, step)`` to a bounded deque. Everything else
-— the epoch time base, the record's fields, bandwidths, the row itself — is built by ``drain()`` on the
-recorder's flusher thread. No future callback is added to a work: completion of an async op is the return
-of its ``Work.wait`` (a callback runs on the backend's thread and has to take the GIL from the training
-thread: +20-30 µs of training-thread CPU per op, measured). A recorder without ``account_collective``
-(``ListRecorder``, tests) gets each record synchronously, at completion, as before.
+by bench/hooks_overhead.py): per op it resolves the group (a cached dict hit), numbers the op, takes two
+``perf_counter`` readings and appends ``(op, t_end, wait_s, open step)`` to a bounded deque. Everything
+else — the epoch time base, the record's fields, bandwidths, the row itself, and the op's share of its
+step's accounting — is done by ``drain()`` and the recorder on the recorder's flusher thread (a recorder
+with a ``live`` view of its open step and an ``epoch``: Telemetry). No future callback is added to a
+work: completion of an async op is the return of its ``Work.wait`` (a callback runs on the backend's
+thread and has to take the GIL from the training thread: +20-30 µs of training-thread CPU per op,
+measured). Any other recorder (``ListRecorder``, tests) gets each record synchronously, at completion.
 
 CUDA tensors (NCCL) take the ``comm_nccl`` path: futures complete at enqueue there, so CPU timestamps say
 nothing about completion; CUDA events give duration and exposure, resolved at ``flush()``. That path is
@@ -60,32 +60,54 @@ import threading
 import time
 from typing import Any, Callable
 
-from meshscope.agent.contract import AnchoredClock
 from meshscope.agent.instrument.meshinfo import GroupInfo, MeshInfo
+from meshscope.agent.instrument.recorder import DIRECT
 
 _MAX_PENDING = 4096  # async ops waiting for their wait(); beyond this the oldest are dropped (and counted)
 _MAX_DONE = 65536  # completed ops waiting for drain(); beyond this new ones are dropped (and counted)
 
 
-class _Op:
-    """One issued op until it is recorded."""
+class _OpDefaults:
+    """What most ops never set, as class attributes: an op's constructor stores only what every op has
+    (instances get a ``__dict__`` for these on the first store, which the CPU blocking path never does)."""
 
-    __slots__ = ("op", "info", "nbytes", "peer", "source", "seq", "t_start", "t_done", "wait_s", "waited",
-                 "cuda")
+    t_done: float | None = None  # completion seen before the record (DDP's callback, funcol's wait)
+    wait_s = 0.0  # blocked time already attributed (waits nested inside the issuing call)
+    waited = False
+    cuda: Any = None  # CUDA events (comm_nccl), None on CPU
+
+
+class _Op(_OpDefaults):
+    """One issued op until it is recorded. Once complete it is its own entry in the tracer's queue:
+    ``t_end``, ``blocked`` (its ``wait_s``) and ``ctx`` (the recorder's open step) are set by ``emit``."""
+
+    __slots__ = ("op", "info", "nbytes", "peer", "source", "seq", "t_start", "t_end", "blocked", "ctx")
 
     def __init__(self, op: str, info: GroupInfo, nbytes: int, peer: int, source: str, seq: int,
                  t_start: float) -> None:
-        self.op, self.info, self.nbytes, self.peer, self.source, self.seq = op, info, nbytes, peer, source, seq
+        self.op = op
+        self.info = info
+        self.nbytes = nbytes
+        self.peer = peer
+        self.source = source
+        self.seq = seq
         self.t_start = t_start
-        self.t_done: float | None = None  # completion seen before the record (DDP's callback, funcol's wait)
-        self.wait_s = 0.0  # blocked time already attributed (waits nested inside the issuing call)
-        self.waited = False
-        self.cuda: Any = None  # CUDA events (comm_nccl), None on CPU
+
+
+class _Nesting:
+    """Per-thread nesting state. ``depth`` > 0 while inside a traced issue call: nested dist.* calls are
+    not recorded again; ``current``: the op being issued (a wait inside its own issue call belongs to it)."""
+
+    __slots__ = ("depth", "current")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.current: _Op | None = None
 
 
 class _TLS(threading.local):
-    depth = 0  # > 0 while inside a traced issue call: nested dist.* calls are not recorded again
-    current: _Op | None = None  # the op being issued (a wait inside its own issue call belongs to it)
+    def __init__(self) -> None:
+        self.nesting = _Nesting()
 
 
 class _Patch:
@@ -116,32 +138,40 @@ class CollectiveTracer:
         self.recorder = recorder
         self.ddp_comm_hook = ddp_comm_hook
         self.mesh_info = mesh_info if mesh_info is not None else MeshInfo()
-        # Timestamps on the hot path are raw perf_counter readings when the recorder's clock is the
-        # AnchoredClock (a C call, against a Python method call per reading); drain() adds the anchor.
-        clock = recorder.clock
-        if type(clock) is AnchoredClock:
+        # A recorder with a ``live`` view of its open step (Telemetry) takes records deferred: the hot path
+        # stores raw perf_counter readings and the open step's context, and drain() builds the records
+        # on the recorder's flusher thread (adding ``recorder.epoch`` to the times). Any other recorder
+        # (ListRecorder, tests) gets each record at completion, stamped by its own clock.
+        self._live: Any = getattr(recorder, "live", None)
+        if self._live is not None:
             self.now: Callable[[], float] = time.perf_counter
-            self._epoch = clock.offset()
-        else:  # a test's clock: read it as is
-            self.now = clock.now
+            self._epoch = float(recorder.epoch)
+        else:
+            self.now = recorder.clock.now
             self._epoch = 0.0
-        # The recorder's step accounting, when it defers building records to drain() (Telemetry).
-        self._account: Callable[[str, float], int] | None = getattr(recorder, "account_collective", None)
-        self._done: collections.deque[tuple[_Op, float, float, int]] = collections.deque()
+        self._done: collections.deque[_Op] = collections.deque()  # completed, waiting for drain()
         self.enabled = False
         self.stats: collections.Counter[str] = collections.Counter()
+        # The thread that attaches (the training thread) has its nesting state in a plain object: an
+        # attribute of a threading.local costs 4-5× a plain one, and each traced call touches it 6 times.
+        # Other threads (autograd's device threads, a checkpoint thread) get theirs from a threading.local.
+        self._main_tid = threading.get_ident()
+        self._main = _Nesting()
         self._tls = _TLS()
-        # Work.wait as torch defines it, for waits a wrapper makes itself (set by comm_c10d.install)
-        self.raw_wait: Callable[[Any], Any] = lambda work: work.wait()
-        self._seq: dict[str, int] = {}
+        # id(group designator) → (designator, GroupInfo, its group's issue counter): one dict hit per op.
+        # Designators of one group (None and the world group; a mesh and its group) share the counter.
+        self._groups: dict[int, tuple[Any, GroupInfo, list[int]]] = {}
+        self._counters: dict[str, list[int]] = {}
         # id(Work) → (the Work, kept alive so that its id stays unique; its ops; its future or None)
         self._pending_works: dict[int, tuple[Any, list[_Op], Any]] = {}
         self._pending_tensors: dict[int, _Op] = {}  # funcol: output storage pointer → op
+        self.max_pending = _MAX_PENDING  # bound of either pending map (read by sites that inline their adds)
         self._patches: list[_Patch] = []
         self._model_hooks: dict[int, Any] = {}  # id(module) → handle with .detach()
         self._cuda: Any = None  # comm_nccl.CudaCommTimer, created on the first CUDA op
         # The Recorder protocol has no ``seq`` yet; pass the issue-order sequence number where accepted.
         self._pass_seq = _accepts_kw(recorder.record_collective, "seq")
+        self._hot_paths()
 
     # ------------------------------------------------------------------------------------ lifecycle
     def attach(self, model: Any = None) -> None:
@@ -221,44 +251,47 @@ class CollectiveTracer:
         n = 0
         while True:
             try:
-                p, t_end, wait_s, step = done.popleft()
+                p = done.popleft()
             except IndexError:
                 return n
-            self._record(p, t_end, wait_s, step)
+            self._record(p, p.t_end, p.blocked, p.ctx)
             n += 1
 
     # ----------------------------------------------------------------- used by the comm_* modules
-    def busy(self) -> bool:
-        return self._tls.depth > 0
+    def nesting(self) -> _Nesting:
+        """The calling thread's nesting state."""
+        return self._main if threading.get_ident() == self._main_tid else self._tls.nesting
 
-    def begin(self, op: str, group: Any, nbytes: int, source: str, *, peer: int = -1,
+    def busy(self) -> bool:
+        return self.nesting().depth > 0
+
+    def begin(self, op: str, group: Any, nbytes: int, source: str, peer: int = -1,
               group_peer: int | None = None, cuda: bool = False) -> _Op:
-        """Resolve the group, number the op, stamp its issue time (last, so lookup cost is not comm)."""
+        """Resolve the group, number the op, stamp its issue time (last, so lookup cost is not comm).
+        Positional parameters (unlike the rest of the code base): hot sites call it positionally. The
+        instance attribute ``begin`` is this, as a closure over the tracer's state (``_hot_paths``)."""
+        return self._begin(op, group, nbytes, source, peer, group_peer, cuda)
+
+    def _group(self, group: Any) -> tuple[Any, GroupInfo, list[int]]:
         info = self.mesh_info.lookup(group)
-        seqs = self._seq
-        seq = seqs[info.name] = seqs.get(info.name, 0) + 1
-        if group_peer is not None:
-            peer = info.global_rank(group_peer)
-        if cuda:
-            p = _Op(op, info, nbytes, peer, source, seq, 0.0)
-            self.cuda_timer().on_issue(p)
-            p.t_start = self.now()
-            return p
-        return _Op(op, info, nbytes, peer, source, seq, self.now())
+        if len(self._groups) >= _MAX_PENDING:  # rank lists built per call must not grow it forever
+            self._groups.clear()
+        hit = self._groups[id(group)] = (group, info, self._counters.setdefault(info.name, [0]))
+        return hit
 
     def enter(self, p: _Op | None) -> _Op | None:
-        tls = self._tls
+        tls = self.nesting()
         tls.depth += 1
         prev, tls.current = tls.current, p
         return prev
 
     def leave(self, prev: _Op | None) -> None:
-        tls = self._tls
+        tls = self.nesting()
         tls.depth -= 1
         tls.current = prev
 
     def current(self) -> _Op | None:
-        return self._tls.current
+        return self.nesting().current
 
     def finish_sync(self, p: _Op) -> None:
         """A call that returned only once its op completed: the whole call was blocked time."""
@@ -303,32 +336,60 @@ class CollectiveTracer:
         for p in ops:
             self.emit(p, t_end=min(p.t_done, t1) if p.t_done is not None else t1, wait_s=share)
 
-    def emit(self, p: _Op, *, t_end: float, wait_s: float) -> None:
-        """``p`` completed at ``t_end`` (the tracer's clock) after blocking the thread for ``wait_s``."""
-        account = self._account
-        if account is None:  # a recorder without deferral: the record, now
-            self._record(p, t_end, wait_s, None)
-            return
-        try:
-            step = account(p.op, wait_s)
-        except Exception as exc:
-            self.error("account_collective", exc)
-            step = -1
-        done = self._done
-        if len(done) >= _MAX_DONE:
-            self.stats["dropped_done"] += 1
-            return
-        done.append((p, t_end, wait_s, step))
+    def emit(self, p: _Op, t_end: float, wait_s: float) -> None:
+        """``p`` completed at ``t_end`` (the tracer's clock) after blocking the thread for ``wait_s``.
+        Deferred recorders: ``p`` is queued with the open step's context; ``drain`` makes the record and
+        the recorder accounts it to that step when it builds the step's record. The instance attribute
+        ``emit`` is this, as a closure (``_hot_paths``)."""
+        self._emit(p, t_end, wait_s)
 
-    def _record(self, p: _Op, t_end: float, wait_s: float, step: int | None) -> None:
+    def _hot_paths(self) -> None:
+        """``begin`` and ``emit`` as closures over the tracer's state, set as instance attributes: they run
+        on every op, and a closure reads its state from cells where a method looks up ``self.<name>``."""
+        groups, resolve, now, live, done, stats, record = (
+            self._groups, self._group, self.now, self._live, self._done, self.stats, self._record)
+
+        def begin(op: str, group: Any, nbytes: int, source: str, peer: int = -1,
+                  group_peer: int | None = None, cuda: bool = False) -> _Op:
+            hit = groups.get(id(group))
+            if hit is None or hit[0] is not group:
+                hit = resolve(group)
+            info, counter = hit[1], hit[2]
+            seq = counter[0] = counter[0] + 1
+            if group_peer is not None:
+                peer = info.global_rank(group_peer)
+            if cuda:
+                p = _Op(op, info, nbytes, peer, source, seq, 0.0)
+                self.cuda_timer().on_issue(p)
+                p.t_start = now()
+                return p
+            return _Op(op, info, nbytes, peer, source, seq, now())
+
+        if live is None:
+            def emit(p: _Op, t_end: float, wait_s: float) -> None:  # a recorder without deferral: now
+                record(p, t_end, wait_s, DIRECT)
+        else:
+            def emit(p: _Op, t_end: float, wait_s: float) -> None:
+                if len(done) < _MAX_DONE:
+                    p.t_end = t_end
+                    p.blocked = wait_s
+                    p.ctx = live.step
+                    done.append(p)
+                else:
+                    stats["dropped_done"] += 1
+
+        self._begin = self.begin = begin
+        self._emit = self.emit = emit
+
+    def _record(self, p: _Op, t_end: float, wait_s: float, context: Any) -> None:
         try:
             info, epoch = p.info, self._epoch
             kw = dict(op=p.op, dim=info.dim, group=info.name, group_size=info.size, nbytes=p.nbytes,
                       t_start=p.t_start + epoch, t_end=t_end + epoch, wait_s=wait_s, peer=p.peer, source=p.source)
             if self._pass_seq:
                 kw["seq"] = p.seq
-            if step is not None:
-                kw["step"] = step
+            if context is not DIRECT:
+                kw["context"] = context
             self.recorder.record_collective(**kw)
         except Exception as exc:
             self.error("record_collective", exc)

@@ -10,10 +10,9 @@ other than ``batch_isend_irecv``'s, ``gather`` / ``scatter`` / object collective
 are seen as the broadcast / all-gather they are built from).
 
 Timing on CPU (gloo):
-- blocking call (``async_op=False``): issued async and waited by the wrapper (exactly c10d's blocking
-  path: issue, then ``work.wait()``); completion is the wait's return, the whole call is ``wait_s``
-  (no future callback: see ``traced_call``). ``send`` / ``recv`` / ``_broadcast_coalesced``: completion
-  = return.
+- blocking call (``async_op=False``, ``send`` / ``recv`` / ``_broadcast_coalesced``): the call returns
+  once its op completed (c10d waits for the work inside it), so completion is the return and the whole
+  call is ``wait_s`` (no future callback: see ``traced_call``).
 - asynchronous collective and P2P: completion is the return of ``Work.wait`` (no callback on the work's
   future: it would run on the gloo worker thread and take the GIL from the training thread, +20-30 µs of
   its CPU per op); ``wait_s`` is the time spent inside ``Work.wait``. For P2P this is the interval of the
@@ -48,54 +47,77 @@ def _nbytes_of(tensors: Iterable[Any]) -> int:
     return sum(t.nbytes for t in tensors)
 
 
-# name → (op, extract(args, kwargs) -> (nbytes, group, async_op, a tensor of the op for its device)).
-# Bytes follow nccl-tests: all-gather = output, reduce-scatter / all-to-all = input.
+# name → (op, bind): ``bind(tracer, op)`` gives the site's ``describe`` (see ``traced_call``). Bytes follow
+# nccl-tests: all-gather = output, reduce-scatter / all-to-all = input. ``_one``'s describe indexes the
+# arguments inline and begins the op in the same frame: it runs on every traced call of the common
+# one-tensor collectives. The others go through an ``extract(args, kwargs) -> (nbytes, group, async_op, a
+# tensor of the op for its device)``.
 def _one(ti: int, gi: int, ai: int, tname: str = "tensor") -> Callable:
-    def extract(args: tuple, kwargs: dict) -> tuple[int, Any, bool, Any]:
-        t = _a(args, kwargs, ti, tname)
-        return t.nbytes, _a(args, kwargs, gi, "group"), bool(_a(args, kwargs, ai, "async_op", False)), t
-    return extract
+    def bind(tracer: Any, op: str) -> Callable[[tuple, dict], Issue]:
+        begin = tracer.begin
+
+        def describe(args: tuple, kwargs: dict) -> Issue:
+            n = len(args)
+            t = args[ti] if n > ti else kwargs[tname]
+            if kwargs:
+                group = args[gi] if n > gi else kwargs.get("group")
+                async_op = bool(args[ai] if n > ai else kwargs.get("async_op", False))
+            else:
+                group = args[gi] if n > gi else None
+                async_op = n > ai and bool(args[ai])
+            cuda = t.is_cuda
+            # A blocking call returns once its op completed: the whole call is blocked time (on CPU; on
+            # CUDA it returns once the op is queued, see comm_nccl).
+            return begin(op, group, t.nbytes, "c10d", -1, None, cuda), args, kwargs, not async_op and not cuda, async_op
+        return describe
+    return bind
+
+
+def _via(extract: Callable[[tuple, dict], tuple[int, Any, bool, Any]]) -> Callable:
+    def bind(tracer: Any, op: str) -> Callable[[tuple, dict], Issue]:
+        def describe(args: tuple, kwargs: dict) -> Issue:
+            nbytes, group, async_op, tensor = extract(args, kwargs)
+            cuda = tensor is not None and tensor.is_cuda
+            return tracer.begin(op, group, nbytes, "c10d", cuda=cuda), args, kwargs, not async_op and not cuda, async_op
+        return describe
+    return bind
 
 
 def _many(ti: int, gi: int, ai: int, tname: str) -> Callable:
     def extract(args: tuple, kwargs: dict) -> tuple[int, Any, bool, Any]:
         ts = _a(args, kwargs, ti, tname)
         return _nbytes_of(ts), _a(args, kwargs, gi, "group"), bool(_a(args, kwargs, ai, "async_op", False)), ts[0]
-    return extract
+    return _via(extract)
 
 
+@_via
 def _barrier(args: tuple, kwargs: dict) -> tuple[int, Any, bool, Any]:
     return 0, _a(args, kwargs, 0, "group"), bool(_a(args, kwargs, 1, "async_op", False)), None
 
 
+@_via
 def _broadcast_coalesced(args: tuple, kwargs: dict) -> tuple[int, Any, bool, Any]:
     ts = _a(args, kwargs, 1, "tensors")
     return _nbytes_of(ts), _a(args, kwargs, 0, "process_group"), False, ts[0] if ts else None
 
 
-# name → (op, extractor, position of ``async_op`` or None when the API has none)
-_COLLECTIVES: dict[str, tuple[str, Callable, int | None]] = {
-    "broadcast": ("broadcast", _one(0, 2, 3), 3),
-    "all_reduce": ("all_reduce", _one(0, 2, 3), 3),
-    "reduce": ("reduce", _one(0, 3, 4), 4),
-    "all_gather": ("all_gather", _many(0, 2, 3, "tensor_list"), 3),
-    "all_gather_single": ("all_gather", _one(0, 2, 3, "output_tensor"), 3),
-    "all_gather_into_tensor": ("all_gather", _one(0, 2, 3, "output_tensor"), 3),
-    "_all_gather_base": ("all_gather", _one(0, 2, 3, "output_tensor"), 3),
-    "reduce_scatter": ("reduce_scatter", _many(1, 3, 4, "input_list"), 4),
-    "reduce_scatter_single": ("reduce_scatter", _one(1, 3, 4, "input"), 4),
-    "reduce_scatter_tensor": ("reduce_scatter", _one(1, 3, 4, "input"), 4),
-    "_reduce_scatter_base": ("reduce_scatter", _one(1, 3, 4, "input"), 4),
-    "all_to_all_single": ("all_to_all", _one(1, 4, 5, "input"), 5),
-    "all_to_all": ("all_to_all", _many(1, 2, 3, "input_tensor_list"), 3),
-    "barrier": ("barrier", _barrier, 1),
+# name → (op, bind)
+_COLLECTIVES: dict[str, tuple[str, Callable]] = {
+    "broadcast": ("broadcast", _one(0, 2, 3)),
+    "all_reduce": ("all_reduce", _one(0, 2, 3)),
+    "reduce": ("reduce", _one(0, 3, 4)),
+    "all_gather": ("all_gather", _many(0, 2, 3, "tensor_list")),
+    "all_gather_single": ("all_gather", _one(0, 2, 3, "output_tensor")),
+    "all_gather_into_tensor": ("all_gather", _one(0, 2, 3, "output_tensor")),
+    "_all_gather_base": ("all_gather", _one(0, 2, 3, "output_tensor")),
+    "reduce_scatter": ("reduce_scatter", _many(1, 3, 4, "input_list")),
+    "reduce_scatter_single": ("reduce_scatter", _one(1, 3, 4, "input")),
+    "reduce_scatter_tensor": ("reduce_scatter", _one(1, 3, 4, "input")),
+    "_reduce_scatter_base": ("reduce_scatter", _one(1, 3, 4, "input")),
+    "all_to_all_single": ("all_to_all", _one(1, 4, 5, "input")),
+    "all_to_all": ("all_to_all", _many(1, 2, 3, "input_tensor_list")),
+    "barrier": ("barrier", _barrier),
 }
-
-
-def _as_async(args: tuple, kwargs: dict, i: int) -> tuple[tuple, dict]:
-    if len(args) > i:
-        return args[:i] + (True,) + args[i + 1:], kwargs
-    return args, {**kwargs, "async_op": True}
 
 
 # Inside a c10d coalescing manager (``world.pg_coalesce_state`` non-empty) a call only queues its op;
@@ -104,30 +126,23 @@ def _as_async(args: tuple, kwargs: dict, i: int) -> tuple[tuple, dict]:
 _coalescing = c10d._world.pg_coalesce_state.__len__
 
 
-def collective(original: Callable, *, tracer: Any, op: str, extract: Callable,
-               async_index: int | None) -> Callable:
-    """``original`` (a ``torch.distributed`` collective; ``_COLLECTIVES`` gives ``extract`` and
-    ``async_index``) recording ``op`` through ``tracer``."""
+def collective(original: Callable, *, tracer: Any, op: str, bind: Callable) -> Callable:
+    """``original`` (a ``torch.distributed`` collective; ``_COLLECTIVES`` gives ``bind``) recording ``op``
+    through ``tracer``."""
     work_type, illegal_work = c10d.Work, c10d._IllegalWork
-
-    def describe(args: tuple, kwargs: dict) -> Issue:
-        nbytes, group, async_op, tensor = extract(args, kwargs)
-        cuda = tensor is not None and tensor.is_cuda
-        p = tracer.begin(op, group, nbytes, "c10d", cuda=cuda)
-        # A blocking call on CPU is issued async and waited by the wrapper (what c10d's sync path does:
-        # issue, then work.wait()), so the wait is timed where it happens.
-        blocking = not async_op and async_index is not None and not cuda
-        if blocking:
-            args, kwargs = _as_async(args, kwargs, async_index)
-        return p, args, kwargs, blocking, async_op
+    pending, limit = tracer._pending_works, tracer.max_pending
 
     def finish(p: Any, async_op: bool, result: Any) -> None:
-        if not async_op:
+        if not async_op:  # CUDA
             tracer.finish_sync(p)
         elif isinstance(result, work_type) and not isinstance(result, illegal_work):
-            tracer.track_work(result, [p])
+            if len(pending) < limit:  # tracer.track_work, inline
+                pending[id(result)] = (result, [p], None)
+            else:
+                tracer.track_work(result, [p])
 
-    return traced_call(original, tracer=tracer, where=op, describe=describe, finish=finish, skip=_coalescing)
+    return traced_call(original, tracer=tracer, where=op, describe=bind(tracer, op), finish=finish,
+                       skip=_coalescing)
 
 
 def p2p(original: Callable, *, tracer: Any, op: str, is_async: bool) -> Callable:
@@ -137,12 +152,13 @@ def p2p(original: Callable, *, tracer: Any, op: str, is_async: bool) -> Callable
 
     def describe(args: tuple, kwargs: dict) -> Issue:
         tensor, peer, group, _tag, group_peer = args
-        p = tracer.begin(op, group, tensor.nbytes, "c10d", peer=-1 if peer is None else peer,
-                         group_peer=group_peer if peer is None else None, cuda=tensor.is_cuda)
-        return p, args, kwargs, False, None
+        cuda = tensor.is_cuda
+        p = tracer.begin(op, group, tensor.nbytes, "c10d", -1 if peer is None else peer,
+                         group_peer if peer is None else None, cuda)
+        return p, args, kwargs, not is_async and not cuda, None
 
     def finish(p: Any, _: None, result: Any) -> None:
-        if not is_async:
+        if not is_async:  # CUDA
             tracer.finish_sync(p)
         elif isinstance(result, work_type):
             tracer.track_work(result, [p])
@@ -200,16 +216,12 @@ def install(tracer: Any) -> None:
     """Patch every traced ``torch.distributed`` function, ``Work.wait`` and the ProcessGroup issue
     methods through ``tracer.patch`` (``CollectiveTracer``: restored by its ``detach``)."""
     owners = (c10d, dist)
-    # The unpatched Work.wait, for the waits the wrappers make themselves (a blocking call issued async):
-    # the patched one would only look the work up in vain.
-    tracer.raw_wait = torch._C._distributed_c10d.Work.wait
-    for name, (op, extract, async_index) in _COLLECTIVES.items():
+    for name, (op, bind) in _COLLECTIVES.items():
         if hasattr(c10d, name):
-            tracer.patch(owners, name, functools.partial(collective, tracer=tracer, op=op, extract=extract,
-                                                         async_index=async_index))
+            tracer.patch(owners, name, functools.partial(collective, tracer=tracer, op=op, bind=bind))
     # DDP's buffer sync; a C++ binding exported only in torch.distributed (no async variant).
     tracer.patch((dist,), "_broadcast_coalesced", functools.partial(
-        collective, tracer=tracer, op="broadcast", extract=_broadcast_coalesced, async_index=None))
+        collective, tracer=tracer, op="broadcast", bind=_broadcast_coalesced))
 
     isend = tracer.patch(owners, "isend", functools.partial(p2p, tracer=tracer, op="send", is_async=True))
     irecv = tracer.patch(owners, "irecv", functools.partial(p2p, tracer=tracer, op="recv", is_async=True))
@@ -218,16 +230,25 @@ def install(tracer: Any) -> None:
     tracer.patch(owners, "batch_isend_irecv", functools.partial(batch, tracer=tracer, isend=isend, irecv=irecv))
 
     def wait(original: Callable) -> Callable:
+        pending, now = tracer._pending_works, tracer.now  # take_work, inline: every Work.wait comes here
+
         def traced_wait(self: Any, *args: Any, **kwargs: Any) -> Any:
-            ops = tracer.take_work(self)
-            if ops is None:
+            entry = pending.pop(id(self), None) if pending else None
+            if entry is None or entry[0] is not self:
+                if entry is not None:  # another work's entry under a reused id: not ours to take
+                    pending[id(entry[0])] = entry
                 return original(self, *args, **kwargs)
+            ops = entry[1]
             if ops[0].cuda is not None:
                 return tracer.cuda_timer().wait(tracer, ops, original, self, args, kwargs)
-            t0 = tracer.now()
+            t0 = now()
             result = original(self, *args, **kwargs)
             try:
-                tracer.waited(ops, t0, tracer.now())
+                t1 = now()
+                if len(ops) == 1:  # tracer.waited, inline for the common single-op work
+                    tracer.emit(ops[0], t1, t1 - t0)
+                else:
+                    tracer.waited(ops, t0, t1)
             except Exception as exc:
                 tracer.error("wait", exc)
             return result

@@ -7,9 +7,8 @@ parameter group. The objects installed here subclass the default implementations
 keep accepting them) and delegate to whatever comm was installed before, timing the call.
 
 What they see, per call: the group, the bytes (all-gather output, reduce-scatter input: FSDP's flat
-padded buffers), issue time. On CPU/gloo FSDP calls both blocking (``async_op=False``): the wrapper
-issues the op async and waits for it itself (what c10d's blocking path does); completion is the wait's
-return and the whole call is ``wait_s``. With ``async_op=True``
+padded buffers), issue time. On CPU/gloo FSDP calls both blocking (``async_op=False``): the call returns
+once the op completed, so completion is the return and the whole call is ``wait_s``. With ``async_op=True``
 (explicit ``unshard(async_op=True)``) the work is tracked and the wait FSDP makes in
 ``foreach_all_gather_copy_out`` is timed by the ``Work.wait`` patch (``comm_c10d``).
 
@@ -33,16 +32,12 @@ def _traced(call: Callable, *, tracer: Any, op: str, buffer: int) -> Callable:
     """``call(output_tensor, input_tensor, group, [op,] async_op)`` (the FSDP comm being replaced, behind
     positional arguments: cheaper to pass on than keywords) recording ``op`` through ``tracer``; its bytes
     are the size of the tensor at position ``buffer`` (nccl-tests: all-gather output, reduce-scatter
-    input). A blocking call on CPU is issued async and waited by the wrapper (as c10d's own blocking path
-    does); completion is the wait's return."""
+    input). A blocking call on CPU returns once its op completed: the whole call is blocked time."""
 
     def describe(args: tuple, kwargs: dict) -> Issue:
         tensor, async_op = args[buffer], args[-1]
         p = tracer.begin(op, args[2], tensor.nbytes, "fsdp_comm", cuda=tensor.is_cuda)
-        blocking = not async_op and p.cuda is None
-        if blocking:
-            args = args[:-1] + (True,)
-        return p, args, kwargs, blocking, async_op
+        return p, args, kwargs, not async_op and p.cuda is None, async_op
 
     def finish(p: Any, async_op: bool, work: Any) -> None:
         if async_op and work is not None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from meshscope.agent.contract import AnchoredClock
 
 _METHODS = (
     ("forward_one_chunk", "forward", "fwd_chunk_id"),
@@ -46,8 +45,7 @@ class PipelineTracer:
     """Records pipeline compute spans through ``recorder.record_span``, or, with ``deferred=True``, keeps
     them as ``(stage, microbatch, kind, t_start, t_end)`` tuples until ``take()`` (the telemetry core takes
     a step's spans at its end and builds their records on its flusher thread). Deferred timestamps are raw
-    ``time.perf_counter`` readings when the recorder's clock is the ``AnchoredClock`` (add its
-    ``offset()``), the clock's own readings otherwise. The deferred span costs the training thread two
+    ``time.perf_counter`` readings (the recorder adds its ``epoch``). The deferred span costs the training thread two
     clock reads and one append (≤ 0.3 µs per span is the goal, bench/hooks_overhead.py); ``depth`` says
     whether the thread is inside a span, so no enter/exit callbacks are needed."""
 
@@ -59,7 +57,6 @@ class PipelineTracer:
         self.on_span_exit = on_span_exit
         self.deferred = deferred
         self.spans: list[tuple[int, int, str, float, float]] = []
-        self._now_raw = time.perf_counter if type(recorder.clock) is AnchoredClock else recorder.clock.now
         self.depth = 0
         self.dropped = 0  # deferred spans beyond _MAX_SPANS
         self.schedule: Any = None
@@ -157,7 +154,7 @@ class PipelineTracer:
         return span
 
     def _wrap_deferred(self, stage: Any, method: Callable, kind: str, chunk_kw: str) -> Callable:
-        now = self._now_raw
+        now = time.perf_counter
         index = stage.stage_index
         tracer = self
 

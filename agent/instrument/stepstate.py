@@ -11,7 +11,7 @@ class StepState:
     __slots__ = (
         "step", "t_start", "phases", "phase", "waits_in_phase", "exposed", "pp_wait", "span_time",
         "span_depth", "nonpp_wait_outside_spans", "span_kind_time", "n_collectives", "values", "cpu0",
-        "phase_t0", "outer",
+        "phase_t0", "outer", "segments", "colls",
     )
 
     def __init__(self, step: int, t_start: float, cpu0: tuple[float, float]) -> None:
@@ -31,6 +31,11 @@ class StepState:
         self.span_kind_time: dict[str, float] = collections.defaultdict(float)
         self.n_collectives = 0
         self.values: dict[str, Any] = {}
+        # (phase, t0, t1) for every stretch of time a phase was the innermost open one, in order (raw
+        # perf_counter times): the flusher finds the phase a collective completed in from these.
+        self.segments: list[tuple[str, float, float]] = []
+        # Collectives of this step as (op, t_end, wait_s), gathered by the flusher until the step is built.
+        self.colls: list[tuple[str, float, float]] = []
 
 
 class StepContext:
@@ -51,5 +56,6 @@ def pop_phase(state: StepState) -> None:
         return
     now = time.perf_counter()
     state.phases[state.phase] += now - state.phase_t0
+    state.segments.append((state.phase, state.phase_t0, now))
     state.phase = state.outer.pop() if state.outer else None
     state.phase_t0 = now

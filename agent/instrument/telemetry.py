@@ -29,6 +29,7 @@ I/O. Every deque is bounded: what does not fit is counted as dropped, never rais
 
 from __future__ import annotations
 
+import bisect
 import collections
 import json
 import os
@@ -49,6 +50,7 @@ from meshscope.agent.contract import (
 from meshscope.agent.instrument import memory
 from meshscope.agent.instrument.cpu import ThreadCPU
 from meshscope.agent.instrument.readout import as_float, where_is
+from meshscope.agent.instrument.recorder import DIRECT
 from meshscope.agent.instrument.stepstate import StepContext, StepState, pop_phase as _pop_phase
 
 COMPUTE_PHASES = frozenset({"forward", "backward", "optimizer", "pipeline", "compute"})
@@ -109,7 +111,11 @@ class Telemetry:
         self._last_step = -1
         self._tracers: list[Any] = []
         self._ptracer: Any = None  # the pipeline tracer whose spans each step takes (attach)
-        self._epoch = self.clock.offset() if type(self.clock) is AnchoredClock else 0.0  # see PipelineTracer
+        # What to add to a perf_counter reading for this clock's time: hot paths (collective tracer, pipeline
+        # spans, phases) take raw perf_counter readings; records are stamped in the clock's time.
+        self.epoch = (self.clock.offset() if type(self.clock) is AnchoredClock
+                      else self.clock.now() - time.perf_counter())
+        self.live = _Live()  # the open step, read by the collective tracer's hot path
         # Ended steps waiting for the flusher to build their records: (state, t_end, cpu, spans, tensors)
         self._ended: collections.deque[tuple] = collections.deque()
         self._writer = writer if writer is not None else self._open_writer()
@@ -205,7 +211,7 @@ class Telemetry:
     def begin_step(self, step: int) -> StepContext:
         """Start step ``step`` now (the explicit ``step()`` and the zero-code driver both use this)."""
         state = StepState(step, self.clock.now(), self._cpu.read())
-        self._cur = state
+        self._cur = self.live.step = state
         self._progress(state.t_start)
         return StepContext(state)
 
@@ -226,7 +232,7 @@ class Telemetry:
 
     def discard_step(self) -> None:
         """Drop the open step without a record (zero-code: an iteration that made no optimizer step)."""
-        self._cur = None
+        self._cur = self.live.step = None
 
     def _loose_spans(self, step: int) -> None:
         """Spans of a step that did not end (aborted, discarded, detached mid-step): recorded, not accounted."""
@@ -234,13 +240,14 @@ class Telemetry:
             return
         for stage, microbatch, kind, t0, t1 in self._ptracer.take():
             self._push("span", span_record(step=step, stage=stage, microbatch=microbatch, kind=kind,
-                                           t_start=t0 + self._epoch, t_end=t1 + self._epoch))
+                                           t_start=t0 + self.epoch, t_end=t1 + self.epoch))
 
     def abort_step(self, exc: BaseException) -> None:
         """An aborted step (e.g. a peer died and the collective failed) is not a completed step: no step
         record (it would run ahead of the failed rank and report a non-finite loss that never happened),
         an event saying why."""
         state, self._cur = self._cur, None
+        self.live.step = None
         if state is not None:
             self._loose_spans(state.step)
             self.event("aborted_step", f"step {state.step} aborted: {type(exc).__name__}: {exc}"[:500], step=state.step)
@@ -277,6 +284,7 @@ class Telemetry:
         now = time.perf_counter()
         if state.phase is not None:
             state.phases[state.phase] += now - state.phase_t0
+            state.segments.append((state.phase, state.phase_t0, now))
             state.outer.append(state.phase)
         state.phase, state.phase_t0 = name, now
 
@@ -294,35 +302,22 @@ class Telemetry:
         self._wake.set()
 
     # ------------------------------------------------------------------------------- Recorder API
-    def account_collective(self, op: str, wait_s: float) -> int:
-        """The hot half of a collective record, on the thread that waited (``CollectiveTracer.emit``): the
-        open step's accounting. Returns the step the op belongs to; the record itself is built later by
-        ``record_collective(..., step=...)`` on the flusher thread."""
-        state = self._cur
-        if state is None:
-            return self._last_step
-        state.n_collectives += 1
-        if wait_s != wait_s:  # NaN: exposure unknown for this op (e.g. FSDP on NCCL): not summed
-            return state.step
-        if op in _P2P:  # a pipeline stage waiting for its neighbour: bubble, not exposed communication
-            state.pp_wait += wait_s
-            return state.step
-        state.exposed += wait_s
-        phase = state.phase
-        if phase is not None:
-            state.waits_in_phase[phase] += wait_s
-            pt = self._ptracer
-            if state.span_depth == 0 and (pt is None or pt.depth == 0):
-                state.nonpp_wait_outside_spans += wait_s
-        return state.step
-
     def record_collective(self, *, op: str, dim: str, group: str, group_size: int, nbytes: int, t_start: float,
                           t_end: float, wait_s: float, peer: int = -1, source: str, seq: int = 0,
-                          step: int | None = None) -> None:
-        """One collective record. Without ``step`` the op is also accounted to the open step now (a direct
-        caller); with it, ``account_collective`` already did (the tracer's deferred path)."""
-        if step is None:
-            step = self.account_collective(op, wait_s)
+                          context: Any = DIRECT) -> None:
+        """One collective record. A direct caller's op is accounted to the open step now; the tracer's
+        deferred records (``context``: the ``live.step`` the op completed in) are accounted when their
+        step's record is built (``_build_step``)."""
+        if context is DIRECT:
+            state = self._cur
+            if state is not None:
+                pt = self._ptracer
+                _account(state, op, wait_s, state.phase, state.span_depth == 0 and (pt is None or pt.depth == 0))
+        else:
+            state = context
+            if state is not None:
+                state.colls.append((op, t_end - self.epoch, wait_s))
+        step = state.step if state is not None else self._last_step
         duration = t_end - t_start
         try:
             alg = algbw(nbytes, duration)
@@ -400,7 +395,7 @@ class Telemetry:
             self.record_error("end_step", exc)
         finally:
             self._last_step = state.step
-            self._cur = None
+            self._cur = self.live.step = None
             self._progress(self.clock.now())
 
     def _build_step(self, state: StepState, t_end: float, cpu_end: tuple[float, float], spans: Any,
@@ -408,12 +403,14 @@ class Telemetry:
         """Runs on the flusher thread: the step's span rows, its step row (the accounting of the module
         docstring) and its memory sample."""
         try:
+            epoch = self.epoch
             for stage, microbatch, kind, t0, t1 in spans:
-                t0, t1 = t0 + self._epoch, t1 + self._epoch
                 self._push("span", span_record(step=state.step, stage=stage, microbatch=microbatch, kind=kind,
-                                               t_start=t0, t_end=t1))
+                                               t_start=t0 + epoch, t_end=t1 + epoch))
                 state.span_time += t1 - t0
                 state.span_kind_time[kind] += t1 - t0
+            if state.colls:
+                _account_deferred(state, spans)
             cpu, cpu_wait = (now - then for now, then in zip(cpu_end, state.cpu0))
             wall = t_end - state.t_start
             v = state.values
@@ -491,8 +488,15 @@ class Telemetry:
             self.record_error("hang_watchdog", exc)
 
     def _drain(self) -> None:
-        # Records whose building was deferred off the training thread: collectives first (a step's
-        # accounting is complete before its record), then the ended steps.
+        # Records whose building was deferred off the training thread. The ended steps are taken first:
+        # every collective of a step was queued before the step itself, so once the tracers are drained
+        # below, each step taken here has all its collectives accounted before its record is built.
+        ended = []
+        while self._ended:
+            try:
+                ended.append(self._ended.popleft())
+            except IndexError:
+                break
         for tracer in tuple(self._tracers):
             drain = getattr(tracer, "drain", None)
             if drain is not None:
@@ -500,12 +504,7 @@ class Telemetry:
                     drain()
                 except Exception as exc:
                     self.record_error("tracer_drain", exc)
-        ended = self._ended
-        while ended:
-            try:
-                item = ended.popleft()
-            except IndexError:
-                break
+        for item in ended:
             self._build_step(*item)
         for kind, buf in self._bufs.items():
             if not buf:
@@ -522,6 +521,47 @@ class Telemetry:
             except Exception:
                 self.errors += 1
                 self.dropped_records += len(rows)
+
+
+class _Live:
+    """What the collective tracer reads on its hot path: the open step (opaque to it), or None."""
+
+    __slots__ = ("step",)
+
+    def __init__(self) -> None:
+        self.step: StepState | None = None
+
+
+def _account(state: StepState, op: str, wait_s: float, phase: str | None, outside_spans: bool) -> None:
+    """One collective's share of its step: exposed communication (the thread's blocked time), per phase
+    (compute phases subtract it) and, outside pipeline compute spans, what the bubble must not count."""
+    state.n_collectives += 1
+    if wait_s != wait_s:  # NaN: exposure unknown for this op (e.g. FSDP on NCCL): not summed
+        return
+    if op in _P2P:  # a pipeline stage waiting for its neighbour: bubble, not exposed communication
+        state.pp_wait += wait_s
+        return
+    state.exposed += wait_s
+    if phase is not None:
+        state.waits_in_phase[phase] += wait_s
+        if outside_spans:
+            state.nonpp_wait_outside_spans += wait_s
+
+
+def _account_deferred(state: StepState, spans: Any) -> None:
+    """Account the step's deferred collectives: the phase each completed in and whether the thread was
+    inside a pipeline compute span then come from the step's phase segments and spans (raw perf_counter
+    times, like the ops' ``t_end`` here), exactly what the thread's state said at completion."""
+    segs = state.segments
+    seg_starts = [s[1] for s in segs]
+    span_starts = [s[3] for s in spans]
+    for op, t_end, wait_s in state.colls:
+        i = bisect.bisect_right(seg_starts, t_end) - 1
+        phase = segs[i][0] if i >= 0 and t_end <= segs[i][2] else None
+        j = bisect.bisect_right(span_starts, t_end) - 1
+        in_span = j >= 0 and t_end <= spans[j][4]
+        _account(state, op, wait_s, phase, not in_span)
+    state.colls = []
 
 
 class NullTelemetry:

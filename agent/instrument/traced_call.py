@@ -19,24 +19,23 @@ Everything else is the same at every site, so it is written once, here:
 - a failure in ``describe`` or ``finish`` is telemetry's own: counted through ``tracer.error`` (→
   ``recorder.record_error``), never raised; the real call is still made, exactly once;
 - the real call's own exception propagates unchanged, after the tracer's nesting state is restored;
-- a blocking call issued async on the caller's behalf (``Issue``'s ``blocking``), which is what c10d's own
-  blocking path does (issue, then ``work.wait()``): the wrapper makes that wait itself, so that the
-  blocked time is timed where it happens, and returns ``None`` as the blocking API does. The wait is part
-  of the user's call, so its errors propagate as well.
+- a blocking call (``Issue``'s ``blocking``: it returns once its op completed, as c10d's blocking calls do
+  on CPU) is recorded right there: completion is the return, the whole call is blocked time.
 
-The tracer (``CollectiveTracer``: its ``enabled`` flag and ``busy``, ``enter``, ``leave``, ``finish_sync``,
-``error``) is passed in: this module imports neither the hub nor its plug-ins, so both can import it.
+The tracer (``CollectiveTracer``: its ``enabled`` flag, per-thread nesting state ``_main`` / ``_tls``, ``now``,
+``emit`` and ``error``) is passed in: this module imports neither the hub nor its plug-ins, so both can import it.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 # What ``describe`` returns for a call it traces: ``(op, args, kwargs, blocking, state)``.
 #   op: the op record the call issues; while it runs, a wait or a ProcessGroup call nested in it belongs
 #       to this op (``tracer.current()``). ``None`` when the call issues several (they go in ``state``).
 #   args, kwargs: what to call the original with.
-#   blocking: a blocking call issued async on the caller's behalf (see the module docstring).
+#   blocking: the call returns once its op completed (see the module docstring).
 #   state: handed to ``finish`` as is (the caller's ``async_op``; the records of a multi-op call).
 # A plain tuple, not a class: one is built per traced call, and a slotted class's constructor measured
 # +0.3-0.4 µs per call in-process against this tuple and the inline wrappers it replaced.
@@ -48,8 +47,13 @@ def traced_call(original: Callable, *, tracer: Any, where: str, describe: Callab
     """``original`` wrapped as the module docstring says; ``where`` names the site in error reports
     (``record_error("collectives.<where>", ...)``)."""
 
+    # The tracer's enter / leave, inline (this runs on every traced call): the attaching thread's nesting
+    # state is a plain object, other threads' a threading.local (see CollectiveTracer.nesting).
+    main, main_tid, local, get_ident = tracer._main, tracer._main_tid, tracer._tls, threading.get_ident
+
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if not tracer.enabled or tracer.busy() or (skip is not None and skip()):
+        tls = main if get_ident() == main_tid else local.nesting
+        if not tracer.enabled or tls.depth or (skip is not None and skip()):
             return original(*args, **kwargs)
         try:
             issue = describe(args, kwargs)
@@ -59,26 +63,26 @@ def traced_call(original: Callable, *, tracer: Any, where: str, describe: Callab
         if issue is None:
             return original(*args, **kwargs)
         op, call_args, call_kwargs, blocking, state = issue
-        prev = tracer.enter(op)
+        prev = tls.current
+        tls.depth += 1
+        tls.current = op
         try:
             result = original(*call_args, **call_kwargs)
         finally:
-            tracer.leave(prev)
+            tls.depth -= 1
+            tls.current = prev
         if blocking:
             # No future callback for the completion: it would run on the gloo worker thread and take the
             # GIL, which the caller, woken by the same completion, usually holds by then; the worker (and
             # the next op in its queue) then waits up to the interpreter's switch interval (5 ms). That
             # stretched the profiler's own ``gloo:*`` ranges (traced/profiler 0.67-0.76 for small blocking
-            # all-reduces), while the caller's wake-up it would have saved is microseconds. Completion is
-            # therefore the return of this wait, and the whole call is blocked time (``finish_sync``).
-            # ``None``: c10d returns no work on a rank outside the group; nothing to wait for.
-            if result is not None:
-                tracer.raw_wait(result)
+            # all-reduces), while the caller's wake-up it would have saved is microseconds.
+            t_end = tracer.now()
             try:
-                tracer.finish_sync(op)
+                tracer.emit(op, t_end, t_end - op.t_start)
             except Exception as exc:
                 tracer.error(where, exc)
-            return None
+            return result
         try:
             finish(op, state, result)
         except Exception as exc:

@@ -1,0 +1,174 @@
+"""What each collective / pipeline hook costs the calling thread per call: the measurement that
+bench/hooks_overhead.py prints and tests/test_hook_cost.py guards.
+
+    costs = per_call(calls=2000, blocks=15)   # {path: {"without_cpu_us", "overhead_cpu_us", ...}}
+
+Each path is an op made through the real Python API and the real C++ ProcessGroup dispatch of torch's
+``fake`` backend (``torch.testing._internal.distributed.fake_pg``: works complete at once, no network,
+no worker thread), with the real telemetry core as the recorder (a step open, its flusher thread
+draining the records). A backend that really communicates adds its own wait to the calling thread's
+CPU time — gloo's ``wait`` spins, so on a world of one the caller's CPU per op follows the op's duration
+and was seen to double between two runs of the same script — which buries a 1-2 µs hook under noise;
+the per-step arms of the benchmark run on real gloo process groups instead.
+
+Method: alternating blocks without / with the hook (the order flipped every block, ABBA, to cancel
+drift), ``time.thread_time`` around each block, the median over blocks of (with − without). The
+cyclic garbage collector is run before every block and paused inside it: its pauses, triggered by
+whichever allocation crosses a threshold, were the largest noise source (±1 µs on a 30 µs functional
+collective). The hooks' own allocations are still made and freed inside the block.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import statistics
+import tempfile
+import time
+from typing import Any, Callable
+
+
+def _ab(run: Callable[[], None], on: Callable[[], None], off: Callable[[], None], *, calls: int,
+        blocks: int) -> dict[str, Any]:
+    without, diffs = [], []
+    for arm in (off, on, off):  # warm both paths
+        arm()
+        run()
+    for b in range(blocks):
+        cpu = {}
+        for enable in ((False, True) if b % 2 == 0 else (True, False)):
+            (on if enable else off)()
+            gc.collect()
+            gc.disable()
+            try:
+                c0 = time.thread_time_ns()
+                for _ in range(calls):
+                    run()
+                cpu[enable] = (time.thread_time_ns() - c0) / calls / 1e3
+            finally:
+                gc.enable()
+        off()
+        without.append(cpu[False])
+        diffs.append(cpu[True] - cpu[False])
+    q = statistics.quantiles(diffs, n=4) if len(diffs) >= 2 else [diffs[0]] * 3
+    return {"without_cpu_us": round(statistics.median(without), 3),
+            "overhead_cpu_us": round(statistics.median(diffs), 3),
+            "iqr_us": [round(q[0], 3), round(q[2], 3)]}
+
+
+def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """``{path: {"without_cpu_us", "overhead_cpu_us", "iqr_us"}}`` for every hook path (or ``paths``).
+    Initialises (and destroys) a ``fake`` process group in this process: call it where no other group
+    exists."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshscope.agent.instrument.collectives import CollectiveTracer
+    from meshscope.agent.instrument.comm_ddp import _HookState, traced_allreduce_hook
+    from meshscope.agent.instrument.comm_fsdp import TracedAllGather, TracedReduceScatter
+    from meshscope.agent.instrument.pipeline import PipelineTracer
+    from meshscope.agent.instrument.telemetry import Telemetry, TelemetryConfig
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    world = dist.group.WORLD
+    # The real recorder, as a job has it: a step open (so every op belongs to it), the flusher draining.
+    tel = Telemetry(config=TelemetryConfig(store=tempfile.mkdtemp(prefix="meshscope-hookcost-"), run="bench"),
+                    rank=0, world_size=2)
+    tel.begin_step(0)
+    tel.push_phase("forward")
+    tracer = CollectiveTracer(tel)
+    t = torch.ones(16)
+    ag_out = torch.empty(32)
+    plain_ag, plain_rs = DefaultAllGather(), DefaultReduceScatter()
+    traced_ag, traced_rs = TracedAllGather(tracer, plain_ag), TracedReduceScatter(tracer, plain_rs)
+
+    class Bucket:  # DDP's GradBucket as the hooks use it (not the last bucket: no backward to end)
+        def buffer(self) -> torch.Tensor:
+            return t
+
+        def is_last(self) -> bool:
+            return False
+
+    bucket, ddp_state = Bucket(), _HookState(world, None)
+
+    class Stage:
+        stage_index = 0
+
+        def forward_one_chunk(self, i: int, *args: Any) -> int:
+            return i
+
+    class Schedule:
+        def __init__(self, stage: Stage) -> None:
+            self._stage = stage
+            self.pipeline_order = None
+
+    stage = Stage()
+    ptracer = PipelineTracer(tel, deferred=True)  # as the telemetry core attaches it
+    traced = {"on": False}
+
+    def on() -> None:
+        tracer.attach(None)
+        ddp_state.tracer = tracer
+        traced["on"] = True
+
+    def off() -> None:
+        tracer.detach()
+        ddp_state.tracer = None
+        traced["on"] = False
+
+    def pp_on() -> None:
+        ptracer.attach(Schedule(stage))
+
+    def pp_off() -> None:
+        ptracer.detach()
+        ptracer.take()
+
+    untracked = dist.all_reduce(t, async_op=True)
+    table: dict[str, tuple[Callable[[], Any], Callable[[], None], Callable[[], None]]] = {
+        "c10d_all_reduce_blocking": (lambda: dist.all_reduce(t), on, off),
+        "c10d_all_reduce_async_wait": (lambda: dist.all_reduce(t, async_op=True).wait(), on, off),
+        # As DTensor does: the AsyncCollectiveTensor's wait() → funcol.wait_tensor(elem).
+        "funcol_all_reduce_wait": (lambda: funcol.all_reduce(t, "sum", world).wait(), on, off),
+        "work_wait_untracked": (lambda: untracked.wait(), on, off),
+        "fsdp_all_gather": (lambda: (traced_ag if traced["on"] else plain_ag)(ag_out, t, world), on, off),
+        "fsdp_reduce_scatter": (lambda: (traced_rs if traced["on"] else plain_rs)(t[:8], t, world,
+                                                                                   dist.ReduceOp.SUM), on, off),
+        # Against DDP's own Python default hook (the mechanism every Python comm hook pays; the C++
+        # built-in all-reduce is compared per step, in the benchmark's DDP arm).
+        "ddp_comm_hook": (lambda: (traced_allreduce_hook(ddp_state, bucket) if traced["on"]
+                                   else allreduce_hook(world, bucket)).wait(), on, off),
+        "p2p_isend_wait": (lambda: dist.isend(t, 1).wait(), on, off),
+        "p2p_irecv_wait": (lambda: dist.irecv(t, 1).wait(), on, off),
+        "pipeline_span": (lambda: stage.forward_one_chunk(0), pp_on, pp_off),
+    }
+    out = {}
+    try:
+        for name, (run, arm_on, arm_off) in table.items():
+            if paths is None or name in paths:
+                out[name] = _ab(run, arm_on, arm_off, calls=calls, blocks=blocks)
+    finally:
+        off()
+        tel.close()
+        dist.destroy_process_group()
+    out["_recorded"] = {"dropped_records": tel.dropped_records, "errors": tel.errors}
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_gloo(rank: int, world: int, port: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
