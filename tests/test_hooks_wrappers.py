@@ -283,6 +283,12 @@ def test_failing_bookkeeping_after_the_call_is_counted_not_raised(site: Site) ->
 
     for name in ("finish_sync", "track_work", "track_tensor", "emit", "cuda_timer"):
         setattr(tracer, name, broken)
+
+    class BrokenMap(dict):  # the pending maps, which the hottest sites fill inline
+        def __setitem__(self, key: Any, value: Any) -> None:
+            raise RuntimeError("tracer bug")
+
+    tracer._pending_works, tracer._pending_tensors = BrokenMap(), BrokenMap()
     original = Original(site.result)
     result = site.call(site.build(tracer, original))
     assert len(original.calls) == 1 and _same_result(result, _expected_result(site, original))
