@@ -1,6 +1,6 @@
 """What telemetry costs the training thread: per traced op, and per training step beside torch.profiler.
 
-    python bench/hooks_overhead.py [--calls 2000] [--blocks 15] [--steps 4] [--step-blocks 9]
+    python bench/hooks_overhead.py [--calls 2000] [--blocks 15] [--steps 8] [--step-blocks 12] [--part all|calls|steps]
 
 Per call (``meshscope.testing.hookcost``: the method is in its docstring): each hook path through the
 real Python API and the real C++ dispatch of torch's ``fake`` backend, the real telemetry core as the
@@ -284,8 +284,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=2000, help="calls per block (per-call part)")
     parser.add_argument("--blocks", type=int, default=15, help="A/B blocks (per-call part)")
-    parser.add_argument("--steps", type=int, default=4, help="steps per block (per-step part)")
-    parser.add_argument("--step-blocks", type=int, default=9, help="blocks per arm (per-step part)")
+    parser.add_argument("--steps", type=int, default=8, help="steps per block (per-step part)")
+    parser.add_argument("--step-blocks", type=int, default=12, help="blocks per arm (per-step part)")
+    parser.add_argument("--part", choices=("all", "calls", "steps"), default="all", help="what to measure")
     parser.add_argument("--ddp-hook-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     for flag in ("calls", "blocks", "steps", "step_blocks"):
@@ -297,11 +298,14 @@ def main() -> None:
     import torch
 
     load_start = os.getloadavg()
-    calls_us = per_call(calls=args.calls, blocks=args.blocks)
-    child = subprocess.run([sys.executable, __file__, "--ddp-hook-child", "--calls", str(args.calls // 4),
-                            "--blocks", str(args.blocks)], capture_output=True, text=True, check=True)
-    calls_us["ddp_comm_hook_gloo_world1"] = json.loads(child.stdout.strip().splitlines()[-1])
-    steps = per_step(args.steps, args.step_blocks)
+    calls_us, steps = None, None
+    if args.part in ("all", "calls"):
+        calls_us = per_call(calls=args.calls, blocks=args.blocks)
+        child = subprocess.run([sys.executable, __file__, "--ddp-hook-child", "--calls", str(max(1, args.calls // 4)),
+                                "--blocks", str(args.blocks)], capture_output=True, text=True, check=True)
+        calls_us["ddp_comm_hook_gloo_world1"] = json.loads(child.stdout.strip().splitlines()[-1])
+    if args.part in ("all", "steps"):
+        steps = per_step(args.steps, args.step_blocks)
     result = {
         "torch": torch.__version__,
         "cpus": os.cpu_count(),

@@ -57,10 +57,8 @@ class TracedAllGather(DefaultAllGather):
         self.tracer = tracer
         self.inner = inner
 
-        def call(output_tensor: Any, input_tensor: Any, group: Any, async_op: bool) -> Any:
-            return inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, async_op=async_op)
-
-        self._call = _traced(call, tracer=tracer, op="all_gather", buffer=0)
+        # ``inner`` is called positionally, in the AllGather protocol's parameter order.
+        self._call = _traced(inner, tracer=tracer, op="all_gather", buffer=0)
 
     def allocate(self, size: Any, *, dtype: Any, device: Any) -> Any:
         return self.inner.allocate(size, dtype=dtype, device=device)
@@ -76,11 +74,8 @@ class TracedReduceScatter(DefaultReduceScatter):
         self.tracer = tracer
         self.inner = inner
 
-        def call(output_tensor: Any, input_tensor: Any, group: Any, op: Any, async_op: bool) -> Any:
-            return inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op,
-                         async_op=async_op)
-
-        self._call = _traced(call, tracer=tracer, op="reduce_scatter", buffer=1)
+        # ``inner`` is called positionally, in the ReduceScatter protocol's parameter order.
+        self._call = _traced(inner, tracer=tracer, op="reduce_scatter", buffer=1)
 
     def allocate(self, size: Any, *, dtype: Any, device: Any) -> Any:
         return self.inner.allocate(size, dtype=dtype, device=device)

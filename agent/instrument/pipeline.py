@@ -45,9 +45,10 @@ class PipelineTracer:
     """Records pipeline compute spans through ``recorder.record_span``, or, with ``deferred=True``, keeps
     them as ``(stage, microbatch, kind, t_start, t_end)`` tuples until ``take()`` (the telemetry core takes
     a step's spans at its end and builds their records on its flusher thread). Deferred timestamps are raw
-    ``time.perf_counter`` readings (the recorder adds its ``epoch``). The deferred span costs the training thread two
-    clock reads and one append (≤ 0.3 µs per span is the goal, bench/hooks_overhead.py); ``depth`` says
-    whether the thread is inside a span, so no enter/exit callbacks are needed."""
+    ``time.perf_counter`` readings (the recorder adds its ``epoch``). A deferred span costs the training
+    thread two clock reads and one append (≤ 0.3 µs per span is the goal, bench/hooks_overhead.py); it
+    keeps no ``depth`` and calls no enter / exit callbacks: the recorder finds what ran inside a span from
+    the spans' times."""
 
     def __init__(self, recorder: Any, *, on_span_enter: Callable[[], None] | None = None,
                  on_span_exit: Callable[[], None] | None = None, deferred: bool = False) -> None:
@@ -159,19 +160,15 @@ class PipelineTracer:
         tracer = self
 
         def span(*args: Any, **kwargs: Any) -> Any:
-            tracer.depth += 1
             t0 = now()
             try:
                 return method(*args, **kwargs)
             finally:
                 t1 = now()
-                tracer.depth -= 1
-                # The microbatch is an int argument by torch's signature; anything else is -1, not an error
-                # raised into the schedule.
-                mb = args[0] if args else kwargs.get(chunk_kw, -1)
                 spans = tracer.spans
                 if len(spans) < _MAX_SPANS:
-                    spans.append((index, mb if type(mb) is int else -1, kind, t0, t1))
+                    # The microbatch: torch's first argument (an int); the record's writer checks its type.
+                    spans.append((index, args[0] if args else kwargs.get(chunk_kw, -1), kind, t0, t1))
                 else:
                     tracer.dropped += 1
 

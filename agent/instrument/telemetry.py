@@ -239,7 +239,7 @@ class Telemetry:
         if self._ptracer is None:
             return
         for stage, microbatch, kind, t0, t1 in self._ptracer.take():
-            self._push("span", span_record(step=step, stage=stage, microbatch=microbatch, kind=kind,
+            self._push("span", span_record(step=step, stage=stage, microbatch=_int(microbatch), kind=kind,
                                            t_start=t0 + self.epoch, t_end=t1 + self.epoch))
 
     def abort_step(self, exc: BaseException) -> None:
@@ -311,8 +311,7 @@ class Telemetry:
         if context is DIRECT:
             state = self._cur
             if state is not None:
-                pt = self._ptracer
-                _account(state, op, wait_s, state.phase, state.span_depth == 0 and (pt is None or pt.depth == 0))
+                _account(state, op, wait_s, state.phase, state.span_depth == 0)
         else:
             state = context
             if state is not None:
@@ -405,7 +404,7 @@ class Telemetry:
         try:
             epoch = self.epoch
             for stage, microbatch, kind, t0, t1 in spans:
-                self._push("span", span_record(step=state.step, stage=stage, microbatch=microbatch, kind=kind,
+                self._push("span", span_record(step=state.step, stage=stage, microbatch=_int(microbatch), kind=kind,
                                                t_start=t0 + epoch, t_end=t1 + epoch))
                 state.span_time += t1 - t0
                 state.span_kind_time[kind] += t1 - t0
@@ -521,6 +520,11 @@ class Telemetry:
             except Exception:
                 self.errors += 1
                 self.dropped_records += len(rows)
+
+
+def _int(value: Any) -> int:
+    """A span's microbatch as the schedule passed it: an int, else -1 (never an error in the record)."""
+    return value if type(value) is int else -1
 
 
 class _Live:

@@ -58,18 +58,18 @@ def _ab(run: Callable[[], None], on: Callable[[], None], off: Callable[[], None]
 
 
 def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """``{path: {"without_cpu_us", "overhead_cpu_us", "iqr_us"}}`` for every hook path (or ``paths``).
+    """``{path: {"without_cpu_us", "overhead_cpu_us", "iqr_us"}}`` for every hook path (or ``paths``)
+    but the DDP comm hook (its Python hook needs a future with a value, which the fake backend's works do
+    not have: bench/hooks_overhead.py times it on gloo).
     Initialises (and destroys) a ``fake`` process group in this process: call it where no other group
     exists."""
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from meshscope.agent.instrument.collectives import CollectiveTracer
-    from meshscope.agent.instrument.comm_ddp import _HookState, traced_allreduce_hook
     from meshscope.agent.instrument.comm_fsdp import TracedAllGather, TracedReduceScatter
     from meshscope.agent.instrument.pipeline import PipelineTracer
     from meshscope.agent.instrument.telemetry import Telemetry, TelemetryConfig
@@ -86,15 +86,6 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
     ag_out = torch.empty(32)
     plain_ag, plain_rs = DefaultAllGather(), DefaultReduceScatter()
     traced_ag, traced_rs = TracedAllGather(tracer, plain_ag), TracedReduceScatter(tracer, plain_rs)
-
-    class Bucket:  # DDP's GradBucket as the hooks use it (not the last bucket: no backward to end)
-        def buffer(self) -> torch.Tensor:
-            return t
-
-        def is_last(self) -> bool:
-            return False
-
-    bucket, ddp_state = Bucket(), _HookState(world, None)
 
     class Stage:
         stage_index = 0
@@ -113,12 +104,10 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
 
     def on() -> None:
         tracer.attach(None)
-        ddp_state.tracer = tracer
         traced["on"] = True
 
     def off() -> None:
         tracer.detach()
-        ddp_state.tracer = None
         traced["on"] = False
 
     def pp_on() -> None:
@@ -127,6 +116,23 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
     def pp_off() -> None:
         ptracer.detach()
         ptracer.take()
+
+    # One step's boundaries as a loop has them (begin, a phase, end): what telemetry costs per step besides
+    # its ops. The off arm makes no call at all.
+    boundary = {"on": False, "step": 1}
+
+    def step_boundary() -> None:
+        if boundary["on"]:
+            tel.begin_step(boundary["step"])
+            tel.push_phase("compute")
+            tel.end_step()
+            boundary["step"] += 1
+
+    def steps_on() -> None:
+        boundary["on"] = True
+
+    def steps_off() -> None:
+        boundary["on"] = False
 
     untracked = dist.all_reduce(t, async_op=True)
     table: dict[str, tuple[Callable[[], Any], Callable[[], None], Callable[[], None]]] = {
@@ -138,19 +144,18 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
         "fsdp_all_gather": (lambda: (traced_ag if traced["on"] else plain_ag)(ag_out, t, world), on, off),
         "fsdp_reduce_scatter": (lambda: (traced_rs if traced["on"] else plain_rs)(t[:8], t, world,
                                                                                    dist.ReduceOp.SUM), on, off),
-        # Against DDP's own Python default hook (the mechanism every Python comm hook pays; the C++
-        # built-in all-reduce is compared per step, in the benchmark's DDP arm).
-        "ddp_comm_hook": (lambda: (traced_allreduce_hook(ddp_state, bucket) if traced["on"]
-                                   else allreduce_hook(world, bucket)).wait(), on, off),
         "p2p_isend_wait": (lambda: dist.isend(t, 1).wait(), on, off),
         "p2p_irecv_wait": (lambda: dist.irecv(t, 1).wait(), on, off),
         "pipeline_span": (lambda: stage.forward_one_chunk(0), pp_on, pp_off),
+        "step_boundary": (step_boundary, steps_on, steps_off),
     }
     out = {}
     try:
         for name, (run, arm_on, arm_off) in table.items():
             if paths is None or name in paths:
-                out[name] = _ab(run, arm_on, arm_off, calls=calls, blocks=blocks)
+                out[name] = _ab(run, arm_on, arm_off, calls=calls if name != "step_boundary" else max(1, calls // 10),
+                                blocks=blocks)
+        tel.begin_step(0)  # the open step the paths ran in, as at the start (step_boundary ends its own)
     finally:
         off()
         tel.close()
