@@ -128,10 +128,13 @@ class CollectiveTracer:
     pass-through (exactly DDP's default all-reduce), and a later ``attach`` re-enables it.
     Only one tracer may patch the process at a time (``RuntimeError`` on a second one).
 
-    ``ddp_comm_hook=False`` leaves DDP models alone: any Python comm hook (DDP's own ``allreduce_hook``
-    included) costs more than the C++ built-in all-reduce — measured +11 % on a 25 ms, 3-bucket toy step on
-    a loaded 2-core machine, the timing itself adding +1.5 % on top (bench/hooks_overhead.py) — and without
-    it DDP's buckets are not seen at all (only ``_get_ddp_logging_data()``'s sampled averages remain).
+    ``ddp_comm_hook=False`` (``TelemetryConfig.ddp_comm_hook``) leaves DDP models alone: any Python comm
+    hook (DDP's own ``allreduce_hook`` included) costs more than the C++ built-in all-reduce — +12 % of
+    training-thread CPU per step on a 16 ms, 6-bucket 1 MB toy on 2 cores, the timing adding 0-3.5 %
+    (within that A/B's noise) on top of DDP's own Python hook (bench/hooks_overhead.py, ddp_vs_builtin
+    and ddp_vs_python_default_hook) — and without it DDP's buckets are not seen at all (only
+    ``_get_ddp_logging_data()``'s sampled averages remain). No cheaper way was found on torch 2.13: gloo's
+    flight recorder stamps no completion, and a Python hook's result must be a Python future.
     """
 
     def __init__(self, recorder: Any, *, mesh_info: MeshInfo | None = None, ddp_comm_hook: bool = True) -> None:

@@ -10,8 +10,9 @@ whose first use calls the module-level ``wait_tensor``. Both are patched while a
   ``all_gather_tensor`` / ``reduce_scatter_tensor`` (and the ``*_autograd`` aliases) call these and are
   therefore seen once.
 - wait: ``wait_tensor``; the op is found by the data pointer of the tensor waited on (the tensor the call
-  returned inside its AsyncCollectiveTensor). On gloo a funcol wait blocks, so ``t_end`` is the wait's return and ``wait_s`` its blocked time.
-  DTensor waits right after issuing unless ``async_op`` is requested, so ``t_end`` is then the completion.
+  returned inside its AsyncCollectiveTensor). On gloo a funcol wait blocks, so ``t_end`` is the wait's
+  return and ``wait_s`` its blocked time. DTensor waits right after issuing unless ``async_op`` is
+  requested, so ``t_end`` is then the completion.
 
 Not seen: functional collectives inside ``torch.compile``'d code (graph nodes there; the wrappers step
 aside while Dynamo traces), and ``torch.ops._c10d_functional.*`` called directly (funcol's own autograd

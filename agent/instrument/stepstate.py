@@ -1,10 +1,19 @@
-"""One step's accumulators on the training thread, and the handle ``Telemetry.step`` hands out."""
+"""One step's accumulators, the handle ``Telemetry.step`` hands out, and how a step's accumulators become
+its records (pure functions, run on the telemetry's flusher thread; the accounting is the one the
+``telemetry`` module docstring states)."""
 
 from __future__ import annotations
 
+import bisect
 import collections
 import time
 from typing import Any
+
+from meshscope.agent.contract import span_record, step_record
+from meshscope.agent.instrument.readout import as_float
+
+COMPUTE_PHASES = frozenset({"forward", "backward", "optimizer", "pipeline", "compute"})
+_P2P = frozenset({"send", "recv"})
 
 
 class StepState:
@@ -47,7 +56,9 @@ class StepContext:
         self._state = state
 
     def update(self, **values: Any) -> None:
-        """Known keys: loss, tokens, flops, grad_norm, lr, skipped. Values may be tensors (read at step end)."""
+        """Known keys: loss, tokens, flops, grad_norm, lr, skipped. Values may be tensors: they are read when
+        the step's record is built, on the telemetry's flusher thread (a CUDA loss costs the training
+        thread no device synchronisation); do not modify them in place afterwards."""
         self._state.values.update(values)
 
 
@@ -59,3 +70,84 @@ def pop_phase(state: StepState) -> None:
     state.segments.append((state.phase, state.phase_t0, now))
     state.phase = state.outer.pop() if state.outer else None
     state.phase_t0 = now
+
+
+def span_microbatch(value: Any) -> int:
+    """A span's microbatch as the schedule passed it: an int, else -1 (never an error in the record)."""
+    return value if type(value) is int else -1
+
+
+def account(state: StepState, op: str, wait_s: float, phase: str | None, outside_spans: bool) -> None:
+    """One collective's share of its step: exposed communication (the thread's blocked time), per phase
+    (compute phases subtract it) and, outside pipeline compute spans, what the bubble must not count."""
+    state.n_collectives += 1
+    if wait_s != wait_s:  # NaN: exposure unknown for this op (e.g. FSDP on NCCL): not summed
+        return
+    if op in _P2P:  # a pipeline stage waiting for its neighbour: bubble, not exposed communication
+        state.pp_wait += wait_s
+        return
+    state.exposed += wait_s
+    if phase is not None:
+        state.waits_in_phase[phase] += wait_s
+        if outside_spans:
+            state.nonpp_wait_outside_spans += wait_s
+
+
+def account_deferred(state: StepState, spans: Any) -> None:
+    """Account the step's deferred collectives: the phase each completed in and whether the thread was
+    inside a pipeline compute span then come from the step's phase segments and spans (raw perf_counter
+    times, like the ops' ``t_end`` here), exactly what the thread's state said at completion."""
+    segs = state.segments
+    seg_starts = [s[1] for s in segs]
+    span_starts = [s[3] for s in spans]
+    for op, t_end, wait_s in state.colls:
+        i = bisect.bisect_right(seg_starts, t_end) - 1
+        phase = segs[i][0] if i >= 0 and t_end <= segs[i][2] else None
+        j = bisect.bisect_right(span_starts, t_end) - 1
+        in_span = j >= 0 and t_end <= spans[j][4]
+        account(state, op, wait_s, phase, not in_span)
+    state.colls = []
+
+
+def step_rows(state: StepState, *, t_end: float, cpu_end: tuple[float, float], spans: Any, epoch: float,
+              peak_flops: float, dropped: int) -> tuple[list[tuple], tuple]:
+    """The step's span rows and its step row. ``spans``: the step's ``(stage, microbatch, kind, t0, t1)``
+    in raw perf_counter times (``epoch`` added for the records); ``cpu_end``: the thread's (CPU, run-queue)
+    seconds at the step's end; ``dropped``: records dropped so far."""
+    span_rows = []
+    for stage, microbatch, kind, t0, t1 in spans:
+        span_rows.append(span_record(step=state.step, stage=stage, microbatch=span_microbatch(microbatch),
+                                     kind=kind, t_start=t0 + epoch, t_end=t1 + epoch))
+        state.span_time += t1 - t0
+        state.span_kind_time[kind] += t1 - t0
+    if state.colls:
+        account_deferred(state, spans)
+    cpu, cpu_wait = (now - then for now, then in zip(cpu_end, state.cpu0))
+    wall = t_end - state.t_start
+    v = state.values
+    pipeline_time = state.phases.get("pipeline", 0.0)
+    bubble = 0.0
+    if pipeline_time > 0:
+        bubble = max(0.0, pipeline_time - state.span_time - state.nonpp_wait_outside_spans)
+    compute = sum(t - state.waits_in_phase.get(p, 0.0) for p, t in state.phases.items() if p in COMPUTE_PHASES)
+    compute = max(0.0, compute - bubble)
+    other = max(0.0, wall - compute - state.exposed - bubble)
+    if state.span_time > 0:
+        fwd = state.span_kind_time.get("forward", 0.0)
+        bwd = state.span_kind_time.get("backward", 0.0) + state.span_kind_time.get("weight", 0.0)
+    else:
+        fwd, bwd = state.phases.get("forward", 0.0), state.phases.get("backward", 0.0)
+    loss = as_float(v.get("loss"))
+    flops = as_float(v.get("flops"), 0.0)
+    # no peak to compare with (an unknown device, or none given): MFU is not known, not 0
+    mfu = flops / wall / peak_flops if wall > 0 and peak_flops > 0 else float("nan")
+    return span_rows, step_record(
+        step=state.step, t_start=state.t_start, t_end=t_end, wall_s=wall, compute_s=compute,
+        exposed_comm_s=state.exposed, bubble_s=bubble, other_s=other, data_s=state.phases.get("data", 0.0),
+        forward_s=fwd, backward_s=bwd, optimizer_s=state.phases.get("optimizer", 0.0),
+        tokens=int(v.get("tokens", 0)), flops=flops, mfu=mfu, loss=loss,
+        loss_nonfinite=not (loss == loss and abs(loss) != float("inf")),
+        grad_norm=as_float(v.get("grad_norm")), lr=as_float(v.get("lr"), 0.0),
+        skipped=bool(v.get("skipped", False)),
+        n_collectives=state.n_collectives, dropped_records_total=dropped, cpu_s=cpu, cpu_wait_s=cpu_wait,
+    )

@@ -22,14 +22,19 @@ Step time accounting (per rank), wall = compute + exposed_comm + bubble + other:
   bubble inside them;
 - other: the rest (data loading, logging, host overhead between phases).
 
-Rows are appended to per-kind deques on the training thread (one append per record, thread-safe without a
-lock) and drained by a background flusher into the spool writer, so nothing on the training thread does
-I/O. Every deque is bounded: what does not fit is counted as dropped, never raised.
+What the training thread does is only what cannot be deferred: per step, two clock reads and two reads of
+its own CPU time at the boundaries and one append of the ended step; per phase, a clock read; per traced op
+or pipeline span, what ``CollectiveTracer`` / ``PipelineTracer`` say (clock reads and an append). The
+flusher thread builds every record from that: the ops' and spans' rows, each op's share of its step (the
+phase it completed in and whether it was inside a compute span come from the phase segments' and spans'
+times: ``_account_deferred``), the step row (reading loss and other tensor values there, so a CUDA loss
+costs the training thread no device sync), the memory sample (process-wide, so sampled there too), then
+hands the rows to the spool writer. Nothing on the training thread does I/O or builds a record. Every
+buffer is bounded: what does not fit is counted as dropped, never raised.
 """
 
 from __future__ import annotations
 
-import bisect
 import collections
 import json
 import os
@@ -39,56 +44,24 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 from meshscope.agent import version
 from meshscope.agent.contract import (
-    SCHEMAS, AnchoredClock, Clock, collective_record, event_record, run_record, span_record, step_record, algbw,
-    busbw_factor, check_run_name, spool_path,
+    SCHEMAS, AnchoredClock, Clock, collective_record, event_record, run_record, span_record, algbw,
+    busbw_factor, spool_path,
 )
 from meshscope.agent.instrument import memory
 from meshscope.agent.instrument.cpu import ThreadCPU
-from meshscope.agent.instrument.readout import as_float, where_is
+from meshscope.agent.instrument.config import TelemetryConfig
+from meshscope.agent.instrument.readout import where_is
 from meshscope.agent.instrument.recorder import DIRECT
-from meshscope.agent.instrument.stepstate import StepContext, StepState, pop_phase as _pop_phase
+from meshscope.agent.instrument.stepstate import (
+    StepContext, StepState, account, pop_phase as _pop_phase, span_microbatch, step_rows,
+)
 
-COMPUTE_PHASES = frozenset({"forward", "backward", "optimizer", "pipeline", "compute"})
-_P2P = frozenset({"send", "recv"})
 # A run record's fields the caller's info does not give: empty, not NULL (every rank writes the same columns).
 _RUN_DEFAULTS = {f.name: ("" if f.type == "string" else 0) for f in SCHEMAS["run"]}
-
-
-@dataclass(kw_only=True, slots=True)
-class TelemetryConfig:
-    store: str
-    run: str
-    max_rows_per_kind: int = 200_000  # bound on buffered rows per kind between flushes
-    flush_interval_s: float = 0.25  # how often the flusher drains (hang visibility bound)
-    memory_every: int = 1  # memory sample every N steps
-    hang_after_s: float = 60.0  # no progress for this long: one 'hang' event saying where the thread is; 0: off
-    spool_hold_bytes: int = 8 * 1024 * 1024  # records held in memory while the spool cannot be written
-
-    def __post_init__(self) -> None:
-        bad = []
-        if not self.store:
-            bad.append(f"store={self.store!r}")
-        try:
-            check_run_name(self.run)  # the contract's one rule: a run name is a directory name
-        except ValueError as e:
-            bad.append(str(e))
-        if self.max_rows_per_kind < 1:
-            bad.append(f"max_rows_per_kind={self.max_rows_per_kind}")
-        if self.flush_interval_s <= 0:
-            bad.append(f"flush_interval_s={self.flush_interval_s}")
-        if self.memory_every < 1:
-            bad.append(f"memory_every={self.memory_every}")
-        if self.hang_after_s < 0:
-            bad.append(f"hang_after_s={self.hang_after_s}")
-        if self.spool_hold_bytes < 0:
-            bad.append(f"spool_hold_bytes={self.spool_hold_bytes}")
-        if bad:
-            raise ValueError(f"invalid telemetry config: {', '.join(bad)}")
 
 
 class Telemetry:
@@ -172,7 +145,7 @@ class Telemetry:
             # adds the models' hooks to it.
             tracer = next((t for t in self._tracers if isinstance(t, CollectiveTracer)), None)
             if tracer is None:
-                tracer = CollectiveTracer(self, mesh_info=MeshInfo(mesh))
+                tracer = CollectiveTracer(self, mesh_info=MeshInfo(mesh), ddp_comm_hook=self.config.ddp_comm_hook)
                 self._tracers.append(tracer)
             tracer.attach(model_parts or [])
             if schedule is not None:
@@ -239,7 +212,7 @@ class Telemetry:
         if self._ptracer is None:
             return
         for stage, microbatch, kind, t0, t1 in self._ptracer.take():
-            self._push("span", span_record(step=step, stage=stage, microbatch=_int(microbatch), kind=kind,
+            self._push("span", span_record(step=step, stage=stage, microbatch=span_microbatch(microbatch), kind=kind,
                                            t_start=t0 + self.epoch, t_end=t1 + self.epoch))
 
     def abort_step(self, exc: BaseException) -> None:
@@ -311,7 +284,7 @@ class Telemetry:
         if context is DIRECT:
             state = self._cur
             if state is not None:
-                _account(state, op, wait_s, state.phase, state.span_depth == 0)
+                account(state, op, wait_s, state.phase, state.span_depth == 0)
         else:
             state = context
             if state is not None:
@@ -400,46 +373,14 @@ class Telemetry:
     def _build_step(self, state: StepState, t_end: float, cpu_end: tuple[float, float], spans: Any,
                     tensors: tuple[int, int, int]) -> None:
         """Runs on the flusher thread: the step's span rows, its step row (the accounting of the module
-        docstring) and its memory sample."""
+        docstring, ``stepstate.step_rows``) and its memory sample."""
         try:
-            epoch = self.epoch
-            for stage, microbatch, kind, t0, t1 in spans:
-                self._push("span", span_record(step=state.step, stage=stage, microbatch=_int(microbatch), kind=kind,
-                                               t_start=t0 + epoch, t_end=t1 + epoch))
-                state.span_time += t1 - t0
-                state.span_kind_time[kind] += t1 - t0
-            if state.colls:
-                _account_deferred(state, spans)
-            cpu, cpu_wait = (now - then for now, then in zip(cpu_end, state.cpu0))
-            wall = t_end - state.t_start
-            v = state.values
-            pipeline_time = state.phases.get("pipeline", 0.0)
-            bubble = 0.0
-            if pipeline_time > 0:
-                bubble = max(0.0, pipeline_time - state.span_time - state.nonpp_wait_outside_spans)
-            compute = sum(t - state.waits_in_phase.get(p, 0.0) for p, t in state.phases.items() if p in COMPUTE_PHASES)
-            compute = max(0.0, compute - bubble)
-            other = max(0.0, wall - compute - state.exposed - bubble)
-            if state.span_time > 0:
-                fwd = state.span_kind_time.get("forward", 0.0)
-                bwd = state.span_kind_time.get("backward", 0.0) + state.span_kind_time.get("weight", 0.0)
-            else:
-                fwd, bwd = state.phases.get("forward", 0.0), state.phases.get("backward", 0.0)
-            loss = as_float(v.get("loss"))
-            flops = as_float(v.get("flops"), 0.0)
-            # no peak to compare with (an unknown device, or none given): MFU is not known, not 0
-            mfu = flops / wall / self._peak_flops if wall > 0 and self._peak_flops > 0 else float("nan")
             dropped = self.dropped_records + int(getattr(self._writer, "dropped_records", 0))
-            self._push("step", step_record(
-                step=state.step, t_start=state.t_start, t_end=t_end, wall_s=wall, compute_s=compute,
-                exposed_comm_s=state.exposed, bubble_s=bubble, other_s=other, data_s=state.phases.get("data", 0.0),
-                forward_s=fwd, backward_s=bwd, optimizer_s=state.phases.get("optimizer", 0.0),
-                tokens=int(v.get("tokens", 0)), flops=flops, mfu=mfu, loss=loss,
-                loss_nonfinite=not (loss == loss and abs(loss) != float("inf")),
-                grad_norm=as_float(v.get("grad_norm")), lr=as_float(v.get("lr"), 0.0),
-                skipped=bool(v.get("skipped", False)),
-                n_collectives=state.n_collectives, dropped_records_total=dropped, cpu_s=cpu, cpu_wait_s=cpu_wait,
-            ))
+            span_rows, step_row = step_rows(state, t_end=t_end, cpu_end=cpu_end, spans=spans, epoch=self.epoch,
+                                            peak_flops=self._peak_flops, dropped=dropped)
+            for row in span_rows:
+                self._push("span", row)
+            self._push("step", step_row)
             # Sampled here, not at the step's end on the training thread: /proc reads and the allocator's
             # stats are process-wide, so the flusher reads them a few ms later at no cost to training.
             if state.step % self.config.memory_every == 0 or tensors is not memory.NOT_MEASURED:
@@ -522,11 +463,6 @@ class Telemetry:
                 self.dropped_records += len(rows)
 
 
-def _int(value: Any) -> int:
-    """A span's microbatch as the schedule passed it: an int, else -1 (never an error in the record)."""
-    return value if type(value) is int else -1
-
-
 class _Live:
     """What the collective tracer reads on its hot path: the open step (opaque to it), or None."""
 
@@ -534,38 +470,6 @@ class _Live:
 
     def __init__(self) -> None:
         self.step: StepState | None = None
-
-
-def _account(state: StepState, op: str, wait_s: float, phase: str | None, outside_spans: bool) -> None:
-    """One collective's share of its step: exposed communication (the thread's blocked time), per phase
-    (compute phases subtract it) and, outside pipeline compute spans, what the bubble must not count."""
-    state.n_collectives += 1
-    if wait_s != wait_s:  # NaN: exposure unknown for this op (e.g. FSDP on NCCL): not summed
-        return
-    if op in _P2P:  # a pipeline stage waiting for its neighbour: bubble, not exposed communication
-        state.pp_wait += wait_s
-        return
-    state.exposed += wait_s
-    if phase is not None:
-        state.waits_in_phase[phase] += wait_s
-        if outside_spans:
-            state.nonpp_wait_outside_spans += wait_s
-
-
-def _account_deferred(state: StepState, spans: Any) -> None:
-    """Account the step's deferred collectives: the phase each completed in and whether the thread was
-    inside a pipeline compute span then come from the step's phase segments and spans (raw perf_counter
-    times, like the ops' ``t_end`` here), exactly what the thread's state said at completion."""
-    segs = state.segments
-    seg_starts = [s[1] for s in segs]
-    span_starts = [s[3] for s in spans]
-    for op, t_end, wait_s in state.colls:
-        i = bisect.bisect_right(seg_starts, t_end) - 1
-        phase = segs[i][0] if i >= 0 and t_end <= segs[i][2] else None
-        j = bisect.bisect_right(span_starts, t_end) - 1
-        in_span = j >= 0 and t_end <= spans[j][4]
-        _account(state, op, wait_s, phase, not in_span)
-    state.colls = []
 
 
 class NullTelemetry:

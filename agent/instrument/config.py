@@ -1,0 +1,44 @@
+"""The telemetry core's configuration, validated at construction (``Telemetry(config=...)``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshscope.agent.contract import check_run_name
+
+
+@dataclass(kw_only=True, slots=True)
+class TelemetryConfig:
+    store: str
+    run: str
+    max_rows_per_kind: int = 200_000  # bound on buffered rows per kind between flushes
+    flush_interval_s: float = 0.25  # how often the flusher drains (hang visibility bound)
+    memory_every: int = 1  # memory sample every N steps
+    hang_after_s: float = 60.0  # no progress for this long: one 'hang' event saying where the thread is; 0: off
+    spool_hold_bytes: int = 8 * 1024 * 1024  # records held in memory while the spool cannot be written
+    # DDP's gradient buckets through a traced Python comm hook (per-bucket records, exposed time). False
+    # keeps DDP's C++ built-in all-reduce: any Python comm hook (DDP's own default one included) cost
+    # +8-12 % training-thread CPU per step against it on a 6-bucket 1 MB toy on 2 cores
+    # (bench/hooks_overhead.py, ddp_vs_builtin); without it DDP's buckets are not recorded at all.
+    ddp_comm_hook: bool = True
+
+    def __post_init__(self) -> None:
+        bad = []
+        if not self.store:
+            bad.append(f"store={self.store!r}")
+        try:
+            check_run_name(self.run)  # the contract's one rule: a run name is a directory name
+        except ValueError as e:
+            bad.append(str(e))
+        if self.max_rows_per_kind < 1:
+            bad.append(f"max_rows_per_kind={self.max_rows_per_kind}")
+        if self.flush_interval_s <= 0:
+            bad.append(f"flush_interval_s={self.flush_interval_s}")
+        if self.memory_every < 1:
+            bad.append(f"memory_every={self.memory_every}")
+        if self.hang_after_s < 0:
+            bad.append(f"hang_after_s={self.hang_after_s}")
+        if self.spool_hold_bytes < 0:
+            bad.append(f"spool_hold_bytes={self.spool_hold_bytes}")
+        if bad:
+            raise ValueError(f"invalid telemetry config: {', '.join(bad)}")
