@@ -118,9 +118,13 @@ def _measure(name: str, results: dict, *, steps: int, blocks: int, step_off: Cal
         traced_step()
     time.sleep(0.3)  # let the flusher drain: the op counts below are of the next step only
     before = dict(ops())
-    spans = tel._ptracer.spans if tel._ptracer is not None else []
+    taken: list[int] = []
+    ptracer = tel._ptracer
+    if ptracer is not None:  # count the spans the step's end takes
+        real_take = ptracer.take
+        ptracer.take = lambda: taken.append(len(spans := real_take())) or spans
     traced_step()
-    n_spans = len(spans)
+    n_spans = sum(taken)
     tel.flush()
     time.sleep(0.3)
     per_step = {k: v - before.get(k, 0) for k, v in ops().items() if v - before.get(k, 0)}

@@ -149,6 +149,7 @@ def p2p(original: Callable, *, tracer: Any, op: str, is_async: bool) -> Callable
     """``original`` (``isend`` / ``irecv`` / ``send`` / ``recv``; ``op`` is "send" or "recv") recording
     each call through ``tracer``, behind the public signature."""
     work_type = c10d.Work
+    pending, limit = tracer._pending_works, tracer.max_pending
 
     def describe(args: tuple, kwargs: dict) -> Issue:
         tensor, peer, group, _tag, group_peer = args
@@ -161,7 +162,10 @@ def p2p(original: Callable, *, tracer: Any, op: str, is_async: bool) -> Callable
         if not is_async:  # CUDA
             tracer.finish_sync(p)
         elif isinstance(result, work_type):
-            tracer.track_work(result, [p])
+            if len(pending) < limit:  # tracer.track_work, inline
+                pending[id(result)] = (result, [p], None)
+            else:
+                tracer.track_work(result, [p])
 
     # Called with the arguments normalised to (tensor, peer, group, tag, group_peer), positionally: the
     # order of the public signatures below, which are torch's own.

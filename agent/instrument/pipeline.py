@@ -119,8 +119,10 @@ class PipelineTracer:
         return out
 
     def take(self) -> list[tuple[int, int, str, float, float]]:
-        """The deferred spans recorded since the last ``take`` (call on the training thread)."""
-        spans, self.spans = self.spans, []
+        """The deferred spans recorded since the last ``take`` (call on the training thread; the wrappers
+        hold ``self.spans`` itself, so it is emptied in place)."""
+        spans = self.spans[:]
+        self.spans.clear()
         return spans
 
     def _wrap(self, stage: Any, method: Callable, kind: str, chunk_kw: str) -> Callable:
@@ -155,9 +157,9 @@ class PipelineTracer:
         return span
 
     def _wrap_deferred(self, stage: Any, method: Callable, kind: str, chunk_kw: str) -> Callable:
-        now = time.perf_counter
-        index = stage.stage_index
-        tracer = self
+        # Everything the span reads is a closure cell (no attribute lookups): it runs around every
+        # microbatch's compute, and its goal is ≤ 0.3 µs.
+        now, index, spans, limit, tracer = time.perf_counter, stage.stage_index, self.spans, _MAX_SPANS, self
 
         def span(*args: Any, **kwargs: Any) -> Any:
             t0 = now()
@@ -165,8 +167,7 @@ class PipelineTracer:
                 return method(*args, **kwargs)
             finally:
                 t1 = now()
-                spans = tracer.spans
-                if len(spans) < _MAX_SPANS:
+                if len(spans) < limit:
                     # The microbatch: torch's first argument (an int); the record's writer checks its type.
                     spans.append((index, args[0] if args else kwargs.get(chunk_kw, -1), kind, t0, t1))
                 else:
