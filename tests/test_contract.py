@@ -14,7 +14,7 @@ from meshscope.agent.contract import (
     PART_RE, RECORDS, SCHEMAS, SPOOL_NAME, StepRecord, part_name, record_types, spool_path,
 )
 from meshscope.agent.contract.records import FACTORIES, TAGS, layout_tag, record_factory
-from meshscope.agent.instrument import memory, telemetry
+from meshscope.agent.instrument import memory, stepstate, telemetry
 from meshscope.agent.transport.frame import (
     FRAME_HEADER_SIZE, decode_payload, encode_data_frame, parse_frame_header, rows_to_batch,
 )
@@ -120,7 +120,7 @@ def test_reordering_same_typed_schema_fields_keeps_every_value_in_its_named_colu
         monkeypatch.setitem(SCHEMAS, kind, schema)  # the same dict the frame codec validates against
         monkeypatch.setitem(RECORDS, kind, types[kind])
         monkeypatch.setitem(TAGS, kind, layout_tag(kind, types[kind]))
-    monkeypatch.setattr(telemetry, "step_record", record_factory(types["step"], kind="step"))
+    monkeypatch.setattr(stepstate, "step_record", record_factory(types["step"], kind="step"))
     monkeypatch.setattr(memory, "memory_record", record_factory(types["memory"], kind="memory"))
 
     writer = _Capture()
