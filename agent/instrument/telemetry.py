@@ -348,13 +348,7 @@ class Telemetry:
         try:
             while state.phase is not None:  # phases still open (zero-code: a step ended inside one) end here
                 _pop_phase(state)
-            for tracer in self._tracers:  # async ops that completed without a Python-visible wait
-                flush = getattr(tracer, "flush", None)
-                if flush is not None:
-                    try:
-                        flush()
-                    except Exception as exc:
-                        self.record_error("tracer_flush", exc)
+            self._each_tracer("flush")  # async ops that completed without a Python-visible wait
             t_end = self.clock.now()
             cpu = self._cpu.read()
             spans = self._ptracer.take() if self._ptracer is not None else ()
@@ -387,6 +381,16 @@ class Telemetry:
                 self._push("memory", memory.sample(state.step, t_end, self._device_or_cpu(), tensors))
         except Exception as exc:
             self.record_error("end_step", exc)
+
+    def _each_tracer(self, method: str) -> None:
+        """Call ``method`` of every tracer that has it; a failure is counted (``tracer_<method>``)."""
+        for tracer in tuple(self._tracers):
+            call = getattr(tracer, method, None)
+            if call is not None:
+                try:
+                    call()
+                except Exception as exc:
+                    self.record_error(f"tracer_{method}", exc)
 
     def _device_or_cpu(self):
         if self._device is None:
@@ -437,13 +441,7 @@ class Telemetry:
                 ended.append(self._ended.popleft())
             except IndexError:
                 break
-        for tracer in tuple(self._tracers):
-            drain = getattr(tracer, "drain", None)
-            if drain is not None:
-                try:
-                    drain()
-                except Exception as exc:
-                    self.record_error("tracer_drain", exc)
+        self._each_tracer("drain")
         for item in ended:
             self._build_step(*item)
         for kind, buf in self._bufs.items():
