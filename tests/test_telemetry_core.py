@@ -201,3 +201,42 @@ def test_tensor_census_counts_parameters_gradients_and_optimizer_state_once():
         assert errors == []
     finally:
         census.close()
+
+
+def test_ddp_comm_hook_off_leaves_ddp_models_to_the_builtin_all_reduce():
+    tel, _ = make(ddp_comm_hook=False)
+    tel.attach(model_parts=[])
+    (tracer,) = tel._tracers
+    assert tracer.ddp_comm_hook is False  # comm_ddp.attach is never called for a DDP module
+    tel.close()
+
+
+def test_collectives_are_accounted_to_the_phase_and_step_they_completed_in():
+    """The deferred path: the tracer queues each op with the open step, the flusher accounts it from the
+    phase segments' times — the same figures the direct path gives."""
+    from meshscope.agent.instrument.collectives import CollectiveTracer
+    from meshscope.agent.instrument.meshinfo import GroupInfo, MeshInfo
+
+    class FixedMesh(MeshInfo):
+        def lookup(self, group):
+            return GroupInfo(dim="dp", size=2, name="g", ranks=(0, 1))
+
+    tel, w = make()
+    tracer = CollectiveTracer(tel, mesh_info=FixedMesh())
+    tel._tracers.append(tracer)
+    with tel.step(0):
+        with tel.phase("forward"):
+            p = tracer.begin("all_reduce", "g", 64, "test")
+            time.sleep(0.02)
+            t1 = tracer.now()
+            tracer.emit(p, t1, 0.02)  # blocked 20 ms inside forward
+        with tel.phase("optimizer"):
+            time.sleep(0.01)
+    q = tracer.begin("all_reduce", "g", 64, "test")
+    tracer.emit(q, tracer.now(), 0.005)  # between steps: step 0's record, not its accounting
+    tel.close()
+    (step,) = w.table("step")
+    assert step["exposed_comm_s"] == pytest.approx(0.02) and step["n_collectives"] == 1
+    assert step["compute_s"] == pytest.approx(step["forward_s"] + step["optimizer_s"] - 0.02, abs=1e-6)
+    colls = w.table("collective")
+    assert [c["step"] for c in colls] == [0, 0] and [c["seq"] for c in colls] == [1, 2]

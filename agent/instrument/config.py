@@ -19,7 +19,8 @@ class TelemetryConfig:
     # DDP's gradient buckets through a traced Python comm hook (per-bucket records, exposed time). False
     # keeps DDP's C++ built-in all-reduce: any Python comm hook (DDP's own default one included) cost
     # +8-12 % training-thread CPU per step against it on a 6-bucket 1 MB toy on 2 cores
-    # (bench/hooks_overhead.py, ddp_vs_builtin); without it DDP's buckets are not recorded at all.
+    # (bench/hooks_overhead.py, ddp_vs_builtin); without it DDP's buckets are not recorded at all, and the
+    # reducer's wait for them at the end of backward counts as backward compute, not exposed communication.
     ddp_comm_hook: bool = True
 
     def __post_init__(self) -> None:

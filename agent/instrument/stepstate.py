@@ -47,6 +47,15 @@ class StepState:
         self.colls: list[tuple[str, float, float]] = []
 
 
+class Live:
+    """What the collective tracer reads on its hot path (``Telemetry.live``): the open step, or None."""
+
+    __slots__ = ("step",)
+
+    def __init__(self) -> None:
+        self.step: StepState | None = None
+
+
 class StepContext:
     """Handed out by ``Telemetry.step``; ``update`` attaches the step's results."""
 

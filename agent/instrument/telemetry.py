@@ -57,7 +57,7 @@ from meshscope.agent.instrument.config import TelemetryConfig
 from meshscope.agent.instrument.readout import where_is
 from meshscope.agent.instrument.recorder import DIRECT
 from meshscope.agent.instrument.stepstate import (
-    StepContext, StepState, account, pop_phase as _pop_phase, span_microbatch, step_rows,
+    Live, StepContext, StepState, account, pop_phase as _pop_phase, span_microbatch, step_rows,
 )
 
 # A run record's fields the caller's info does not give: empty, not NULL (every rank writes the same columns).
@@ -88,7 +88,7 @@ class Telemetry:
         # spans, phases) take raw perf_counter readings; records are stamped in the clock's time.
         self.epoch = (self.clock.offset() if type(self.clock) is AnchoredClock
                       else self.clock.now() - time.perf_counter())
-        self.live = _Live()  # the open step, read by the collective tracer's hot path
+        self.live = Live()  # the open step, read by the collective tracer's hot path
         # Ended steps waiting for the flusher to build their records: (state, t_end, cpu, spans, tensors)
         self._ended: collections.deque[tuple] = collections.deque()
         self._writer = writer if writer is not None else self._open_writer()
@@ -435,24 +435,14 @@ class Telemetry:
         # Records whose building was deferred off the training thread. The ended steps are taken first:
         # every collective of a step was queued before the step itself, so once the tracers are drained
         # below, each step taken here has all its collectives accounted before its record is built.
-        ended = []
-        while self._ended:
-            try:
-                ended.append(self._ended.popleft())
-            except IndexError:
-                break
+        ended = _take_all(self._ended)
         self._each_tracer("drain")
         for item in ended:
             self._build_step(*item)
         for kind, buf in self._bufs.items():
             if not buf:
                 continue
-            rows = []
-            try:
-                while True:
-                    rows.append(buf.popleft())
-            except IndexError:
-                pass
+            rows = _take_all(buf)
             try:
                 if not self._writer.submit(kind, rows):
                     pass  # the writer counted the drop
@@ -461,13 +451,15 @@ class Telemetry:
                 self.dropped_records += len(rows)
 
 
-class _Live:
-    """What the collective tracer reads on its hot path: the open step (opaque to it), or None."""
-
-    __slots__ = ("step",)
-
-    def __init__(self) -> None:
-        self.step: StepState | None = None
+def _take_all(buf: collections.deque) -> list:
+    """Everything in ``buf`` now, popped one by one (other threads may append meanwhile)."""
+    out = []
+    try:
+        while buf:
+            out.append(buf.popleft())
+    except IndexError:  # emptied by another drain meanwhile
+        pass
+    return out
 
 
 class NullTelemetry:
