@@ -165,9 +165,9 @@ class CollectiveTracer:
         # Designators of one group (None and the world group; a mesh and its group) share the counter.
         self._groups: dict[int, tuple[Any, GroupInfo, list[int]]] = {}
         self._counters: dict[str, list[int]] = {}
-        # id(Work) → (the Work, kept alive so that its id stays unique; its ops; its future or None)
-        self._pending_works: dict[int, tuple[Any, list[_Op], Any]] = {}
-        self._pending_tensors: dict[int, _Op] = {}  # funcol: output storage pointer → op
+        # id(Work) → (the Work, kept alive so that its id stays unique; its ops)
+        self._pending_works: dict[int, tuple[Any, list[_Op]]] = {}
+        self._pending_tensors: dict[int, _Op] = {}  # funcol: output data pointer → op
         self.max_pending = _MAX_PENDING  # bound of either pending map (read by sites that inline their adds)
         self._patches: list[_Patch] = []
         self._model_hooks: dict[int, Any] = {}  # id(module) → handle with .detach()
@@ -229,7 +229,7 @@ class CollectiveTracer:
         try:
             if self._pending_works:
                 now = self.now()
-                for key, (work, ops, _) in list(self._pending_works.items()):
+                for key, (work, ops) in list(self._pending_works.items()):
                     if not self._finished(work, ops[0]):
                         continue
                     if self._pending_works.pop(key, None) is None:  # taken by its wait meanwhile
@@ -326,7 +326,7 @@ class CollectiveTracer:
         if len(pending) >= _MAX_PENDING:
             del pending[next(iter(pending))]
             self.stats["dropped_pending"] += 1
-        pending[id(work)] = (work, ops, None)
+        pending[id(work)] = (work, ops)
 
     def take_work(self, work: Any) -> list[_Op] | None:
         if not self._pending_works:  # the common case for a wait() nobody asked us to time

@@ -137,7 +137,7 @@ def collective(original: Callable, *, tracer: Any, op: str, bind: Callable) -> C
             tracer.finish_sync(p)
         elif isinstance(result, work_type) and not isinstance(result, illegal_work):
             if len(pending) < limit:  # tracer.track_work, inline
-                pending[id(result)] = (result, [p], None)
+                pending[id(result)] = (result, [p])
             else:
                 tracer.track_work(result, [p])
 
@@ -163,7 +163,7 @@ def p2p(original: Callable, *, tracer: Any, op: str, is_async: bool) -> Callable
             tracer.finish_sync(p)
         elif isinstance(result, work_type):
             if len(pending) < limit:  # tracer.track_work, inline
-                pending[id(result)] = (result, [p], None)
+                pending[id(result)] = (result, [p])
             else:
                 tracer.track_work(result, [p])
 
