@@ -204,8 +204,11 @@ class Telemetry:
         return [] if state is None or state.phase is None else [*state.outer, state.phase]
 
     def discard_step(self) -> None:
-        """Drop the open step without a record (zero-code: an iteration that made no optimizer step)."""
-        self._cur = self.live.step = None
+        """Drop the open step without a record (zero-code: an iteration that made no optimizer step). Its
+        pipeline spans are recorded, not left for the next step's accounting."""
+        state, self._cur, self.live.step = self._cur, None, None
+        if state is not None:
+            self._loose_spans(state.step)
 
     def _loose_spans(self, step: int) -> None:
         """Spans of a step that did not end (aborted, discarded, detached mid-step): recorded, not accounted."""
