@@ -56,9 +56,10 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
+import itertools
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, NamedTuple
 
 from meshscope.agent.instrument.meshinfo import GroupInfo, MeshInfo
 from meshscope.agent.instrument.recorder import DIRECT
@@ -67,9 +68,46 @@ _MAX_PENDING = 4096  # async ops waiting for their wait(); beyond this the oldes
 _MAX_DONE = 65536  # completed ops waiting for drain(); beyond this new ones are dropped (and counted)
 
 
+# What the training thread keeps of an op, as plain tuples (a tuple measured cheaper to build than a slotted
+# object with an ``__init__``, and it is built on every op):
+#   Issued = (op, GroupInfo, nbytes, peer, source, seq, t_start): an op issued on a fast site and not yet
+#           complete (in ``_pending_works`` until its wait);
+#   Entry = Issued + (t_end, wait_s, context): a completed op waiting for ``drain`` (context: the
+#           recorder's open step when it completed, ``DIRECT`` for a recorder without deferral).
+# Sites that need to amend an op after its issue (DDP's completion stamp, funcol's nested waits, CUDA
+# events, coalesced batches) keep an ``_Op`` and ``emit`` turns it into an Entry.
+
+
+class Hot(NamedTuple):
+    """The tracer's state as the fast sites read it (once, when they are made: closures over these)."""
+
+    tracer: Any  # .enabled, .error, .track_work, and the slow path for what a fast site does not handle
+    main: Any  # the attaching thread's nesting state (``_Nesting``)
+    main_tid: int
+    local: Any  # other threads' nesting state (``threading.local`` with ``.nesting``)
+    get_ident: Callable[[], int]
+    groups: dict  # id(designator) → (designator, GroupInfo, counter)
+    resolve: Callable[[Any], tuple]  # a designator not in ``groups`` → its entry
+    now: Callable[[], float]
+    live: Any  # ``.step``: the open step, the context of an op completing now
+    push: Callable[[tuple], None]  # hand over one Entry
+    done: Any  # the Entries waiting for drain (bounded by ``max_done``)
+    max_done: int
+    pending: dict  # ``_pending_works``
+    max_pending: int
+    stats: Any
+
+
+class _Direct:
+    """The ``live`` of a recorder without deferral: no open step to carry, records made at once."""
+
+    __slots__ = ()
+    step = DIRECT
+
+
 class _OpDefaults:
     """What most ops never set, as class attributes: an op's constructor stores only what every op has
-    (instances get a ``__dict__`` for these on the first store, which the CPU blocking path never does)."""
+    (instances get a ``__dict__`` for these on the first store)."""
 
     t_done: float | None = None  # completion seen before the record (DDP's callback, funcol's wait)
     wait_s = 0.0  # blocked time already attributed (waits nested inside the issuing call)
@@ -78,10 +116,10 @@ class _OpDefaults:
 
 
 class _Op(_OpDefaults):
-    """One issued op until it is recorded. Once complete it is its own entry in the tracer's queue:
-    ``t_end``, ``blocked`` (its ``wait_s``) and ``ctx`` (the recorder's open step) are set by ``emit``."""
+    """One issued op that a site amends before it completes (see ``Issued`` above for the fast sites'
+    tuples); ``emit`` turns it into an Entry."""
 
-    __slots__ = ("op", "info", "nbytes", "peer", "source", "seq", "t_start", "t_end", "blocked", "ctx")
+    __slots__ = ("op", "info", "nbytes", "peer", "source", "seq", "t_start")
 
     def __init__(self, op: str, info: GroupInfo, nbytes: int, peer: int, source: str, seq: int,
                  t_start: float) -> None:
@@ -162,11 +200,13 @@ class CollectiveTracer:
         self._main = _Nesting()
         self._tls = _TLS()
         # id(group designator) → (designator, GroupInfo, its group's issue counter): one dict hit per op.
-        # Designators of one group (None and the world group; a mesh and its group) share the counter.
-        self._groups: dict[int, tuple[Any, GroupInfo, list[int]]] = {}
-        self._counters: dict[str, list[int]] = {}
-        # id(Work) → (the Work, kept alive so that its id stays unique; its ops)
-        self._pending_works: dict[int, tuple[Any, list[_Op]]] = {}
+        # Designators of one group (None and the world group; a mesh and its group) share the counter
+        # (``next`` of an ``itertools.count``: the op's sequence number in its group, from 1).
+        self._groups: dict[int, tuple[Any, GroupInfo, Iterator[int]]] = {}
+        self._counters: dict[str, Iterator[int]] = {}
+        # id(Work) → (the Work, kept alive so that its id stays unique; its ops: an ``Issued`` tuple for the
+        # one CPU op of a fast site, else a list of ``_Op``)
+        self._pending_works: dict[int, tuple[Any, Any]] = {}
         self._pending_tensors: dict[int, _Op] = {}  # funcol: output data pointer → op
         self.max_pending = _MAX_PENDING  # bound of either pending map (read by sites that inline their adds)
         self._patches: list[_Patch] = []
@@ -230,9 +270,15 @@ class CollectiveTracer:
             if self._pending_works:
                 now = self.now()
                 for key, (work, ops) in list(self._pending_works.items()):
-                    if not self._finished(work, ops[0]):
+                    first = ops if type(ops) is tuple else ops[0]
+                    if not self._finished(work, first[0] if first is ops else first.op,
+                                          first[1] if first is ops else first.info):
                         continue
                     if self._pending_works.pop(key, None) is None:  # taken by its wait meanwhile
+                        continue
+                    if first is ops:  # a fast site's Issued: completion is first observed here
+                        self.put(ops + (now, 0.0, self.hot.live.step))
+                        emitted += 1
                         continue
                     for p in ops:
                         if p.cuda is not None:  # never waited in Python: CUDA timing without a stall
@@ -247,13 +293,13 @@ class CollectiveTracer:
             self.error("flush", exc)
         return emitted
 
-    def _finished(self, work: Any, p: _Op) -> bool:
+    def _finished(self, work: Any, op: str, info: GroupInfo) -> bool:
         """Whether an async op is over. gloo completes a work's future before the work itself, so the
         future is asked too (here at step end, not on the hot path); works with no future (P2P, gloo's
         emulated reduce_scatter) answer with a C++ exception (~30-50 µs), asked once per op and group."""
         if _completed(work):
             return True
-        key = (p.op, p.info.name)
+        key = (op, info.name)
         if key in self._no_future:
             return False
         try:
@@ -270,10 +316,10 @@ class CollectiveTracer:
         n = 0
         while True:
             try:
-                p = done.popleft()
+                entry = done.popleft()
             except IndexError:
                 return n
-            self._record(p, p.t_end, p.blocked, p.ctx)
+            self._record_entry(entry)
             n += 1
 
     # ----------------------------------------------------------------- used by the comm_* modules
@@ -295,7 +341,10 @@ class CollectiveTracer:
         info = self.mesh_info.lookup(group)
         if len(self._groups) >= _MAX_PENDING:  # rank lists built per call must not grow it forever
             self._groups.clear()
-        hit = self._groups[id(group)] = (group, info, self._counters.setdefault(info.name, [0]))
+        counter = self._counters.get(info.name)
+        if counter is None:
+            counter = self._counters[info.name] = itertools.count(1)
+        hit = self._groups[id(group)] = (group, info, counter)
         return hit
 
     def enter(self, p: _Op | None) -> _Op | None:
@@ -328,7 +377,9 @@ class CollectiveTracer:
             self.stats["dropped_pending"] += 1
         pending[id(work)] = (work, ops)
 
-    def take_work(self, work: Any) -> list[_Op] | None:
+    def take_work(self, work: Any) -> Any:
+        """The ops tracked for ``work`` (an ``Issued`` or a list of ``_Op``), no longer tracked; ``None``
+        when it is not tracked."""
         if not self._pending_works:  # the common case for a wait() nobody asked us to time
             return None
         entry = self._pending_works.pop(id(work), None)
@@ -351,6 +402,9 @@ class CollectiveTracer:
         coalesced work for several ops: the blocked time is split evenly). Completion is the wait's return
         (an op that finished before its wait reads as ending there: an upper bound; its ``wait_s`` is
         still exact)."""
+        if type(ops) is tuple:  # one op of a fast site (its Issued)
+            self.put(ops + (t1, t1 - t0, self.hot.live.step))
+            return
         share = (t1 - t0) / len(ops)
         for p in ops:
             self.emit(p, t_end=min(p.t_done, t1) if p.t_done is not None else t1, wait_s=share)
@@ -363,18 +417,22 @@ class CollectiveTracer:
         self._emit(p, t_end, wait_s)
 
     def _hot_paths(self) -> None:
-        """``begin`` and ``emit`` as closures over the tracer's state, set as instance attributes: they run
-        on every op, and a closure reads its state from cells where a method looks up ``self.<name>``."""
-        groups, resolve, now, live, done, stats, record = (
-            self._groups, self._group, self.now, self._live, self._done, self.stats, self._record)
+        """``begin`` and ``emit`` as closures over the tracer's state, set as instance attributes, and
+        ``hot``, what the fast sites read (``Hot``): they run on every op, and a closure reads its state
+        from cells where a method looks up ``self.<name>``."""
+        groups, resolve, now, done, stats = self._groups, self._group, self.now, self._done, self.stats
+        if self._live is None:  # a recorder without deferral: each entry recorded at once, no open step
+            live: Any = _Direct()
+            push: Callable[[tuple], None] = self._record_entry
+        else:
+            live, push = self._live, done.append
 
         def begin(op: str, group: Any, nbytes: int, source: str, peer: int = -1,
                   group_peer: int | None = None, cuda: bool = False) -> _Op:
             hit = groups.get(id(group))
             if hit is None or hit[0] is not group:
                 hit = resolve(group)
-            info, counter = hit[1], hit[2]
-            seq = counter[0] = counter[0] + 1
+            info, seq = hit[1], next(hit[2])
             if group_peer is not None:
                 peer = info.global_rank(group_peer)
             if cuda:
@@ -384,29 +442,35 @@ class CollectiveTracer:
                 return p
             return _Op(op, info, nbytes, peer, source, seq, now())
 
-        if live is None:
-            def emit(p: _Op, t_end: float, wait_s: float) -> None:  # a recorder without deferral: now
-                record(p, t_end, wait_s, DIRECT)
-        else:
-            def emit(p: _Op, t_end: float, wait_s: float) -> None:
-                if len(done) < _MAX_DONE:
-                    p.t_end = t_end
-                    p.blocked = wait_s
-                    p.ctx = live.step
-                    done.append(p)
-                else:
-                    stats["dropped_done"] += 1
+        def emit(p: _Op, t_end: float, wait_s: float) -> None:
+            if len(done) < _MAX_DONE:
+                push((p.op, p.info, p.nbytes, p.peer, p.source, p.seq, p.t_start, t_end, wait_s, live.step))
+            else:
+                stats["dropped_done"] += 1
+
+        def put(entry: tuple) -> None:  # an Entry, bounded as every site bounds it
+            if len(done) < _MAX_DONE:
+                push(entry)
+            else:
+                stats["dropped_done"] += 1
 
         self._begin = self.begin = begin
         self._emit = self.emit = emit
+        self.put = put
+        self.hot = Hot(tracer=self, main=self._main, main_tid=self._main_tid, local=self._tls,
+                       get_ident=threading.get_ident, groups=groups, resolve=resolve, now=now, live=live,
+                       push=push, done=done, max_done=_MAX_DONE, pending=self._pending_works,
+                       max_pending=_MAX_PENDING, stats=stats)
 
-    def _record(self, p: _Op, t_end: float, wait_s: float, context: Any) -> None:
+    def _record_entry(self, entry: tuple) -> None:
+        """Hand one completed op (an ``Entry``) to the recorder as a record."""
         try:
-            info, epoch = p.info, self._epoch
-            kw = dict(op=p.op, dim=info.dim, group=info.name, group_size=info.size, nbytes=p.nbytes,
-                      t_start=p.t_start + epoch, t_end=t_end + epoch, wait_s=wait_s, peer=p.peer, source=p.source)
+            op, info, nbytes, peer, source, seq, t_start, t_end, wait_s, context = entry
+            epoch = self._epoch
+            kw = dict(op=op, dim=info.dim, group=info.name, group_size=info.size, nbytes=nbytes,
+                      t_start=t_start + epoch, t_end=t_end + epoch, wait_s=wait_s, peer=peer, source=source)
             if self._pass_seq:
-                kw["seq"] = p.seq
+                kw["seq"] = seq
             if context is not DIRECT:
                 kw["context"] = context
             self.recorder.record_collective(**kw)

@@ -70,6 +70,7 @@ def _one(ti: int, gi: int, ai: int, tname: str = "tensor") -> Callable:
             # CUDA it returns once the op is queued, see comm_nccl).
             return begin(op, group, t.nbytes, "c10d", -1, None, cuda), args, kwargs, not async_op and not cuda, async_op
         return describe
+    bind.fast = (ti, gi, ai, tname)  # type: ignore[attr-defined]  # collective() makes a fast site of it
     return bind
 
 
@@ -128,7 +129,7 @@ _coalescing = c10d._world.pg_coalesce_state.__len__
 
 def collective(original: Callable, *, tracer: Any, op: str, bind: Callable) -> Callable:
     """``original`` (a ``torch.distributed`` collective; ``_COLLECTIVES`` gives ``bind``) recording ``op``
-    through ``tracer``."""
+    through ``tracer``. One-tensor collectives get a fast site (``_fast_one``) in front of this."""
     work_type, illegal_work = c10d.Work, c10d._IllegalWork
     pending, limit = tracer._pending_works, tracer.max_pending
 
@@ -141,15 +142,93 @@ def collective(original: Callable, *, tracer: Any, op: str, bind: Callable) -> C
             else:
                 tracer.track_work(result, [p])
 
-    return traced_call(original, tracer=tracer, where=op, describe=bind(tracer, op), finish=finish,
+    slow = traced_call(original, tracer=tracer, where=op, describe=bind(tracer, op), finish=finish,
                        skip=_coalescing)
+    fast = getattr(bind, "fast", None)
+    return slow if fast is None else _fast_one(original, slow, tracer=tracer, op=op, where=op, spec=fast)
+
+
+def _work_types() -> Callable[[Any], bool]:
+    """``is_work(result)``: a c10d ``Work`` that a wait will complete (not c10d's ``_IllegalWork``), with
+    the answer cached per type (two ``isinstance`` checks of a pybind11 class per op, otherwise)."""
+    known: dict[type, bool] = {}
+    work_type, illegal_work = c10d.Work, c10d._IllegalWork
+
+    def is_work(result: Any) -> bool:
+        t = type(result)
+        ok = known.get(t)
+        if ok is None:
+            ok = known[t] = issubclass(t, work_type) and not issubclass(t, illegal_work)
+        return ok
+    return is_work
+
+
+def _fast_one(original: Callable, slow: Callable, *, tracer: Any, op: str, where: str,
+              spec: tuple[int, int, int, str]) -> Callable:
+    """The CPU path of a one-tensor collective (tensor at ``spec[0]`` or keyword ``spec[3]``, group at
+    ``spec[1]``, ``async_op`` at ``spec[2]``), everything ``traced_call`` does written out in one frame:
+    per op the training thread resolves the group (a dict hit), takes its sequence number and two clock
+    readings and appends one tuple (``collectives.Issued`` / ``Entry``). CUDA tensors take ``slow``."""
+    ti, gi, ai, tname = spec
+    (_, main, main_tid, local, get_ident, groups, resolve, now, live, push, done, max_done, pending,
+     max_pending, stats) = tracer.hot
+    is_work = _work_types()
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        tls = main if get_ident() == main_tid else local.nesting
+        if not tracer.enabled or tls.depth or _coalescing():
+            return original(*args, **kwargs)
+        try:
+            n = len(args)
+            t = args[ti] if n > ti else kwargs[tname]
+            if kwargs:
+                group = args[gi] if n > gi else kwargs.get("group")
+                async_op = bool(args[ai] if n > ai else kwargs.get("async_op", False))
+            else:
+                group = args[gi] if n > gi else None
+                async_op = n > ai and bool(args[ai])
+            if t.is_cuda:
+                issue = None
+            else:
+                hit = groups.get(id(group))
+                if hit is None or hit[0] is not group:
+                    hit = resolve(group)
+                issue = (op, hit[1], t.nbytes, -1, "c10d", next(hit[2]), now())
+        except Exception as exc:
+            tracer.error(where, exc)
+            return original(*args, **kwargs)
+        if issue is None:
+            return slow(*args, **kwargs)
+        tls.depth += 1
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            tls.depth -= 1
+        try:
+            if not async_op:  # returned once its op completed: the whole call was blocked time
+                t1 = now()
+                if len(done) < max_done:
+                    push(issue + (t1, t1 - issue[6], live.step))
+                else:
+                    stats["dropped_done"] += 1
+            elif is_work(result):
+                if len(pending) < max_pending:
+                    pending[id(result)] = (result, issue)
+                else:
+                    tracer.track_work(result, issue)
+        except Exception as exc:
+            tracer.error(where, exc)
+        return result
+
+    return wrapper
 
 
 def p2p(original: Callable, *, tracer: Any, op: str, is_async: bool) -> Callable:
     """``original`` (``isend`` / ``irecv`` / ``send`` / ``recv``; ``op`` is "send" or "recv") recording
-    each call through ``tracer``, behind the public signature."""
-    work_type = c10d.Work
-    pending, limit = tracer._pending_works, tracer.max_pending
+    each call through ``tracer``, behind the public signature. The CPU path is written out in the public
+    signature's own frame, as ``_fast_one``'s; CUDA tensors take the ``traced_call`` path."""
+    (_, main, main_tid, local, get_ident, groups, resolve, now, live, push, done, max_done, pending,
+     max_pending, stats) = tracer.hot
 
     def describe(args: tuple, kwargs: dict) -> Issue:
         tensor, peer, group, _tag, group_peer = args
@@ -161,15 +240,54 @@ def p2p(original: Callable, *, tracer: Any, op: str, is_async: bool) -> Callable
     def finish(p: Any, _: None, result: Any) -> None:
         if not is_async:  # CUDA
             tracer.finish_sync(p)
-        elif isinstance(result, work_type):
-            if len(pending) < limit:  # tracer.track_work, inline
-                pending[id(result)] = (result, [p])
-            else:
-                tracer.track_work(result, [p])
+        elif isinstance(result, c10d.Work):
+            tracer.track_work(result, [p])
 
     # Called with the arguments normalised to (tensor, peer, group, tag, group_peer), positionally: the
     # order of the public signatures below, which are torch's own.
-    issue = traced_call(original, tracer=tracer, where=op, describe=describe, finish=finish, skip=_coalescing)
+    slow = traced_call(original, tracer=tracer, where=op, describe=describe, finish=finish, skip=_coalescing)
+    is_work = _work_types()
+
+    def issue(tensor: Any, peer: Any, group: Any, tag: int, group_peer: Any) -> Any:
+        tls = main if get_ident() == main_tid else local.nesting
+        if not tracer.enabled or tls.depth or _coalescing():
+            return original(tensor, peer, group, tag, group_peer)
+        try:
+            if tensor.is_cuda:
+                entry = None
+            else:
+                hit = groups.get(id(group))
+                if hit is None or hit[0] is not group:
+                    hit = resolve(group)
+                info = hit[1]
+                entry = (op, info, tensor.nbytes, peer if peer is not None else
+                         (info.global_rank(group_peer) if group_peer is not None else -1),
+                         "c10d", next(hit[2]), now())
+        except Exception as exc:
+            tracer.error(op, exc)
+            return original(tensor, peer, group, tag, group_peer)
+        if entry is None:
+            return slow(tensor, peer, group, tag, group_peer)
+        tls.depth += 1
+        try:
+            result = original(tensor, peer, group, tag, group_peer)
+        finally:
+            tls.depth -= 1
+        try:
+            if not is_async:  # send / recv return once the op completed
+                t1 = now()
+                if len(done) < max_done:
+                    push(entry + (t1, t1 - entry[6], live.step))
+                else:
+                    stats["dropped_done"] += 1
+            elif is_work(result):
+                if len(pending) < max_pending:
+                    pending[id(result)] = (result, entry)
+                else:
+                    tracer.track_work(result, entry)
+        except Exception as exc:
+            tracer.error(op, exc)
+        return result
 
     if op == "send":
         def send(tensor: Any, dst: Any = None, group: Any = None, tag: int = 0, group_dst: Any = None,
@@ -234,7 +352,8 @@ def install(tracer: Any) -> None:
     tracer.patch(owners, "batch_isend_irecv", functools.partial(batch, tracer=tracer, isend=isend, irecv=irecv))
 
     def wait(original: Callable) -> Callable:
-        pending, now = tracer._pending_works, tracer.now  # take_work, inline: every Work.wait comes here
+        # take_work and the Entry's hand-over, inline: every Work.wait of the process comes here.
+        (_, _, _, _, _, _, _, now, live, push, done, max_done, pending, _, stats) = tracer.hot
 
         def traced_wait(self: Any, *args: Any, **kwargs: Any) -> Any:
             entry = pending.pop(id(self), None) if pending else None
@@ -243,6 +362,18 @@ def install(tracer: Any) -> None:
                     pending[id(entry[0])] = entry
                 return original(self, *args, **kwargs)
             ops = entry[1]
+            if type(ops) is tuple:  # one CPU op of a fast site (its Issued)
+                t0 = now()
+                result = original(self, *args, **kwargs)
+                try:
+                    t1 = now()
+                    if len(done) < max_done:
+                        push(ops + (t1, t1 - t0, live.step))
+                    else:
+                        stats["dropped_done"] += 1
+                except Exception as exc:
+                    tracer.error("wait", exc)
+                return result
             if ops[0].cuda is not None:
                 return tracer.cuda_timer().wait(tracer, ops, original, self, args, kwargs)
             t0 = now()
