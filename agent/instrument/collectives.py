@@ -134,13 +134,17 @@ class _Op(_OpDefaults):
 
 class _Nesting:
     """Per-thread nesting state. ``depth`` > 0 while inside a traced issue call: nested dist.* calls are
-    not recorded again; ``current``: the op being issued (a wait inside its own issue call belongs to it)."""
+    not recorded again; ``current``: the op being issued (a wait inside its own issue call belongs to it:
+    an ``_Op`` is amended, a fast site's ``Issued`` gets the wait in ``nested_wait`` / ``nested_end``,
+    which that site reads and resets after its call)."""
 
-    __slots__ = ("depth", "current")
+    __slots__ = ("depth", "current", "nested_wait", "nested_end")
 
     def __init__(self) -> None:
         self.depth = 0
-        self.current: _Op | None = None
+        self.current: Any = None
+        self.nested_wait = 0.0
+        self.nested_end: float | None = None
 
 
 class _TLS(threading.local):
@@ -174,6 +178,8 @@ class CollectiveTracer:
     ``_get_ddp_logging_data()``'s sampled averages remain). No cheaper way was found on torch 2.13: gloo's
     flight recorder stamps no completion, and a Python hook's result must be a Python future.
     """
+
+    Op = _Op  # what a site that amends its op after the issue builds (comm_funcol), without importing this
 
     def __init__(self, recorder: Any, *, mesh_info: MeshInfo | None = None, ddp_comm_hook: bool = True) -> None:
         self.recorder = recorder

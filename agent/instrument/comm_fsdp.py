@@ -32,7 +32,9 @@ def _traced(call: Callable, *, tracer: Any, op: str, buffer: int) -> Callable:
     """``call(output_tensor, input_tensor, group, [op,] async_op)`` (the FSDP comm being replaced, behind
     positional arguments: cheaper to pass on than keywords) recording ``op`` through ``tracer``; its bytes
     are the size of the tensor at position ``buffer`` (nccl-tests: all-gather output, reduce-scatter
-    input). A blocking call on CPU returns once its op completed: the whole call is blocked time."""
+    input). A blocking call on CPU returns once its op completed: the whole call is blocked time. The CPU
+    path is written out in one frame (as ``comm_c10d._fast_one``); CUDA tensors take ``traced_call``."""
+    where = f"fsdp_{op}"
 
     def describe(args: tuple, kwargs: dict) -> Issue:
         tensor, async_op = args[buffer], args[-1]
@@ -47,7 +49,50 @@ def _traced(call: Callable, *, tracer: Any, op: str, buffer: int) -> Callable:
         else:
             tracer.finish_sync(p)
 
-    return traced_call(call, tracer=tracer, where=f"fsdp_{op}", describe=describe, finish=finish)
+    slow = traced_call(call, tracer=tracer, where=where, describe=describe, finish=finish)
+    (_, main, main_tid, local, get_ident, groups, resolve, now, live, push, done, max_done, pending,
+     max_pending, stats) = tracer.hot
+
+    def fast(output_tensor: Any, input_tensor: Any, group: Any, *rest: Any) -> Any:
+        tls = main if get_ident() == main_tid else local.nesting
+        if not tracer.enabled or tls.depth:
+            return call(output_tensor, input_tensor, group, *rest)
+        try:
+            tensor = input_tensor if buffer else output_tensor
+            if tensor.is_cuda:
+                issued = None
+            else:
+                hit = groups.get(id(group))
+                if hit is None or hit[0] is not group:
+                    hit = resolve(group)
+                issued = (op, hit[1], tensor.nbytes, -1, "fsdp_comm", next(hit[2]), now())
+        except Exception as exc:
+            tracer.error(where, exc)
+            return call(output_tensor, input_tensor, group, *rest)
+        if issued is None:
+            return slow(output_tensor, input_tensor, group, *rest)
+        tls.depth += 1  # FSDP's own dist.* call inside is this op, not another
+        try:
+            work = call(output_tensor, input_tensor, group, *rest)
+        finally:
+            tls.depth -= 1
+        try:
+            if rest[-1] and work is not None:  # async_op: completed by its Work.wait
+                if len(pending) < max_pending:
+                    pending[id(work)] = (work, issued)
+                else:
+                    tracer.track_work(work, issued)
+            else:
+                t1 = now()
+                if len(done) < max_done:
+                    push(issued + (t1, t1 - issued[6], live.step))
+                else:
+                    stats["dropped_done"] += 1
+        except Exception as exc:
+            tracer.error(where, exc)
+        return work
+
+    return fast
 
 
 class TracedAllGather(DefaultAllGather):

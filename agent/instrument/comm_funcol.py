@@ -26,7 +26,6 @@ CUDA: ``wait_tensor`` only makes the current stream wait; the wait is timed with
 from __future__ import annotations
 
 import functools
-import threading
 from typing import Any, Callable
 
 import torch
@@ -37,6 +36,17 @@ from meshscope.agent.instrument.traced_call import Issue, traced_call
 # Inside torch.compile'd code the functional collectives become graph nodes; a Python timestamp there would
 # only cause a graph break, so the wrappers step aside while Dynamo traces.
 _compiling = torch.compiler.is_compiling
+# What ``is_compiling`` returns outside TorchScript, read as a module attribute on the hot path (its two
+# Python calls measured ~0.3 µs per funcol op, issue and wait): torch holds the flag for a whole Dynamo
+# compile session (``torch.compiler._compile_session_context``, torch ≥ 2.13). Older torch sets it for
+# export only, so there the hot path asks ``is_compiling`` itself.
+_compiler: Any = torch.compiler
+if not hasattr(torch.compiler, "_compile_session_context") or not hasattr(torch.compiler, "_is_compiling_flag"):
+    class _AskEachTime:
+        @property
+        def _is_compiling_flag(self) -> bool:
+            return _compiling()
+    _compiler = _AskEachTime()
 _ACT = funcol.AsyncCollectiveTensor  # what a funcol call returns while its op is in flight
 
 
@@ -71,17 +81,69 @@ def _registrar(*, tracer: Any) -> Callable[[Any, Any, Any], None]:
 def single(original: Callable, *, tracer: Any, op: str, group_index: int,
            nbytes: Callable[[Any, Any], int]) -> Callable:
     """``original`` (a one-tensor funcol function; its group at ``group_index``) recording ``op`` through
-    ``tracer``; ``nbytes(tensor, group info)`` gives the op's bytes."""
+    ``tracer``; ``nbytes(tensor, group info)`` gives the op's bytes. The CPU path is written out in one
+    frame with an ``Issued`` tuple (as ``comm_c10d._fast_one``); CUDA tensors take ``traced_call``."""
 
     def describe(args: tuple, kwargs: dict) -> Issue:
         t = args[0] if args else kwargs["self"]
         group = args[group_index] if len(args) > group_index else kwargs["group"]
         p = tracer.begin(op, group, 0, "funcol", -1, None, t.is_cuda)
-        p.nbytes = t.nbytes if nbytes is _input_bytes else nbytes(t, p.info)
+        p.nbytes = nbytes(t, p.info)
         return p, args, kwargs, False, None
 
-    return traced_call(original, tracer=tracer, where=op, describe=describe, finish=_registrar(tracer=tracer),
-                       skip=_compiling)
+    register = _registrar(tracer=tracer)
+    slow = traced_call(original, tracer=tracer, where=op, describe=describe, finish=register, skip=_compiling)
+    (_, main, main_tid, local, get_ident, groups, resolve, now, live, push, done, max_done, _, _,
+     stats) = tracer.hot
+    pending, limit, output = tracer._pending_tensors, tracer.max_pending, nbytes is _output_bytes
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        tls = main if get_ident() == main_tid else local.nesting
+        if not tracer.enabled or tls.depth or _compiler._is_compiling_flag:
+            return original(*args, **kwargs)
+        try:
+            t = args[0] if args else kwargs["self"]
+            group = args[group_index] if len(args) > group_index else kwargs["group"]
+            if t.is_cuda:
+                issued = None
+            else:
+                hit = groups.get(id(group))
+                if hit is None or hit[0] is not group:
+                    hit = resolve(group)
+                info = hit[1]
+                issued = (op, info, t.nbytes * info.size if output else t.nbytes, -1, "funcol", next(hit[2]),
+                          now())
+        except Exception as exc:
+            tracer.error(op, exc)
+            return original(*args, **kwargs)
+        if issued is None:
+            return slow(*args, **kwargs)
+        prev = tls.current
+        tls.depth += 1
+        tls.current = issued  # a wait inside the call is this op's (wait_tensor: tls.nested_*)
+        try:
+            out = original(*args, **kwargs)
+        finally:
+            tls.depth -= 1
+            tls.current = prev
+        try:
+            if tls.nested_end is None and type(out) is _ACT:  # in flight: its wait_tensor completes it
+                if len(pending) < limit:
+                    pending[out.elem.data_ptr()] = issued
+                else:
+                    tracer.track_tensor(_storage_key(out.elem), issued)
+            else:  # complete already: at the wait inside the call (not the call's return), or now
+                end, blocked = tls.nested_end, tls.nested_wait
+                tls.nested_end, tls.nested_wait = None, 0.0
+                if len(done) < max_done:
+                    push(issued + ((now(), 0.0) if end is None else (end, blocked)) + (live.step,))
+                else:
+                    stats["dropped_done"] += 1
+        except Exception as exc:
+            tracer.error(op, exc)
+        return out
+
+    return wrapper
 
 
 def coalesced(original: Callable, *, tracer: Any, op: str, group_index: int, output_bytes: bool) -> Callable:
@@ -142,16 +204,17 @@ def install(tracer: Any) -> None:
 
     def wait(original: Callable) -> Callable:
         # The tracer's nesting state and take_tensor, inline: every funcol wait of the process comes here.
-        main, main_tid, local, get_ident = tracer._main, tracer._main_tid, tracer._tls, threading.get_ident
-        pending, now = tracer._pending_tensors, tracer.now
+        (_, main, main_tid, local, get_ident, _, _, now, live, push, done, max_done, _, _, stats) = tracer.hot
+        pending = tracer._pending_tensors
 
         def wait_tensor(tensor: Any) -> Any:
             # An AsyncCollectiveTensor passed in directly: its dispatch calls this function again with the
             # plain tensor inside, which is where the wait is timed.
-            if not tracer.enabled or type(tensor) is _ACT or _compiling():
+            if not tracer.enabled or type(tensor) is _ACT or _compiler._is_compiling_flag:
                 return original(tensor)
             try:
-                cur = (main if get_ident() == main_tid else local.nesting).current
+                tls = main if get_ident() == main_tid else local.nesting
+                cur = tls.current
                 p = pending.pop(tensor.data_ptr(), None) if cur is None and pending else None
                 if tensor.is_cuda:
                     return tracer.cuda_timer().wait_tensor(tracer, cur or p, original, tensor)
@@ -162,15 +225,23 @@ def install(tracer: Any) -> None:
             out = original(tensor)
             try:
                 t1 = now()
-                if cur is not None:  # a wait inside the issuing call (e.g. all_gather_single, dim != 0)
+                if type(p) is tuple:  # a fast site's Issued
+                    if len(done) < max_done:
+                        push(p + (t1, t1 - t0, live.step))
+                    else:
+                        stats["dropped_done"] += 1
+                elif p is not None:  # an op object (traced_call's sites)
+                    tracer.emit(p, t1, t1 - t0 + p.wait_s)
+                elif type(cur) is tuple:  # a wait inside a fast site's issuing call (all_gather_single, dim != 0)
+                    tls.nested_wait += t1 - t0
+                    tls.nested_end = t1
+                elif cur is not None:  # the same inside traced_call's
                     cur.wait_s += t1 - t0
                     cur.waited = True
                     cur.t_done = t1
-                elif p is not None:
-                    tracer.emit(p, t1, t1 - t0 + p.wait_s)
                 else:
-                    tracer.stats["unmatched_waits"] += 1
-                    tracer.stats["unmatched_wait_us"] += int((t1 - t0) * 1e6)
+                    stats["unmatched_waits"] += 1
+                    stats["unmatched_wait_us"] += int((t1 - t0) * 1e6)
             except Exception as exc:
                 tracer.error("wait_tensor", exc)
             return out
