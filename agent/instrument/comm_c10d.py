@@ -125,6 +125,7 @@ _COLLECTIVES: dict[str, tuple[str, Callable]] = {
 # ``batch_isend_irecv`` is where such ops are seen. torch mutates that dict in place and never replaces it,
 # so its bound ``__len__`` answers without a Python frame on every call.
 _coalescing = c10d._world.pg_coalesce_state.__len__
+_NO_TIMEOUT = object()  # Work.wait called without a timeout
 
 
 def collective(original: Callable, *, tracer: Any, op: str, bind: Callable) -> Callable:
@@ -148,19 +149,15 @@ def collective(original: Callable, *, tracer: Any, op: str, bind: Callable) -> C
     return slow if fast is None else _fast_one(original, slow, tracer=tracer, op=op, where=op, spec=fast)
 
 
-def _work_types() -> Callable[[Any], bool]:
-    """``is_work(result)``: a c10d ``Work`` that a wait will complete (not c10d's ``_IllegalWork``), with
-    the answer cached per type (two ``isinstance`` checks of a pybind11 class per op, otherwise)."""
-    known: dict[type, bool] = {}
-    work_type, illegal_work = c10d.Work, c10d._IllegalWork
+class _WorkTypes(dict):
+    """``works.get(type(result)) or works.learn(result)``: whether a call's result is a c10d ``Work`` that
+    a wait will complete (not c10d's ``_IllegalWork``), cached per type: a dict hit where two
+    ``isinstance`` checks of a pybind11 class would be made on every async op."""
 
-    def is_work(result: Any) -> bool:
+    def learn(self, result: Any) -> bool:
         t = type(result)
-        ok = known.get(t)
-        if ok is None:
-            ok = known[t] = issubclass(t, work_type) and not issubclass(t, illegal_work)
+        ok = self[t] = issubclass(t, c10d.Work) and not issubclass(t, c10d._IllegalWork)
         return ok
-    return is_work
 
 
 def _fast_one(original: Callable, slow: Callable, *, tracer: Any, op: str, where: str,
@@ -172,7 +169,7 @@ def _fast_one(original: Callable, slow: Callable, *, tracer: Any, op: str, where
     ti, gi, ai, tname = spec
     (_, main, main_tid, local, get_ident, groups, resolve, now, live, push, done, max_done, pending,
      max_pending, stats) = tracer.hot
-    is_work = _work_types()
+    works = _WorkTypes()
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         tls = main if get_ident() == main_tid else local.nesting
@@ -211,7 +208,7 @@ def _fast_one(original: Callable, slow: Callable, *, tracer: Any, op: str, where
                     push(issue + (t1, t1 - issue[6], live.step))
                 else:
                     stats["dropped_done"] += 1
-            elif is_work(result):
+            elif works.get(type(result)) or works.learn(result):
                 if len(pending) < max_pending:
                     pending[id(result)] = (result, issue)
                 else:
@@ -246,7 +243,7 @@ def p2p(original: Callable, *, tracer: Any, op: str, is_async: bool) -> Callable
     # Called with the arguments normalised to (tensor, peer, group, tag, group_peer), positionally: the
     # order of the public signatures below, which are torch's own.
     slow = traced_call(original, tracer=tracer, where=op, describe=describe, finish=finish, skip=_coalescing)
-    is_work = _work_types()
+    works = _WorkTypes()
 
     def issue(tensor: Any, peer: Any, group: Any, tag: int, group_peer: Any) -> Any:
         tls = main if get_ident() == main_tid else local.nesting
@@ -280,7 +277,7 @@ def p2p(original: Callable, *, tracer: Any, op: str, is_async: bool) -> Callable
                     push(entry + (t1, t1 - entry[6], live.step))
                 else:
                     stats["dropped_done"] += 1
-            elif is_work(result):
+            elif works.get(type(result)) or works.learn(result):
                 if len(pending) < max_pending:
                     pending[id(result)] = (result, entry)
                 else:
@@ -355,16 +352,20 @@ def install(tracer: Any) -> None:
         # take_work and the Entry's hand-over, inline: every Work.wait of the process comes here.
         (_, _, _, _, _, _, _, now, live, push, done, max_done, pending, _, stats) = tracer.hot
 
-        def traced_wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def traced_wait(self: Any, timeout: Any = _NO_TIMEOUT) -> Any:
+            # torch's own signature, ``wait(self, timeout=timedelta(0))``: a ``*args, **kwargs`` pass-through
+            # builds a tuple and a dict on every wait of the process.
             entry = pending.pop(id(self), None) if pending else None
             if entry is None or entry[0] is not self:
                 if entry is not None:  # another work's entry under a reused id: not ours to take
                     pending[id(entry[0])] = entry
-                return original(self, *args, **kwargs)
+                return original(self) if timeout is _NO_TIMEOUT else original(self, timeout)
+            args: tuple = () if timeout is _NO_TIMEOUT else (timeout,)
+            kwargs: dict = {}
             ops = entry[1]
             if type(ops) is tuple:  # one CPU op of a fast site (its Issued)
                 t0 = now()
-                result = original(self, *args, **kwargs)
+                result = original(self, *args)
                 try:
                     t1 = now()
                     if len(done) < max_done:

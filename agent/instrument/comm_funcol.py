@@ -212,6 +212,29 @@ def install(tracer: Any) -> None:
             # plain tensor inside, which is where the wait is timed.
             if not tracer.enabled or type(tensor) is _ACT or _compiler._is_compiling_flag:
                 return original(tensor)
+            if pending:
+                # The common case first: the wait of a fast site's op (a CPU tensor), in flight since its
+                # issue. Taken before the nesting state is read: a pending op waited inside another op's
+                # issuing call is still its own op's wait, not that call's.
+                try:
+                    p = pending.pop(tensor.data_ptr(), None)
+                except Exception as exc:
+                    tracer.error("wait_tensor", exc)
+                    return original(tensor)
+                if type(p) is tuple:
+                    t0 = now()
+                    out = original(tensor)
+                    try:
+                        t1 = now()
+                        if len(done) < max_done:
+                            push(p + (t1, t1 - t0, live.step))
+                        else:
+                            stats["dropped_done"] += 1
+                    except Exception as exc:
+                        tracer.error("wait_tensor", exc)
+                    return out
+                if p is not None:  # an op object of traced_call's sites: back, for the general path below
+                    pending[tensor.data_ptr()] = p
             try:
                 tls = main if get_ident() == main_tid else local.nesting
                 cur = tls.current
@@ -225,12 +248,7 @@ def install(tracer: Any) -> None:
             out = original(tensor)
             try:
                 t1 = now()
-                if type(p) is tuple:  # a fast site's Issued
-                    if len(done) < max_done:
-                        push(p + (t1, t1 - t0, live.step))
-                    else:
-                        stats["dropped_done"] += 1
-                elif p is not None:  # an op object (traced_call's sites)
+                if p is not None:  # an op object (traced_call's sites)
                     tracer.emit(p, t1, t1 - t0 + p.wait_s)
                 elif type(cur) is tuple:  # a wait inside a fast site's issuing call (all_gather_single, dim != 0)
                     tls.nested_wait += t1 - t0
