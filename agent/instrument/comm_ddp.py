@@ -35,7 +35,10 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import torch.distributed as dist
+
 _NAN = float("nan")
+_default_group = dist.distributed_c10d._get_default_group
 
 
 class _HookState:
@@ -44,7 +47,7 @@ class _HookState:
     def __init__(self, process_group: Any, tracer: Any) -> None:
         self.process_group = process_group
         self.tracer = tracer
-        self.ops: list[tuple[Any, Any]] = []  # (op record, Work) of the current backward
+        self.ops: list[tuple[Any, Any]] = []  # (op record, Work on CUDA / None) of the current backward
 
     def detach(self) -> None:
         self.tracer = None
@@ -53,9 +56,9 @@ class _HookState:
 
 def traced_allreduce_hook(state, bucket):  # no annotations: DDP compares them to dist.GradBucket
     """DDP comm hook: ``default_hooks.allreduce_hook`` with timing (see the module docstring)."""
-    import torch.distributed as dist
-
-    group = state.process_group if state.process_group is not None else dist.distributed_c10d._get_default_group()
+    group = state.process_group
+    if group is None:
+        group = _default_group()
     tracer = state.tracer
     if isinstance(bucket, tuple):
         # DDP's Python reducer (compiled autograd) passes (grad, param) and ignores the return value; do
@@ -71,13 +74,22 @@ def traced_allreduce_hook(state, bucket):  # no annotations: DDP compares them t
         return _allreduce(buffer, group)[0]
     p = None
     try:
-        p = tracer.begin("all_reduce", group, buffer.nbytes, "ddp_comm_hook", cuda=buffer.is_cuda)
+        if buffer.is_cuda:
+            p = tracer.begin("all_reduce", group, buffer.nbytes, "ddp_comm_hook", cuda=True)
+        else:  # tracer.begin, inline (a frame and a keyword call less per bucket)
+            hot = tracer.hot
+            hit = hot.groups.get(id(group))
+            if hit is None or hit[0] is not group:
+                hit = hot.resolve(group)
+            p = tracer.Op("all_reduce", hit[1], buffer.nbytes, -1, "ddp_comm_hook", next(hit[2]), hot.now())
     except Exception as exc:
         tracer.error("ddp_comm_hook", exc)
     fut, work = _allreduce(buffer, group, None if p is None or p.cuda is not None else (p, tracer.now))
     if p is not None:
         try:
-            state.ops.append((p, work))
+            # The work is kept for CUDA timing only: on CPU the last reference to it would then be ours,
+            # and its C++ destructor would run on the training thread instead of gloo's worker.
+            state.ops.append((p, work if p.cuda is not None else None))
             if bucket.is_last():
                 _arm(state, tracer)
         except Exception as exc:

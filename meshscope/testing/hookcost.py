@@ -29,12 +29,18 @@ import time
 from typing import Any, Callable
 
 
-def _ab(run: Callable[[], None], on: Callable[[], None], off: Callable[[], None], *, calls: int,
-        blocks: int) -> dict[str, Any]:
+def _ab(run: Callable[[], Any], on: Callable[[], None], off: Callable[[], None], *, calls: int,
+        blocks: int, settle: Callable[[Any], None] | None = None) -> dict[str, Any]:
+    """``settle(result)``: what follows each call untimed (the DDP hook's future is waited there: gloo's
+    wait spins on the caller's CPU for as long as the op takes, which is not the hook's cost); each call is
+    then timed on its own (the two clock readings per call are in both arms and cancel)."""
     without, diffs = [], []
     for arm in (off, on, off):  # warm both paths
         arm()
-        run()
+        result = run()
+        if settle is not None:
+            settle(result)
+    clock = time.thread_time_ns
     for b in range(blocks):
         cpu = {}
         for enable in ((False, True) if b % 2 == 0 else (True, False)):
@@ -42,10 +48,19 @@ def _ab(run: Callable[[], None], on: Callable[[], None], off: Callable[[], None]
             gc.collect()
             gc.disable()
             try:
-                c0 = time.thread_time_ns()
-                for _ in range(calls):
-                    run()
-                cpu[enable] = (time.thread_time_ns() - c0) / calls / 1e3
+                if settle is None:
+                    c0 = clock()
+                    for _ in range(calls):
+                        run()
+                    spent = clock() - c0
+                else:
+                    spent = 0
+                    for _ in range(calls):
+                        c0 = clock()
+                        result = run()
+                        spent += clock() - c0
+                        settle(result)
+                cpu[enable] = spent / calls / 1e3
             finally:
                 gc.enable()
         off()
