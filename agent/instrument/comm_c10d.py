@@ -360,12 +360,10 @@ def install(tracer: Any) -> None:
                 if entry is not None:  # another work's entry under a reused id: not ours to take
                     pending[id(entry[0])] = entry
                 return original(self) if timeout is _NO_TIMEOUT else original(self, timeout)
-            args: tuple = () if timeout is _NO_TIMEOUT else (timeout,)
-            kwargs: dict = {}
             ops = entry[1]
             if type(ops) is tuple:  # one CPU op of a fast site (its Issued)
                 t0 = now()
-                result = original(self, *args)
+                result = original(self) if timeout is _NO_TIMEOUT else original(self, timeout)
                 try:
                     t1 = now()
                     if len(done) < max_done:
@@ -375,6 +373,8 @@ def install(tracer: Any) -> None:
                 except Exception as exc:
                     tracer.error("wait", exc)
                 return result
+            args: tuple = () if timeout is _NO_TIMEOUT else (timeout,)
+            kwargs: dict = {}
             if ops[0].cuda is not None:
                 return tracer.cuda_timer().wait(tracer, ops, original, self, args, kwargs)
             t0 = now()
@@ -390,4 +390,17 @@ def install(tracer: Any) -> None:
             return result
         return traced_wait
 
-    tracer.patch((torch._C._distributed_c10d.Work,), "wait", wait)
+    for work_type in _work_classes():
+        tracer.patch((work_type,), "wait", wait)
+
+
+def _work_classes() -> list[type]:
+    """``Work`` and torch's own subclasses of it that define their own ``wait`` (the ``fake`` backend's
+    ``FakeWork``): a patch of ``Work.wait`` alone never sees their waits, and their ops would stay pending
+    until the step-end flush (recorded with no blocked time)."""
+    base = torch._C._distributed_c10d.Work
+    found = [base]
+    for value in vars(torch._C._distributed_c10d).values():
+        if isinstance(value, type) and value is not base and issubclass(value, base) and "wait" in vars(value):
+            found.append(value)
+    return found

@@ -1,0 +1,87 @@
+"""The fast CPU sites (one frame per traced call, ``Issued`` / ``Entry`` tuples) through the real torch API
+on the ``fake`` backend (tests/workers/hooks_fastpaths.py, its own process): what each records in the cases
+the generic path used to handle — a funcol wait inside its own issuing call, a pending funcol op waited
+inside another op's issuing call, keyword calls and ``Work.wait(timeout=...)``, P2P group peers, an async
+op nobody waits in Python — and that the ``fake`` backend's own ``FakeWork.wait`` is timed (a patch of
+``Work.wait`` alone never saw it: the per-op cost benchmark then timed the issue without its wait)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def cases() -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / "hooks_fastpaths.py")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _clean(case: dict) -> None:
+    assert case["errors"] == [] and case["pending"] == 0
+    assert case["stats"].get("unmatched_waits", 0) == 0 and case["stats"].get("dropped_pending", 0) == 0
+    for r in case["records"]:
+        assert r["t_start"] <= r["t_end"] and 0 <= r["wait_s"] <= r["t_end"] - r["t_start"] + 1e-9
+
+
+def test_a_funcol_wait_inside_its_own_call_completes_that_op(cases: dict) -> None:
+    case = cases["funcol_nested_wait"]
+    _clean(case)
+    [r] = case["records"]
+    # all_gather_single's bytes are the output's: 64 × 4 ranks; the wait torch makes inside the call is
+    # the op's blocked time, and the op completes there, not at the call's return (the cat after it).
+    assert (r["op"], r["nbytes"], r["source"], r["group_size"]) == ("all_gather", 256, "funcol", 4)
+    assert r["wait_s"] > 0
+
+
+def test_a_pending_funcol_op_waited_inside_another_issue_keeps_its_own_wait(cases: dict) -> None:
+    case = cases["funcol_wait_inside_another_issue"]
+    _clean(case)
+    first, second = sorted(case["records"], key=lambda r: r["seq"])
+    assert (first["op"], first["nbytes"], second["op"], second["nbytes"]) == ("all_reduce", 64, "all_gather", 256)
+    assert first["wait_s"] > 0 and second["wait_s"] > 0
+    # The first op was waited during the second's issuing call: it completes inside that call.
+    assert second["t_start"] <= first["t_end"] <= second["t_end"]
+
+
+def test_issue_then_wait_is_one_record_with_its_blocked_time(cases: dict) -> None:
+    case = cases["funcol_issue_then_wait"]
+    _clean(case)
+    [r] = case["records"]
+    assert (r["op"], r["nbytes"], r["seq"]) == ("all_reduce", 64, 1) and r["wait_s"] > 0
+
+
+@pytest.mark.parametrize("name", ["c10d_positional", "c10d_keywords"])
+def test_c10d_calls_record_the_same_however_the_arguments_are_passed(cases: dict, name: str) -> None:
+    case = cases[name]
+    _clean(case)
+    blocking, waited = case["records"]
+    assert [(r["op"], r["nbytes"], r["seq"], r["source"]) for r in case["records"]] == [
+        ("all_reduce", 64, 1, "c10d"), ("all_reduce", 64, 2, "c10d")]
+    assert blocking["wait_s"] == pytest.approx(blocking["t_end"] - blocking["t_start"])  # the whole call
+    assert waited["wait_s"] > 0  # timed by the patched FakeWork.wait, not completed by the flush
+
+
+def test_p2p_peers_are_global_ranks_and_every_op_is_timed(cases: dict) -> None:
+    case = cases["p2p"]
+    _clean(case)
+    assert [(r["op"], r["peer"], r["nbytes"]) for r in case["records"]] == [("send", 3, 64), ("send", 1, 64),
+                                                                            ("recv", 2, 64)]
+    assert all(r["wait_s"] > 0 for r in case["records"])
+
+
+def test_an_async_op_never_waited_is_completed_by_the_flush(cases: dict) -> None:
+    case = cases["async_never_waited"]
+    _clean(case)
+    [r] = case["records"]
+    assert r["op"] == "all_reduce" and r["wait_s"] == 0.0

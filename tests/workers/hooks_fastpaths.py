@@ -1,0 +1,73 @@
+"""The fast CPU sites against the real torch API on the ``fake`` backend (one process, no network): prints
+one JSON object of what each case recorded. Used by tests/test_hooks_fastpaths.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from meshscope.agent.instrument.collectives import CollectiveTracer
+from meshscope.agent.instrument.recorder import ListRecorder
+
+
+def records(rec: ListRecorder) -> list[dict[str, Any]]:
+    keep = ("op", "group_size", "nbytes", "t_start", "t_end", "wait_s", "peer", "source", "seq")
+    return [{k: r[k] for k in keep if k in r} for r in rec.collectives]
+
+
+def case(name: str, fn: Any, out: dict) -> None:
+    rec = ListRecorder()
+    tracer = CollectiveTracer(rec)
+    tracer.attach(None)
+    try:
+        fn()
+    finally:
+        tracer.flush()
+        tracer.detach()
+    out[name] = {"records": records(rec), "errors": [w for w, _ in rec.errors], "stats": dict(tracer.stats),
+                 "pending": len(tracer._pending_works) + len(tracer._pending_tensors)}
+
+
+def main() -> None:
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    world = dist.group.WORLD
+    t = torch.ones(2, 8)  # 64 bytes
+    out: dict[str, Any] = {}
+
+    # all_gather_single with gather_dim != 0 waits inside its own call (torch cats the chunks after it):
+    # one record, completed at that inner wait.
+    case("funcol_nested_wait", lambda: funcol.all_gather_single(t, 1, world), out)
+    # The usual DTensor pattern: issue, then wait on first use.
+    case("funcol_issue_then_wait", lambda: funcol.all_reduce(t, "sum", world).wait(), out)
+
+    # A pending funcol op whose wait comes inside the next op's issuing call (its output is the next
+    # op's input): each op gets its own record, the first completed by that wait.
+    def chained() -> None:
+        a = funcol.all_reduce(t, "sum", world)
+        funcol.all_gather_single(a, 1, world)  # gather_dim 1: torch waits on a inside this call
+    case("funcol_wait_inside_another_issue", chained, out)
+
+    # Fast c10d sites against the same ops made through a keyword-only call (same records).
+    case("c10d_positional", lambda: (dist.all_reduce(t), dist.all_reduce(t, dist.ReduceOp.SUM, None, True).wait()),
+         out)
+    case("c10d_keywords", lambda: (dist.all_reduce(tensor=t, group=world),
+                                   dist.all_reduce(t, async_op=True, group=world).wait(timeout=timedelta(seconds=30))),
+         out)
+    # P2P: the global peer from a group peer; the blocking send recorded at its return.
+    case("p2p", lambda: (dist.isend(t, group_dst=3, group=world).wait(), dist.send(t, dst=1),
+                         dist.irecv(t, src=2).wait()), out)
+    # An async op never waited in Python: completed by the step-end flush.
+    case("async_never_waited", lambda: dist.all_reduce(t, async_op=True), out)
+    print(json.dumps(out))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
