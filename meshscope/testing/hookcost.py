@@ -5,7 +5,8 @@ bench/hooks_overhead.py prints and tests/test_hook_cost.py guards.
 
 Each path is an op made through the real Python API and the real C++ ProcessGroup dispatch of torch's
 ``fake`` backend (``torch.testing._internal.distributed.fake_pg``: works complete at once, no network,
-no worker thread), with the real telemetry core as the recorder (a step open, its flusher thread
+no worker thread; its works are ``FakeWork``, whose own ``wait`` the tracer patches as it does
+``Work.wait``), with the real telemetry core as the recorder (a step open, its flusher thread
 draining the records). A backend that really communicates adds its own wait to the calling thread's
 CPU time — gloo's ``wait`` spins, so on a world of one the caller's CPU per op follows the op's duration
 and was seen to double between two runs of the same script — which buries a 1-2 µs hook under noise;
