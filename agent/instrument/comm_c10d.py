@@ -30,7 +30,7 @@ the original ``batch_isend_irecv`` after ``detach``.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,22 @@ def _a(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> Any
 
 def _nbytes_of(tensors: Iterable[Any]) -> int:
     return sum(t.nbytes for t in tensors)
+
+
+class _Spec(NamedTuple):
+    """Where a fast site finds what it records in a call's arguments."""
+
+    tensor: int  # position of the tensor (its bytes; CUDA or not)
+    group: int  # position of the group (keyword ``group``)
+    async_op: int  # position of ``async_op`` (keyword ``async_op``)
+    tensor_kw: str = "tensor"  # keyword of the tensor
+    is_async: bool | None = None  # the call's async-ness when fixed by the function (P2P)
+    peer: int | None = None  # P2P: position of the peer, and of the group peer after it (``peer + 3``)
+
+
+# P2P's wrappers call the original with the arguments normalised to (tensor, peer, group, tag, group_peer).
+_P2P_ASYNC = _Spec(0, 2, 99, is_async=True, peer=1)
+_P2P_BLOCKING = _Spec(0, 2, 99, is_async=False, peer=1)
 
 
 # name → (op, bind): ``bind(tracer, op)`` gives the site's ``describe`` (see ``traced_call``). Bytes follow
@@ -70,7 +86,7 @@ def _one(ti: int, gi: int, ai: int, tname: str = "tensor") -> Callable:
             # CUDA it returns once the op is queued, see comm_nccl).
             return begin(op, group, t.nbytes, "c10d", -1, None, cuda), args, kwargs, not async_op and not cuda, async_op
         return describe
-    bind.fast = (ti, gi, ai, tname)  # type: ignore[attr-defined]  # collective() makes a fast site of it
+    bind.fast = _Spec(ti, gi, ai, tname)  # type: ignore[attr-defined]  # collective() makes a fast site of it
     return bind
 
 
@@ -160,13 +176,12 @@ class _WorkTypes(dict):
         return ok
 
 
-def _fast_one(original: Callable, slow: Callable, *, tracer: Any, op: str, where: str,
-              spec: tuple[int, int, int, str]) -> Callable:
-    """The CPU path of a one-tensor collective (tensor at ``spec[0]`` or keyword ``spec[3]``, group at
-    ``spec[1]``, ``async_op`` at ``spec[2]``), everything ``traced_call`` does written out in one frame:
-    per op the training thread resolves the group (a dict hit), takes its sequence number and two clock
-    readings and appends one tuple (``collectives.Issued`` / ``Entry``). CUDA tensors take ``slow``."""
-    ti, gi, ai, tname = spec
+def _fast_one(original: Callable, slow: Callable, *, tracer: Any, op: str, where: str, spec: _Spec) -> Callable:
+    """The CPU path of a one-tensor collective or P2P op (``spec``: where its arguments are), everything
+    ``traced_call`` does written out in one frame: per op the training thread resolves the group (a dict
+    hit), takes its sequence number and two clock readings and appends one tuple (``collectives.Issued`` /
+    ``Entry``). CUDA tensors take ``slow``."""
+    ti, gi, ai, tname, fixed_async, pi = spec
     (_, main, main_tid, local, get_ident, groups, resolve, now, live, push, done, max_done, pending,
      max_pending, stats) = tracer.hot
     works = _WorkTypes()
@@ -184,19 +199,26 @@ def _fast_one(original: Callable, slow: Callable, *, tracer: Any, op: str, where
             else:
                 group = args[gi] if n > gi else None
                 async_op = n > ai and bool(args[ai])
+            if fixed_async is not None:
+                async_op = fixed_async
             if t.is_cuda:
                 issue = None
             else:
                 hit = groups.get(id(group))
                 if hit is None or hit[0] is not group:
                     hit = resolve(group)
-                issue = (op, hit[1], t.nbytes, -1, "c10d", next(hit[2]), now())
+                peer = -1
+                if pi is not None:  # P2P: the global rank of the peer, or of the group peer
+                    peer = args[pi]
+                    if peer is None:
+                        peer = -1 if args[pi + 3] is None else hit[1].global_rank(args[pi + 3])
+                issue = (op, hit[1], t.nbytes, peer, "c10d", next(hit[2]), now())
         except Exception as exc:
             tracer.error(where, exc)
             return original(*args, **kwargs)
         if issue is None:
             return slow(*args, **kwargs)
-        tls.depth += 1
+        tls.depth += 1  # send / recv call isend / irecv, all_gather_into_tensor all_gather_single: one op
         try:
             result = original(*args, **kwargs)
         finally:
@@ -222,10 +244,8 @@ def _fast_one(original: Callable, slow: Callable, *, tracer: Any, op: str, where
 
 def p2p(original: Callable, *, tracer: Any, op: str, is_async: bool) -> Callable:
     """``original`` (``isend`` / ``irecv`` / ``send`` / ``recv``; ``op`` is "send" or "recv") recording
-    each call through ``tracer``, behind the public signature. The CPU path is written out in the public
-    signature's own frame, as ``_fast_one``'s; CUDA tensors take the ``traced_call`` path."""
-    (_, main, main_tid, local, get_ident, groups, resolve, now, live, push, done, max_done, pending,
-     max_pending, stats) = tracer.hot
+    each call through ``tracer``, behind the public signature: its CPU path is ``_fast_one``'s, CUDA
+    tensors take the ``traced_call`` path."""
 
     def describe(args: tuple, kwargs: dict) -> Issue:
         tensor, peer, group, _tag, group_peer = args
@@ -243,48 +263,7 @@ def p2p(original: Callable, *, tracer: Any, op: str, is_async: bool) -> Callable
     # Called with the arguments normalised to (tensor, peer, group, tag, group_peer), positionally: the
     # order of the public signatures below, which are torch's own.
     slow = traced_call(original, tracer=tracer, where=op, describe=describe, finish=finish, skip=_coalescing)
-    works = _WorkTypes()
-
-    def issue(tensor: Any, peer: Any, group: Any, tag: int, group_peer: Any) -> Any:
-        tls = main if get_ident() == main_tid else local.nesting
-        if not tracer.enabled or tls.depth or _coalescing():
-            return original(tensor, peer, group, tag, group_peer)
-        try:
-            if tensor.is_cuda:
-                entry = None
-            else:
-                hit = groups.get(id(group))
-                if hit is None or hit[0] is not group:
-                    hit = resolve(group)
-                info = hit[1]
-                entry = (op, info, tensor.nbytes, peer if peer is not None else
-                         (info.global_rank(group_peer) if group_peer is not None else -1),
-                         "c10d", next(hit[2]), now())
-        except Exception as exc:
-            tracer.error(op, exc)
-            return original(tensor, peer, group, tag, group_peer)
-        if entry is None:
-            return slow(tensor, peer, group, tag, group_peer)
-        tls.depth += 1
-        try:
-            result = original(tensor, peer, group, tag, group_peer)
-        finally:
-            tls.depth -= 1
-        try:
-            if not is_async:  # send / recv return once the op completed
-                t1 = now()
-                if len(done) < max_done:
-                    push(entry + (t1, t1 - entry[6], live.step))
-                else:
-                    stats["dropped_done"] += 1
-            elif works.get(type(result)) or works.learn(result):
-                if len(pending) < max_pending:
-                    pending[id(result)] = (result, entry)
-                else:
-                    tracer.track_work(result, entry)
-        except Exception as exc:
-            tracer.error(op, exc)
-        return result
+    issue = _fast_one(original, slow, tracer=tracer, op=op, where=op, spec=_P2P_ASYNC if is_async else _P2P_BLOCKING)
 
     if op == "send":
         def send(tensor: Any, dst: Any = None, group: Any = None, tag: int = 0, group_dst: Any = None,
