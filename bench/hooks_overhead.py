@@ -2,8 +2,8 @@
 
     python bench/hooks_overhead.py [--calls 2000] [--blocks 15] [--steps 8] [--step-blocks 12] [--part all|calls|steps]
 
-Per call (``meshscope.testing.hookcost``: the method is in its docstring): each hook path through the
-real Python API and the real C++ dispatch of torch's ``fake`` backend, the real telemetry core as the
+Per call (``meshscope.testing.hookcost``: the method is in its docstring; each path in a process of its
+own): each hook path through the real Python API and the real C++ dispatch of torch's ``fake`` backend, the real telemetry core as the
 recorder; training-thread CPU time per op, the median over ABBA blocks of (with − without). Goal: ≤ 2 µs
 per op on every collective / P2P path, ≤ 0.3 µs per pipeline span. The DDP comm hook needs a real
 future, so its per-call figure comes from a gloo world of one (noisier: gloo's wait spins on the caller's
@@ -38,7 +38,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from meshscope.testing.hookcost import _ab, free_port, init_gloo, per_call  # noqa: E402
+from meshscope.testing.hookcost import _ab, free_port, init_gloo, per_call_isolated  # noqa: E402
 
 
 def ddp_hook_per_call(calls: int, blocks: int) -> dict[str, Any]:
@@ -366,7 +366,7 @@ def main() -> None:
     load_start = os.getloadavg()
     calls_us, steps = None, None
     if args.part in ("all", "calls"):
-        calls_us = per_call(calls=args.calls, blocks=args.blocks)
+        calls_us = per_call_isolated(calls=args.calls, blocks=args.blocks)
         child = subprocess.run([sys.executable, __file__, "--ddp-hook-child", "--calls", str(max(1, args.calls // 4)),
                                 "--blocks", str(args.blocks)], capture_output=True, text=True, check=True)
         calls_us["ddp_comm_hook_gloo_world1"] = json.loads(child.stdout.strip().splitlines()[-1])

@@ -13,11 +13,9 @@ regression fails both times.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
+
+from meshscope.testing.hookcost import per_call_isolated
 
 GOAL_US = {"pipeline_span": 0.3}  # every other path: 2 µs
 # Paths measured above their goal on the dev VM (µs): guarded at 1.5× this rather than 2× the goal.
@@ -36,12 +34,9 @@ UNTRACED_US = {
 
 
 def measure(paths: list[str]) -> dict:
-    code = ("import json; from meshscope.testing.hookcost import per_call; "
-            f"print(json.dumps(per_call(calls=1000, blocks=9, paths={tuple(paths)!r})))")
-    # Its own process: per_call initialises a fake process group, and no other may exist.
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    # Each path in its own process (per_call initialises a fake process group, and no other may exist
+    # here; and a path's figure must not depend on the paths measured before it).
+    return per_call_isolated(calls=1000, blocks=9, paths=tuple(paths))
 
 
 def over_limit(costs: dict) -> dict[str, str]:

@@ -180,6 +180,38 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
     return out
 
 
+PATHS = ("c10d_all_reduce_blocking", "c10d_all_reduce_async_wait", "funcol_all_reduce_wait", "work_wait_untracked",
+         "fsdp_all_gather", "fsdp_reduce_scatter", "p2p_isend_wait", "p2p_irecv_wait", "pipeline_span",
+         "step_boundary")
+
+
+def per_call_isolated(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] = PATHS,
+                      timeout_s: float = 240.0) -> dict[str, Any]:
+    """``per_call`` with each path in a process of its own (a fresh interpreter and ``fake`` group per
+    path). In one process a path's figure depended on the paths measured before it (the pipeline span read
+    0.32 µs alone and 0.48 µs after the other nine in the same minute: the heap and caches they leave
+    behind), so a figure would have described the order of the table, not the hook."""
+    import json
+    import subprocess
+    import sys
+
+    out: dict[str, Any] = {}
+    recorded = {"dropped_records": 0, "errors": 0}
+    for path in paths:
+        code = ("import json; from meshscope.testing.hookcost import per_call; "
+                f"print(json.dumps(per_call(calls={calls}, blocks={blocks}, paths=({path!r},))))")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+        if proc.returncode != 0:
+            raise RuntimeError(f"hook cost of {path} failed: {proc.stderr[-2000:]}")
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        out[path] = got[path]
+        for key in recorded:
+            recorded[key] += got["_recorded"][key]
+    out["_recorded"] = recorded
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
