@@ -197,13 +197,13 @@ class CollectiveTracer:
             if self._pending_works:
                 now = self.now()
                 for key, (work, ops) in list(self._pending_works.items()):
-                    first = ops if type(ops) is tuple else ops[0]
-                    if not self._finished(work, first[0] if first is ops else first.op,
-                                          first[1] if first is ops else first.info):
+                    issued = type(ops) is tuple  # a fast site's Issued, else a list of _Op
+                    op, info = (ops[0], ops[1]) if issued else (ops[0].op, ops[0].info)
+                    if not self._finished(work, op, info):
                         continue
                     if self._pending_works.pop(key, None) is None:  # taken by its wait meanwhile
                         continue
-                    if first is ops:  # a fast site's Issued: completion is first observed here
+                    if issued:  # completion is first observed here
                         self.put(ops + (now, 0.0, self.hot.live.step))
                         emitted += 1
                         continue
