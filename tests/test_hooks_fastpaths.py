@@ -2,8 +2,10 @@
 on the ``fake`` backend (tests/workers/hooks_fastpaths.py, its own process): what each records in the cases
 the generic path used to handle — a funcol wait inside its own issuing call, a pending funcol op waited
 inside another op's issuing call, keyword calls and ``Work.wait(timeout=...)``, P2P group peers, an async
-op nobody waits in Python — and that the ``fake`` backend's own ``FakeWork.wait`` is timed (a patch of
-``Work.wait`` alone never saw it: the per-op cost benchmark then timed the issue without its wait)."""
+op nobody waits in Python, a call that raises after the wait torch makes inside it, a funcol op inside
+``torch.compile`` (one graph: the wrappers step aside before Dynamo traces anything of theirs) — and that
+the ``fake`` backend's own ``FakeWork.wait`` is timed (a patch of ``Work.wait`` alone never saw it: the
+per-op cost benchmark then timed the issue without its wait)."""
 
 from __future__ import annotations
 
@@ -85,3 +87,16 @@ def test_an_async_op_never_waited_is_completed_by_the_flush(cases: dict) -> None
     _clean(case)
     [r] = case["records"]
     assert r["op"] == "all_reduce" and r["wait_s"] == 0.0
+
+
+def test_compiled_funcol_is_one_graph_and_not_recorded(cases: dict) -> None:
+    case = cases["compiled_funcol"]
+    assert case["errors"] == [] and case["records"] == [] and case["pending"] == 0
+    assert case["dynamo"] == {"unique_graphs": 1, "graph_breaks": 0, "recompiles": 0}
+
+
+def test_a_call_that_raises_after_its_inner_wait_leaves_nothing_to_the_next_op(cases: dict) -> None:
+    case = cases["funcol_raises_after_inner_wait"]
+    _clean(case)
+    [r] = case["records"]  # the failed call is not recorded; the next op carries only its own wait
+    assert (r["op"], r["nbytes"]) == ("all_reduce", 64) and r["wait_s"] > 0

@@ -184,6 +184,7 @@ class CollectiveTracer:
                 self.error("detach", exc)
         self._model_hooks.clear()
         self._unpatch()
+        self._main.nested_end, self._main.nested_wait = None, 0.0
         self.stats["dropped_pending"] += len(self._pending_works) + len(self._pending_tensors)
         self._pending_works.clear()
         self._pending_tensors.clear()

@@ -218,7 +218,9 @@ def _fast_one(original: Callable, slow: Callable, *, tracer: Any, op: str, where
             return original(*args, **kwargs)
         if issue is None:
             return slow(*args, **kwargs)
-        tls.depth += 1  # send / recv call isend / irecv, all_gather_into_tensor all_gather_single: one op
+        # send / recv call isend / irecv, all_gather_into_tensor all_gather_single: one op. ``tls.current``
+        # is left as it is (only a funcol wait inside the call would read it, and no c10d call makes one).
+        tls.depth += 1
         try:
             result = original(*args, **kwargs)
         finally:

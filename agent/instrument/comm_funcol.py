@@ -36,17 +36,6 @@ from meshscope.agent.instrument.traced_call import Issue, traced_call
 # Inside torch.compile'd code the functional collectives become graph nodes; a Python timestamp there would
 # only cause a graph break, so the wrappers step aside while Dynamo traces.
 _compiling = torch.compiler.is_compiling
-# What ``is_compiling`` returns outside TorchScript, read as a module attribute on the hot path (its two
-# Python calls measured ~0.3 µs per funcol op, issue and wait): torch holds the flag for a whole Dynamo
-# compile session (``torch.compiler._compile_session_context``, torch ≥ 2.13). Older torch sets it for
-# export only, so there the hot path asks ``is_compiling`` itself.
-_compiler: Any = torch.compiler
-if not hasattr(torch.compiler, "_compile_session_context") or not hasattr(torch.compiler, "_is_compiling_flag"):
-    class _AskEachTime:
-        @property
-        def _is_compiling_flag(self) -> bool:
-            return _compiling()
-    _compiler = _AskEachTime()
 _ACT = funcol.AsyncCollectiveTensor  # what a funcol call returns while its op is in flight
 
 
@@ -98,8 +87,10 @@ def single(original: Callable, *, tracer: Any, op: str, group_index: int,
     pending, limit, output = tracer._pending_tensors, tracer.max_pending, nbytes is _output_bytes
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _compiling():  # first: Dynamo folds it, and traces nothing of ours (no graph break)
+            return original(*args, **kwargs)
         tls = main if get_ident() == main_tid else local.nesting
-        if not tracer.enabled or tls.depth or _compiler._is_compiling_flag:
+        if not tracer.enabled or tls.depth:
             return original(*args, **kwargs)
         try:
             t = args[0] if args else kwargs["self"]
@@ -123,18 +114,18 @@ def single(original: Callable, *, tracer: Any, op: str, group_index: int,
         tls.current = issued  # a wait inside the call is this op's (wait_tensor: tls.nested_*)
         try:
             out = original(*args, **kwargs)
-        finally:
+        finally:  # also when the call raises after its inner wait: the next op must not inherit it
             tls.depth -= 1
             tls.current = prev
+            end, blocked = tls.nested_end, tls.nested_wait
+            tls.nested_end, tls.nested_wait = None, 0.0
         try:
-            if tls.nested_end is None and type(out) is _ACT:  # in flight: its wait_tensor completes it
+            if end is None and type(out) is _ACT:  # in flight: its wait_tensor completes it
                 if len(pending) < limit:
                     pending[out.elem.data_ptr()] = issued
                 else:
                     tracer.track_tensor(_storage_key(out.elem), issued)
             else:  # complete already: at the wait inside the call (not the call's return), or now
-                end, blocked = tls.nested_end, tls.nested_wait
-                tls.nested_end, tls.nested_wait = None, 0.0
                 if len(done) < max_done:
                     push(issued + ((now(), 0.0) if end is None else (end, blocked)) + (live.step,))
                 else:
@@ -210,7 +201,7 @@ def install(tracer: Any) -> None:
         def wait_tensor(tensor: Any) -> Any:
             # An AsyncCollectiveTensor passed in directly: its dispatch calls this function again with the
             # plain tensor inside, which is where the wait is timed.
-            if not tracer.enabled or type(tensor) is _ACT or _compiler._is_compiling_flag:
+            if not tracer.enabled or type(tensor) is _ACT or _compiling():
                 return original(tensor)
             if pending:
                 # The common case first: the wait of a fast site's op (a CPU tensor), in flight since its
@@ -239,8 +230,9 @@ def install(tracer: Any) -> None:
                 tls = main if get_ident() == main_tid else local.nesting
                 cur = tls.current
                 p = pending.pop(tensor.data_ptr(), None) if cur is None and pending else None
-                if tensor.is_cuda:
-                    return tracer.cuda_timer().wait_tensor(tracer, cur or p, original, tensor)
+                if tensor.is_cuda:  # (a fast site's Issued, CPU only, is no CUDA op's owner)
+                    owner = p if type(cur) is tuple else (cur or p)
+                    return tracer.cuda_timer().wait_tensor(tracer, owner, original, tensor)
             except Exception as exc:
                 tracer.error("wait_tensor", exc)
                 return original(tensor)

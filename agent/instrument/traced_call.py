@@ -52,8 +52,12 @@ def traced_call(original: Callable, *, tracer: Any, where: str, describe: Callab
     main, main_tid, local, get_ident = tracer._main, tracer._main_tid, tracer._tls, threading.get_ident
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        # ``skip`` first: for funcol it is torch.compile's check, which Dynamo folds (nothing else of ours
+        # is traced then: no graph break on the thread id).
+        if skip is not None and skip():
+            return original(*args, **kwargs)
         tls = main if get_ident() == main_tid else local.nesting
-        if not tracer.enabled or tls.depth or (skip is not None and skip()):
+        if not tracer.enabled or tls.depth:
             return original(*args, **kwargs)
         try:
             issue = describe(args, kwargs)

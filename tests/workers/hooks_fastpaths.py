@@ -65,6 +65,30 @@ def main() -> None:
                          dist.irecv(t, src=2).wait()), out)
     # An async op never waited in Python: completed by the step-end flush.
     case("async_never_waited", lambda: dist.all_reduce(t, async_op=True), out)
+    # A funcol op inside torch.compile'd code is a graph node: the wrappers step aside before anything of
+    # theirs is traced (no graph break, no guard on a flag that changes between compile and run, so no
+    # recompile), and nothing is recorded from inside the graph.
+    import torch._dynamo.utils as dynamo_utils
+
+    @torch.compile(backend="eager")
+    def compiled(x: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(x * 2, "sum", world) + 1
+
+    def run_compiled() -> None:
+        for _ in range(12):
+            compiled(torch.ones(4))
+    case("compiled_funcol", run_compiled, out)
+    out["compiled_funcol"]["dynamo"] = {"unique_graphs": dynamo_utils.counters["stats"]["unique_graphs"],
+                                        "graph_breaks": sum(dynamo_utils.counters["graph_break"].values()),
+                                        "recompiles": sum(dynamo_utils.counters["recompiles"].values())}
+    # A funcol call that raises after the wait torch makes inside it: the next op on the thread is its own.
+    def raising_then_next() -> None:
+        try:
+            funcol.all_gather_single(t, 5, world)  # waits, then torch.cat on a dim the tensor lacks
+        except IndexError:
+            pass
+        funcol.all_reduce(t, "sum", world).wait()
+    case("funcol_raises_after_inner_wait", raising_then_next, out)
     print(json.dumps(out))
     dist.destroy_process_group()
 
