@@ -141,6 +141,7 @@ _COLLECTIVES: dict[str, tuple[str, Callable]] = {
 # ``batch_isend_irecv`` is where such ops are seen. torch mutates that dict in place and never replaces it,
 # so its bound ``__len__`` answers without a Python frame on every call.
 _coalescing = c10d._world.pg_coalesce_state.__len__
+_coalesce_state = c10d._world.pg_coalesce_state  # the fast sites test it as they find it (no call)
 _NO_TIMEOUT = object()  # Work.wait called without a timeout
 
 
@@ -188,7 +189,7 @@ def _fast_one(original: Callable, slow: Callable, *, tracer: Any, op: str, where
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         tls = main if get_ident() == main_tid else local.nesting
-        if not tracer.enabled or tls.depth or _coalescing():
+        if not tracer.enabled or tls.depth or _coalesce_state:
             return original(*args, **kwargs)
         try:
             n = len(args)

@@ -201,7 +201,7 @@ def install(tracer: Any) -> None:
         def wait_tensor(tensor: Any) -> Any:
             # An AsyncCollectiveTensor passed in directly: its dispatch calls this function again with the
             # plain tensor inside, which is where the wait is timed.
-            if not tracer.enabled or type(tensor) is _ACT or _compiling():
+            if _compiling() or not tracer.enabled or type(tensor) is _ACT:  # compile's first: see single
                 return original(tensor)
             if pending:
                 # The common case first: the wait of a fast site's op (a CPU tensor), in flight since its
