@@ -150,6 +150,7 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
     def steps_off() -> None:
         boundary["on"] = False
 
+    floor_on, floor_off = _floor(tel)
     untracked = dist.all_reduce(t, async_op=True)
     table: dict[str, tuple[Callable[[], Any], Callable[[], None], Callable[[], None]]] = {
         "c10d_all_reduce_blocking": (lambda: dist.all_reduce(t), on, off),
@@ -164,6 +165,9 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
         "p2p_irecv_wait": (lambda: dist.irecv(t, 1).wait(), on, off),
         "pipeline_span": (lambda: stage.forward_one_chunk(0), pp_on, pp_off),
         "step_boundary": (step_boundary, steps_on, steps_off),
+        # The floor of any Python wrapper here (a reference, not a hook): see _floor.
+        "floor_blocking": (lambda: dist.all_reduce(t), floor_on, floor_off),
+        "floor_async_wait": (lambda: dist.all_reduce(t, async_op=True).wait(), floor_on, floor_off),
     }
     out = {}
     try:
@@ -182,7 +186,61 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
 
 PATHS = ("c10d_all_reduce_blocking", "c10d_all_reduce_async_wait", "funcol_all_reduce_wait", "work_wait_untracked",
          "fsdp_all_gather", "fsdp_reduce_scatter", "p2p_isend_wait", "p2p_irecv_wait", "pipeline_span",
-         "step_boundary")
+         "step_boundary", "floor_blocking", "floor_async_wait")
+
+
+def _floor(tel: Any) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(on, off) of the barest recording wrapper of ``dist.all_reduce`` and ``Work.wait`` (the fake
+    backend's ``FakeWork.wait``): two clock readings around the call and one tuple appended to a deque,
+    nothing checked, nothing looked up. What a traced op costs above this is the checks and lookups every
+    real site needs; below it only code outside the interpreter (C) can go."""
+    import collections
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    original, work_type = c10d.all_reduce, torch_work_type()
+    original_wait = vars(work_type)["wait"]
+    done: collections.deque = collections.deque(maxlen=65536)
+    pending: dict[int, tuple] = {}
+    now, live = time.perf_counter, tel.live
+
+    def all_reduce(tensor: Any, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
+        t0 = now()
+        result = original(tensor, op, group, async_op)
+        if async_op:
+            pending[id(result)] = (result, ("all_reduce", group, tensor.nbytes, t0))
+        else:
+            t1 = now()
+            done.append(("all_reduce", group, tensor.nbytes, t0, t1, t1 - t0, live.step))
+        return result
+
+    def wait(self: Any, timeout: Any = None) -> Any:
+        entry = pending.pop(id(self), None)
+        t0 = now()
+        result = original_wait(self) if timeout is None else original_wait(self, timeout)
+        t1 = now()
+        if entry is not None:
+            done.append((entry[1], t1, t1 - t0, live.step))
+        return result
+
+    def on() -> None:
+        c10d.all_reduce = dist.all_reduce = all_reduce
+        work_type.wait = wait
+
+    def off() -> None:
+        c10d.all_reduce = dist.all_reduce = original
+        work_type.wait = original_wait
+        done.clear()
+    return on, off
+
+
+def torch_work_type() -> type:
+    """The class whose ``wait`` the fake backend's works run (``FakeWork``, or ``Work`` without it)."""
+    import torch
+
+    c = torch._C._distributed_c10d
+    return getattr(c, "FakeWork", c.Work)
 
 
 def per_call_isolated(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] = PATHS,
