@@ -87,8 +87,7 @@ def traced_allreduce_hook(state, bucket):  # no annotations: DDP compares them t
     fut, work = _allreduce(buffer, group, None if p is None or p.cuda is not None else (p, tracer.now))
     if p is not None:
         try:
-            # The work is kept for CUDA timing only: on CPU the last reference to it would then be ours,
-            # and its C++ destructor would run on the training thread instead of gloo's worker.
+            # The work is read by the CUDA timing only (comm_nccl): on CPU it is not kept past the hook.
             state.ops.append((p, work if p.cuda is not None else None))
             if bucket.is_last():
                 _arm(state, tracer)

@@ -160,7 +160,6 @@ class PipelineTracer:
         # Everything the span reads is a closure cell (no attribute lookups): it runs around every
         # microbatch's compute, and its goal is ≤ 0.3 µs.
         now, index, spans, limit, tracer = time.perf_counter, stage.stage_index, self.spans, _MAX_SPANS, self
-        append = spans.append
 
         def span(*args: Any, **kwargs: Any) -> Any:
             t0 = now()
@@ -170,7 +169,7 @@ class PipelineTracer:
                 t1 = now()
                 if len(spans) < limit:
                     # The microbatch: torch's first argument (an int); the record's writer checks its type.
-                    append((index, args[0] if args else kwargs.get(chunk_kw, -1), kind, t0, t1))
+                    spans.append((index, args[0] if args else kwargs.get(chunk_kw, -1), kind, t0, t1))
                 else:
                     tracer.dropped += 1
 
