@@ -360,3 +360,44 @@ def run_summaries(store: Store, *, runs: list[str]) -> pd.DataFrame:
         "SELECT run, median(t) AS step_time_s, avg(tok) AS tokens_mean, avg(mfu) AS mfu, count(*) AS steps_used, "
         "sum(exposed) / nullif(sum(wall), 0) AS comm_fraction FROM s GROUP BY run",
         kinds=("step",), runs=runs)
+
+
+# -------------------------------------------------------------------------------------- planner
+PLANNER_STEPS = 50  # the latest steps of a run the planner calibrates from (its steady state)
+_PLANNER_STEP_COLS = ("rank", "step", "wall_s", "compute_s", "exposed_comm_s", "bubble_s", "other_s", "forward_s",
+                      "backward_s", "optimizer_s", "data_s", "flops", "tokens", "cpu_wait_s")
+
+
+def planner_data(store: Store, *, run: str, last_steps: int = PLANNER_STEPS) -> dict[str, pd.DataFrame]:
+    """What the planner calibrates from (``dashboard.calibration``), over the run's latest ``last_steps``
+    steps (the calibration leaves the warm-up out itself):
+
+    - ``steps``: per rank and step, the step record's times, ``flops`` and ``tokens``;
+    - ``instances``: per collective instance (group, sequence number): ``step``, ``op``, ``dim``,
+      ``group_size``, ``source``, ``bytes``, ``duration_s`` (the least over its ranks: the rank that
+      arrived last waited for the transfer only, not for its peers) and ``ranks``;
+    - ``comm``: per rank, step, dimension and op: ``n``, ``bytes``, ``duration_s``, ``wait_s`` (sums);
+    - ``spans``: the pipeline spans (``step``, ``rank``, ``stage``, ``microbatch``, ``kind``, ``t_start``,
+      ``t_end``) of the latest ``REPLAY_STEPS`` steps;
+    - ``memory``: per rank, the peaks: ``rss_peak_bytes``, ``allocated_peak_bytes`` (-1 on CPU),
+      ``device_total_bytes``."""
+    steps, instances, comm, spans, memory = store.query_all([
+        (f"""WITH w AS (SELECT max(step) AS hi FROM step)
+            SELECT {', '.join(_PLANNER_STEP_COLS)} FROM step, w WHERE step > w.hi - $n ORDER BY step, rank""",
+         {"n": last_steps}),
+        ("""WITH w AS (SELECT max(step) AS hi FROM collective)
+            SELECT any_value(step) AS step, any_value(op) AS op, any_value(dim) AS dim, max(group_size) AS group_size,
+                   any_value(source) AS source, max(bytes) AS bytes, min(duration_s) AS duration_s, count(*) AS ranks
+            FROM collective, w WHERE step > w.hi - $n AND op NOT IN ('send', 'recv')
+            GROUP BY "group", seq, source ORDER BY step""", {"n": last_steps}),
+        ("""WITH w AS (SELECT max(step) AS hi FROM collective)
+            SELECT rank, step, dim, op, count(*) AS n, sum(bytes) AS bytes, sum(duration_s) AS duration_s,
+                   sum(wait_s) AS wait_s
+            FROM collective, w WHERE step > w.hi - $n GROUP BY ALL ORDER BY ALL""", {"n": last_steps}),
+        (f"""WITH w AS (SELECT max(step) AS hi FROM span)
+            SELECT step, rank, stage, microbatch, kind, t_start, t_end FROM span, w
+            WHERE step > w.hi - {REPLAY_STEPS} ORDER BY step, rank, t_start""", None),
+        ("SELECT rank, max(rss_peak_bytes) AS rss_peak_bytes, max(allocated_peak_bytes) AS allocated_peak_bytes, "
+         "max(device_total_bytes) AS device_total_bytes FROM memory GROUP BY rank ORDER BY rank", None),
+    ], kinds=("step", "collective", "span", "memory"), runs=[run])
+    return {"steps": steps, "instances": instances, "comm": comm, "spans": spans, "memory": memory}

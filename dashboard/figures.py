@@ -348,3 +348,27 @@ def live_series(df: pd.DataFrame, *, title: str, percent: bool = False) -> go.Fi
                                  name=f"rank {rank}", line=dict(color=_PALETTE[i % len(_PALETTE)], width=1.5)))
     fig.update_yaxes(rangemode="tozero", tickformat=".0%" if percent else None)
     return _layout(fig, title=title, x="time (UTC)", y=title, height=280)
+
+
+# ------------------------------------------------------------------------------------------ what-if
+_WHATIF_PARTS = (("compute_s", "compute", COLORS["compute_s"]), ("optimizer_s", "optimizer", "#66bb6a"),
+                 ("exposed_dp_s", "exposed DDP", "#c62828"), ("exposed_fsdp_s", "exposed FSDP", "#ef5350"),
+                 ("exposed_tp_s", "exposed TP", "#ff8a65"), ("bubble_s", "bubble", COLORS["bubble_s"]),
+                 ("other_s", "other", COLORS["other_s"]))
+
+
+def whatif_layouts(table: pd.DataFrame, *, measured: pd.DataFrame) -> go.Figure:
+    """Predicted step time per candidate layout, stacked by part (seconds), fastest at the top; the
+    measured runs of the same layouts as black diamonds on their bars."""
+    t = table.iloc[::-1]  # plotly draws the first category at the bottom
+    fig = go.Figure()
+    for col, name, color in _WHATIF_PARTS:
+        if col in t:
+            fig.add_bar(y=t["layout"], x=t[col], name=name, orientation="h", marker_color=color)
+    if len(measured):
+        fig.add_scatter(y=measured["layout"], x=measured["measured_s"], mode="markers", name="measured",
+                        marker=dict(symbol="diamond", size=11, color="black"),
+                        customdata=measured["run"], hovertemplate="%{customdata}: %{x:.3f} s<extra>measured</extra>")
+    fig.update_layout(barmode="stack")
+    return _layout(fig, title="Predicted step time by layout (fastest first)", x="seconds per step", y="",
+                   height=max(300, 60 + 26 * len(t)))

@@ -19,10 +19,8 @@ from pathlib import Path
 from meshscope.agent.cliargs import ArgParser
 from meshscope.agent.cliargs import UsageError as ConfigError  # one error type for every command line
 from meshscope.agent.instrument.telemetry import TelemetryConfig
-from meshscope.trainer.model import FLAVORS
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "looped-bfs")
-MULTI_STAGE = ("interleaved", "interleaved-zb", "looped-bfs")  # several stages per rank (virtual_stages)
+from meshscope.trainer import layout
+from meshscope.trainer.layout import FLAVORS, MULTI_STAGE, SCHEDULES  # noqa: F401 (re-exported)
 DATA_SOURCES = ("synthetic", "corpus")
 _TELEMETRY_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TelemetryConfig)}
 
@@ -32,6 +30,14 @@ _TELEMETRY_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TelemetryCo
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
+
+
+def _layout(rule, **kwargs):
+    """One of ``trainer.layout``'s rules (shared with the planner), its error as the trainer's."""
+    try:
+        return rule(**kwargs)
+    except layout.LayoutError as e:
+        raise ConfigError(str(e)) from None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -65,13 +71,8 @@ class ParallelConfig:
     virtual_stages: int = 2  # stages per rank for the interleaved schedule
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "virtual_stages"):
-            v = getattr(self, name)
-            _check(isinstance(v, int) and v >= 1, f"{name}={v} must be a positive integer")
-        _check(isinstance(self.dp, int) and self.dp >= 0, f"dp={self.dp} must be a positive integer (0 = auto)")
-        _check(self.microbatches >= 0, f"microbatches={self.microbatches} must be >= 1 (0 = pp)")
-        _check(self.schedule in SCHEDULES, f"unknown schedule {self.schedule!r} (choose from {', '.join(SCHEDULES)})")
-        _check(not self.sequence_parallel or self.tp > 1, "sequence_parallel needs tp > 1")
+        _layout(layout.check_degrees, dp=self.dp, tp=self.tp, pp=self.pp, microbatches=self.microbatches,
+                virtual_stages=self.virtual_stages, schedule=self.schedule, sequence_parallel=self.sequence_parallel)
         if self.microbatches == 0:
             self.microbatches = self.pp
         if self.pp == 1:
@@ -85,12 +86,7 @@ class ParallelConfig:
 
     def resolve(self, world_size: int) -> "ParallelConfig":
         """Fill dp=0 and check that the degrees multiply to the world size."""
-        dp = self.dp or world_size // (self.tp * self.pp)
-        _check(dp >= 1, f"tp*pp = {self.tp * self.pp} exceeds the world size {world_size}")
-        _check(
-            dp * self.tp * self.pp == world_size,
-            f"dp*tp*pp = {dp}*{self.tp}*{self.pp} = {dp * self.tp * self.pp} but the world size is {world_size}",
-        )
+        dp = _layout(layout.resolve_dp, world_size=world_size, dp=self.dp, tp=self.tp, pp=self.pp)
         return dataclasses.replace(self, dp=dp)
 
     @property
@@ -239,42 +235,15 @@ class TrainConfig:
         _check(self.log_every >= 1, f"log_every={self.log_every} must be >= 1")
         flavor = FLAVORS[self.model.flavor]
         p = self.parallel
-        _check(flavor.n_heads % p.tp == 0, f"tp={p.tp} does not divide n_heads={flavor.n_heads}")
-        _check(
-            flavor.n_layers % p.n_stages == 0,
-            f"pp*virtual_stages = {p.n_stages} stages do not divide n_layers={flavor.n_layers}",
-        )
+        _layout(layout.check_model_fit, tp=p.tp, n_stages=p.n_stages, n_heads=flavor.n_heads,
+                n_layers=flavor.n_layers)
 
     def resolve(self, world_size: int) -> "TrainConfig":
         """The config with the world-size dependent parts filled in and checked."""
         par = self.parallel.resolve(world_size)
         self.faults.check_world(world_size)
-        if par.dp > 1 and (par.tp > 1 or par.pp > 1):
-            _check(
-                par.fsdp,
-                f"dp={par.dp} with tp={par.tp} and pp={par.pp} needs --fsdp: DDP over a tensor- or "
-                "pipeline-parallel model is not supported in this torch; FSDP2 shards the dp dimension",
-            )
-        per_replica = self.data.batch_size // par.dp
-        _check(
-            self.data.batch_size % par.dp == 0,
-            f"batch_size={self.data.batch_size} is not divisible by dp={par.dp}",
-        )
-        _check(
-            per_replica % self.optim.grad_accum == 0,
-            f"grad_accum={self.optim.grad_accum} does not divide the per-replica batch {per_replica}",
-        )
-        per_micro_step = per_replica // self.optim.grad_accum
-        if par.pp > 1:
-            _check(
-                per_micro_step % par.microbatches == 0,
-                f"microbatches={par.microbatches} does not divide the per-replica batch {per_micro_step}",
-            )
-            if par.schedule in ("1f1b", "interleaved", "interleaved-zb"):
-                _check(
-                    par.microbatches >= par.pp,
-                    f"microbatches={par.microbatches} must be >= pp={par.pp} for the {par.schedule} schedule",
-                )
+        _layout(layout.check_batch, dp=par.dp, tp=par.tp, pp=par.pp, fsdp=par.fsdp, batch_size=self.data.batch_size,
+                grad_accum=self.optim.grad_accum, microbatches=par.microbatches, schedule=par.schedule)
         return dataclasses.replace(self, parallel=par)
 
     def to_dict(self) -> dict:

@@ -8,35 +8,13 @@ names (checkpoints of any layout load into any other), and the embedding / final
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-
-@dataclass(frozen=True, kw_only=True)
-class Flavor:
-    n_layers: int
-    d_model: int
-    n_heads: int
-    vocab_size: int
-    max_seq_len: int
-    mlp_ratio: int = 4
-
-
-FLAVORS: dict[str, Flavor] = {
-    # CPU tests: a step well under a second on 2 gloo ranks. vocab 256 = byte-level.
-    "tiny": Flavor(n_layers=4, d_model=64, n_heads=4, vocab_size=256, max_seq_len=64),
-    # Wide enough that the blocks dominate (embedding and head are a few % of a stage): balanced pipeline
-    # stages for bubble measurements on CPU.
-    "tiny-wide": Flavor(n_layers=4, d_model=512, n_heads=8, vocab_size=256, max_seq_len=64),
-    # ~123M parameters (GPT-2 small's shape, untied head, 24k vocabulary).
-    "small": Flavor(n_layers=12, d_model=768, n_heads=12, vocab_size=24576, max_seq_len=1024),
-    # ~1.04B parameters (GPU).
-    "1b": Flavor(n_layers=18, d_model=2048, n_heads=16, vocab_size=32000, max_seq_len=2048),
-}
+# The flavors and their analytic counts live in a torch-free module (the planner reads them too); re-exported.
+from meshscope.trainer.layout import FLAVORS, Flavor, count_params, flops_per_token  # noqa: F401
 
 
 def rotary_tables(seq_len: int, head_dim: int, *, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,25 +121,6 @@ class GPT(nn.Module):
         if self.head is not None:
             h = self.head(h)
         return h
-
-
-def count_params(flavor: Flavor) -> tuple[int, int]:
-    """(total, non-embedding) parameter counts of the full model, analytically (no allocation).
-    Non-embedding excludes only the token embedding: the untied output head does real matmul FLOPs."""
-    d, f, v = flavor.d_model, flavor.mlp_ratio * flavor.d_model, flavor.vocab_size
-    per_layer = 4 * d * d + 2 * d * f + 2 * d
-    non_emb = flavor.n_layers * per_layer + d + v * d
-    return non_emb + v * d, non_emb
-
-
-def flops_per_token(flavor: Flavor, *, seq_len: int) -> float:
-    """Training FLOPs per token: 6·N_nonembedding + 12·L·D·S.
-
-    6·N covers forward (2 FLOPs per multiply-add) and backward (twice the forward) of every matmul with a
-    parameter; 12·L·D·S is attention's scores (QKᵀ) and values (AV) matmuls, forward and backward, with the
-    causal mask NOT discounted (torchtitan's convention; Megatron halves it)."""
-    _, non_emb = count_params(flavor)
-    return 6.0 * non_emb + 12.0 * flavor.n_layers * flavor.d_model * seq_len
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

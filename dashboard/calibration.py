@@ -1,0 +1,333 @@
+"""The what-if planner's calibration: what one or more measured runs of a model say about the machine it
+ran on (README, Formulas, "What-if planner"). DataFrame in, dataclass out; no I/O (the frames come from
+``data.planner_data``), no plotting. ``dashboard.planner`` predicts other layouts from the result.
+
+Per run, over its steps after warm-up (``stragglers.first_steady_step``), each rank's medians, then their
+mean over ranks (every rank's wall is the step's, so the means add up to the measured step time):
+
+- **Compute rate**: seconds per model FLOP of the forward and backward work,
+  (``compute_s`` − ``optimizer_s``) / ``flops`` (the rank's attributed FLOPs), and the forward's share of
+  it; seconds per parameter of the optimizer step (``optimizer_s`` / the parameters the rank holds).
+- **Processor sharing** (CPU hosts): ranks on one host share its cores, so the same work takes longer with
+  more ranks busy at once. A run's *sharing* φ = 1 / (1 − w), w its CPU wait share (the run-queue delay
+  over the time the training thread was not blocked, ``environment.cpu_wait_share``): the factor its
+  threads were slowed by. The rates above are divided by φ (per rank with a core to itself), and the
+  host's cores are what the sharing implies: C = k·u/φ for a run with k ranks on the host, busy a share u
+  of the step (not idle in a bubble or waiting for a pipeline neighbour; gloo's collectives keep the CPU
+  busy). A target layout is slowed by φ = max(1, k·u/C) again. On GPUs φ = 1.
+- **Links**: per (op, group size), t = α + bytes·f(op, n)/β (``fit_alpha_beta``; f the nccl-tests bus
+  factor, so β is a bus bandwidth and one fit carries to other group sizes of the same op). An instance's
+  time is the least over its ranks (the rank that arrived last waited for the transfer only), divided by
+  its run's φ like the compute (gloo's transfers run on the same cores).
+- **Exposure**: per kind of traffic (DDP gradient buckets, FSDP gathers and reduce-scatters, TP
+  activations, pipeline P2P), the seconds per step the training thread was blocked on it. Waits the ops
+  do not carry (DDP waits for its buckets at the end of backward, outside any op) count for the gradient
+  buckets. ``planner.exposure`` divides them by the model's transfer time for the run's own layout.
+- **Counts**: the DDP bucket size, the TP all-reduces per layer and microbatch, the small synchronising
+  collectives per step (loss, gradient norm), as the run issued them.
+- **Pipeline**: the measured transfer time per hop and host gap per action (``pipeline_sim.replay``).
+- **Memory**: the measured peak minus the analytic model's bytes (``memory_model``): the runtime's own
+  share (on CPU the host RSS holds the Python and torch runtime; on GPU the allocator's peak holds
+  workspaces and communication buffers), added to the model's bytes of a target layout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from meshscope.dashboard.analysis import busbw_factor, parallel_degrees
+from meshscope.dashboard.data import parse_mesh
+from meshscope.dashboard.environment import cpu_wait_share
+from meshscope.dashboard.memory_model import memory_model, spec_from_meta
+from meshscope.dashboard.pipeline_sim import replay
+from meshscope.dashboard.stragglers import first_steady_step
+
+SHARED = 1.15  # a run whose sharing φ exceeds this was oversubscribed (a rank alone on a core reads 1.01-1.09)
+SMALL_BYTES = 1024  # collectives below this size synchronise (loss, gradient norm); they carry no bulk data
+TRAFFIC = ("dp_grads", "fsdp", "tp", "pp")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelShape:
+    """What the planner needs of a model (from a run record; a target may scale layers and width)."""
+
+    name: str
+    n_layers: int
+    d_model: int
+    n_heads: int  # 0: unknown (a TP degree is then not checked against it)
+    vocab_size: int
+    seq_len: int
+    n_params: float
+    n_params_nonembedding: float
+    flops_per_token: float
+    bytes_per_param: int = 4  # parameters and gradients (fp32 master weights; bf16 runs keep fp32 params too)
+
+    @property
+    def layer_params(self) -> float:
+        """Parameters of one transformer block (the unit FSDP shards and gathers)."""
+        return max(self.n_params - self.embedding_params, 0.0) / self.n_layers
+
+    @property
+    def embedding_params(self) -> float:
+        """Embedding, output head and final norm: what is not in a block."""
+        return 2.0 * self.vocab_size * self.d_model + self.d_model
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rate:
+    """Per rank with a processor to itself (``sharing`` divided out)."""
+
+    s_per_flop: float  # forward + backward seconds per model FLOP on one rank
+    forward_share: float  # forward / (forward + backward)
+    s_per_param: float  # optimizer seconds per parameter the rank holds
+    other_s: float  # per step: wall − compute − exposed comm − bubble (host work between phases)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Calibration:
+    runs: tuple[str, ...]
+    device: str  # "cpu", "cuda", ...
+    model: ModelShape
+    peak_flops: float  # per device, as the runs recorded it (table, override or calibrated)
+    rate: Rate
+    cores: float | None  # CPU host: the cores the ranks shared, as the runs' sharing implies (None: not seen)
+    links: pd.DataFrame  # fit_alpha_beta's frame
+    traffic: pd.DataFrame  # per run and kind of traffic: exposed_s (per rank and step), sharing, the run's layout
+    counts: dict[str, float]  # ddp_bucket_bytes, tp_per_layer_mb, sync_per_step (measured only)
+    pipeline: dict[str, float]  # hop_s, gap_s (measured only)
+    memory_offset_bytes: float | None  # measured peak − model, mean over runs (None: not measured)
+    memory_measure: str  # "allocator peak" or "host RSS peak"
+    measured: pd.DataFrame = field(default_factory=pd.DataFrame)  # per run: layout and measured step/memory
+
+
+# ----------------------------------------------------------------------------------------------- links
+def fit_alpha_beta(instances: pd.DataFrame) -> pd.DataFrame:
+    """Per (op, group_size) of ``instances`` (``op``, ``group_size``, ``bytes``, ``duration_s``): ``alpha_s``,
+    ``beta_bytes_per_s`` (bus bandwidth), ``n`` instances, ``sizes`` (distinct message sizes),
+    ``bytes_min``, ``bytes_max`` and ``rmse_rel`` (RMS of the instances' relative residuals).
+
+    Least squares of t = α + x/β on x = bytes × bus factor, over the per-size medians (weighted by √count:
+    a size seen often is known better, but one size must not drown the others), with α, 1/β ≥ 0. With one
+    message size α and β cannot be told apart: α is 0 and β the size over its median time (``sizes`` 1
+    says so)."""
+    cols = ["op", "group_size", "alpha_s", "beta_bytes_per_s", "n", "sizes", "bytes_min", "bytes_max", "rmse_rel"]
+    rows = []
+    t = instances[(instances["duration_s"] > 0) & (instances["bytes"] >= 0)]
+    for (op, n), g in t.groupby(["op", "group_size"], sort=True):
+        f = busbw_factor(op, int(n))
+        if not math.isfinite(f) or f <= 0:
+            continue
+        med = g.groupby("bytes")["duration_s"].agg(["median", "size"]).reset_index()
+        x, y, w = med["bytes"].to_numpy(float) * f, med["median"].to_numpy(float), np.sqrt(med["size"].to_numpy(float))
+        alpha, inv_beta = _nonneg_line(x, y, w)
+        pred = alpha + g["bytes"].to_numpy(float) * f * inv_beta
+        rel = (g["duration_s"].to_numpy(float) - pred) / np.maximum(pred, 1e-12)
+        rows.append((op, int(n), alpha, 1.0 / inv_beta if inv_beta > 0 else math.inf, len(g), len(med),
+                     int(g["bytes"].min()), int(g["bytes"].max()), float(np.sqrt(np.mean(rel**2)))))
+    return pd.DataFrame(rows, columns=cols)
+
+
+def _nonneg_line(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, float]:
+    """Weighted least squares y = a + b·x with a, b ≥ 0."""
+    if len(x) == 1 or np.ptp(x) == 0:
+        return 0.0, float(np.sum(w * y) / np.sum(w * x)) if np.sum(w * x) > 0 else 0.0
+    a_mat = np.column_stack([np.ones_like(x), x]) * w[:, None]
+    a, b = np.linalg.lstsq(a_mat, y * w, rcond=None)[0]
+    if b < 0:  # time does not grow with size: all latency
+        return float(np.sum(w * y) / np.sum(w)), 0.0
+    if a < 0:  # through the origin
+        return 0.0, float(np.sum(w * w * x * y) / np.sum(w * w * x * x))
+    return float(a), float(b)
+
+
+# ------------------------------------------------------------------------------------------ per run
+def _traffic(op: str, dim: str, strategy: str) -> str:
+    """The kind of traffic an op of a dimension belongs to (``TRAFFIC``)."""
+    if op in ("send", "recv"):
+        return "pp"
+    if dim == "tp":
+        return "tp"
+    if dim == "fsdp" or (dim == "dp" and "fsdp" in strategy):
+        return "fsdp"
+    return "dp_grads" if dim == "dp" else "other"
+
+
+def model_shape(meta: dict, *, n_heads: int = 0, vocab_size: int = 0) -> ModelShape:
+    """The model of a runs-table row. ``n_heads`` / ``vocab_size``: from the model's own description
+    where the caller has one (the reference trainer's flavors); the vocabulary is otherwise recovered from
+    the parameter counts (embedding = total − non-embedding = vocab × width)."""
+    d = int(meta["d_model"])
+    n, n_ne = float(meta["n_params"]), float(meta.get("n_params_nonembedding") or meta["n_params"])
+    vocab = vocab_size or (int(round((n - n_ne) / d)) if d else 0)
+    return ModelShape(name=str(meta.get("model") or "model"), n_layers=int(meta["n_layers"]), d_model=d,
+                      n_heads=int(n_heads), vocab_size=int(vocab), seq_len=int(meta["seq_len"]), n_params=n,
+                      n_params_nonembedding=n_ne, flops_per_token=float(meta["flops_per_token"]),
+                      bytes_per_param=2 if str(meta.get("dtype", "")).lower() in ("fp16", "float16") else 4)
+
+
+def layout_of(meta: dict) -> dict:
+    """The parallel layout of a runs-table row (``meta`` with ``mesh`` parsed), as the planner writes it."""
+    mesh = meta["mesh"] if isinstance(meta.get("mesh"), dict) else parse_mesh(meta.get("mesh"))
+    world = int(meta.get("world_size") or 1)
+    deg = parallel_degrees(mesh, world_size=world)
+    strategy = str(meta.get("strategy") or "")
+    pp = deg["pp"]
+    return {"dp": deg["dp"], "tp": deg["tp"], "pp": pp, "fsdp": "fsdp" in strategy or int(mesh.get("fsdp", 1)) > 1,
+            "schedule": str(meta.get("schedule") or "1f1b") if pp > 1 else "",
+            "microbatches": int(meta.get("microbatches") or 1) if pp > 1 else 1,
+            "virtual_stages": int(meta.get("virtual_stages") or 1) if pp > 1 else 1,
+            "world_size": world, "global_batch": int(meta.get("global_batch") or 0)}
+
+
+def ranks_per_host(meta: dict) -> int:
+    """The most ranks any host of the run had (``rank_hosts``); the world size when unknown."""
+    try:
+        hosts = json.loads(meta.get("rank_hosts") or "{}").get("host") or []
+    except (TypeError, ValueError, AttributeError):
+        hosts = []
+    return int(pd.Series(hosts).value_counts().max()) if hosts else int(meta.get("world_size") or 1)
+
+
+def steady_means(steps: pd.DataFrame) -> tuple[pd.Series, int]:
+    """Per rank medians over the steps after warm-up, then their mean over ranks; and the first steady step."""
+    series = steps.groupby("step", as_index=False)["wall_s"].max().rename(columns={"wall_s": "step_time_s"})
+    first = first_steady_step(series, run_first_step=int(steps["step"].min()))
+    steady = steps[steps["step"] >= first]
+    per_rank = steady.drop(columns="step").groupby("rank").median(numeric_only=True)
+    out = per_rank.mean()
+    out["step_time_s"] = float(series.loc[series["step"] >= first, "step_time_s"].median())
+    return out, int(first)
+
+
+def local_params(model: ModelShape, layout: dict) -> float:
+    """Parameters one rank holds: the model / (tp · pp), / dp more when FSDP shards them."""
+    shard = layout["dp"] if layout["fsdp"] else 1
+    return model.n_params / (layout["tp"] * layout["pp"]) / shard
+
+
+def measure(meta: dict, frames: dict[str, pd.DataFrame], *, model: ModelShape) -> dict:
+    """One run's calibration inputs (``frames``: ``data.planner_data``'s). Raises ValueError for a run
+    with no steps."""
+    if frames["steps"].empty:
+        raise ValueError(f"run {meta.get('run')!r} has no step records to calibrate from")
+    means, first = steady_means(frames["steps"])
+    lay = layout_of(meta)
+    strategy = str(meta.get("strategy") or "")
+    n_steps = max(int((frames["steps"]["step"] >= first).sum() / max(frames["steps"]["rank"].nunique(), 1)), 1)
+    n_ranks = max(frames["steps"]["rank"].nunique(), 1)
+    comm = frames["comm"][frames["comm"]["step"] >= first]
+    comm = comm.assign(traffic=[_traffic(o, d, strategy) for o, d in zip(comm["op"], comm["dim"])],
+                       small=comm["bytes"] / comm["n"].clip(lower=1) < SMALL_BYTES)
+    bulk = comm[~comm["small"]]
+    per = bulk.groupby("traffic")[["n", "bytes", "duration_s", "wait_s"]].sum() / (n_steps * n_ranks)
+    waits_all = float(comm["wait_s"].sum()) / (n_steps * n_ranks)
+    # Exposed seconds per rank and step by kind of traffic; ``planner.exposure`` sets them against the model's
+    # transfer time for this run's layout (so the run's own layout reproduces them).
+    exposed = {kind: float(per.loc[kind, "wait_s"]) for kind in per.index if kind in TRAFFIC}
+    if "dp_grads" in exposed:  # DDP waits for its buckets outside any op (end of backward)
+        exposed["dp_grads"] += max(0.0, float(means["exposed_comm_s"]) - waits_all)
+    exposed_bulk = sum(v for k_, v in exposed.items() if k_ != "pp")
+    counts = {}
+    inst = frames["instances"][frames["instances"]["step"] >= first]
+    if "dp_grads" in per.index:
+        grads = inst[(inst["dim"] == "dp") & (inst["bytes"] >= SMALL_BYTES)]
+        counts["ddp_bucket_bytes"] = float(grads["bytes"].mean())  # the mean bucket: total / count
+    if "tp" in per.index:
+        layers = model.n_layers / lay["pp"]
+        counts["tp_per_layer_mb"] = float(per.loc["tp", "n"]) / (layers * lay["microbatches"])
+    flops = float(means["flops"])
+    fb = float(means["compute_s"] - means["optimizer_s"])
+    k = ranks_per_host(meta)
+    # Busy: not idle in a bubble nor waiting for a pipeline neighbour (exposed time beyond the bulk traffic's).
+    idle = float(means["bubble_s"]) + (max(0.0, float(means["exposed_comm_s"]) - exposed_bulk) if lay["pp"] > 1 else 0.0)
+    busy = max(0.0, 1.0 - idle / float(means["step_time_s"]))
+    phi = 1.0
+    if str(meta.get("device") or "").startswith("cpu"):
+        shares = cpu_wait_share(frames["steps"][frames["steps"]["step"] >= first])
+        w = float(shares["cpu_wait_share"].mean()) if len(shares) else math.nan
+        phi = 1.0 / (1.0 - min(w, 0.9)) if math.isfinite(w) and w > 0 else 1.0
+        # A rank alone on a core still waits a little for one (the agent, the kernel): that belongs to the
+        # rate of a rank with a core to itself, not to sharing.
+        phi = phi if phi > SHARED else 1.0
+    out = {"run": meta.get("run"), "layout": lay, "ranks_per_host": k, "first_step": first,
+           "step_time_s": float(means["step_time_s"]), "s_per_flop": fb / flops / phi if flops > 0 else math.nan,
+           "s_per_param": float(means["optimizer_s"]) / local_params(model, lay) / phi, "sharing": phi, "busy": busy,
+           # the cores this run's sharing implies; only an oversubscribed run says anything about them
+           "cores": k * busy / phi if phi > SHARED else math.nan,
+           "forward_share": math.nan, "exposed": exposed, "counts": counts, "pipeline": {},
+           "other_s": max(0.0, float(means["step_time_s"] - means["compute_s"] - means["bubble_s"]) - exposed_bulk),
+           "means": means, "memory": _memory(meta, frames["memory"]),
+           "instances": inst[["op", "group_size", "bytes", "duration_s"]].assign(duration_s=inst["duration_s"] / phi)}
+    spans = frames["spans"]
+    if lay["pp"] > 1 and not spans.empty:
+        spans = spans[spans["step"] >= first]
+        fwd = float((spans["t_end"] - spans["t_start"])[spans["kind"] == "forward"].sum())
+        busy = float((spans["t_end"] - spans["t_start"]).sum())
+        out["forward_share"] = fwd / busy if busy > 0 else math.nan
+        rep = replay(spans, schedule=lay["schedule"], p=lay["pp"], m=lay["microbatches"], v=lay["virtual_stages"])
+        if len(rep):
+            out["pipeline"] = {"hop_s": float(rep["hop_s"].median()), "gap_s": float(rep["gap_s"].median())}
+        # Under PP the drain (a stage waiting for the last) shows as exposed time: it is the schedule's, which
+        # the simulator reproduces, not host work between phases.
+        out["other_s"] = float(means["other_s"])
+    elif lay["pp"] == 1:
+        f, b = float(means["forward_s"]), float(means["backward_s"])
+        if not exposed.get("fsdp") and not exposed.get("tp") and f + b > 0:  # phases without waits inside
+            out["forward_share"] = f / (f + b)
+    return out
+
+
+def _memory(meta: dict, memory: pd.DataFrame) -> dict:
+    """The measured peak per rank (max over ranks) against the memory model's bytes for the run."""
+    if memory.empty:
+        return {}
+    alloc = pd.to_numeric(memory["allocated_peak_bytes"], errors="coerce")
+    measure_name, col = ("allocator peak", alloc) if (alloc > 0).any() else (
+        "host RSS peak", pd.to_numeric(memory["rss_peak_bytes"], errors="coerce"))
+    col = col[col > 0]
+    if col.empty:
+        return {}
+    try:
+        model_bytes = float(memory_model(spec_from_meta(meta))["bytes"].sum())
+    except (KeyError, ValueError, TypeError):
+        return {}
+    return {"measure": measure_name, "peak_bytes": float(col.max()), "model_bytes": model_bytes}
+
+
+def calibrate(measured: list[dict], *, model: ModelShape, device: str, peak_flops: float) -> Calibration:
+    """One calibration from ``measure``'s results of one model's runs (the runs' figures averaged where
+    several measured the same thing)."""
+    if not measured:
+        raise ValueError("no run to calibrate from")
+    non_pp = [m for m in measured if m["layout"]["pp"] == 1] or measured
+    rate = Rate(s_per_flop=_mean(m["s_per_flop"] for m in measured),
+                forward_share=_mean(m["forward_share"] for m in measured),
+                s_per_param=_mean(m["s_per_param"] for m in measured), other_s=_mean(m["other_s"] for m in non_pp))
+    cores = _mean(m["cores"] for m in measured)
+    traffic = pd.DataFrame([{"run": m["run"], "kind": kind, "exposed_s": v, "sharing": m["sharing"], **m["layout"]}
+                            for m in measured for kind, v in m["exposed"].items()])
+    counts = {k: _mean(m["counts"][k] for m in measured if k in m["counts"])
+              for k in ("ddp_bucket_bytes", "tp_per_layer_mb") if any(k in m["counts"] for m in measured)}
+    pipeline = {k: _mean(m["pipeline"][k] for m in measured if m["pipeline"]) for k in ("hop_s", "gap_s")
+                if any(m["pipeline"] for m in measured)}
+    mem = [m["memory"] for m in measured if m["memory"]]
+    return Calibration(
+        runs=tuple(m["run"] for m in measured), device=device, model=model, peak_flops=peak_flops, rate=rate,
+        cores=cores if math.isfinite(cores) else None,
+        links=fit_alpha_beta(pd.concat([m["instances"] for m in measured], ignore_index=True)), traffic=traffic,
+        counts=counts, pipeline=pipeline,
+        memory_offset_bytes=_mean(m["peak_bytes"] - m["model_bytes"] for m in mem) if mem else None,
+        memory_measure=mem[0]["measure"] if mem else "",
+        measured=pd.DataFrame([{"run": m["run"], **m["layout"], "step_time_s": m["step_time_s"],
+                                "ranks_per_host": m["ranks_per_host"], "sharing": m["sharing"], "busy": m["busy"],
+                                "peak_memory_bytes": m["memory"].get("peak_bytes", math.nan)} for m in measured]))
+
+
+def _mean(values) -> float:
+    v = [float(x) for x in values if x is not None and math.isfinite(float(x))]
+    return float(np.mean(v)) if v else math.nan

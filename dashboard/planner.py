@@ -1,0 +1,452 @@
+"""The what-if planner: a measured calibration (``dashboard.calibration``) turned into predictions for
+layouts not yet run (README, Formulas, "What-if planner"). Pure functions; ``meshscope plan``, the
+What-if page and ``bench/planner_grid.py`` call them.
+
+Per rank and step (FLOPs per rank F = flops_per_token × global tokens / world):
+
+- compute = F × s_per_flop (the calibration's, at the target's ranks per host); optimizer = the
+  parameters the rank holds × s_per_param;
+- exposed communication = Σ over its traffic of exposure × time, each op's time from the fitted link
+  (α + bytes·f(op, n)/β): DDP's gradient buckets (all-reduce over dp), FSDP's gathers (two per block per
+  step, one under PP, which keeps blocks gathered across microbatches) and reduce-scatters (one per
+  block), TP's all-reduces of a microbatch's activations (the measured count per layer and microbatch);
+- pipeline: the schedule simulator (``pipeline_sim.simulate``) with per chunk and microbatch forward and
+  backward = compute × the forward share / (m·v) (TP's exposed all-reduces inside them), the measured
+  transfer per hop and host gap per action; the makespan replaces compute, its idle is the bubble;
+- step = compute (or makespan) + optimizer + exposed communication + other (the calibrated host work
+  between phases); tokens/s = global tokens / step; MFU = F / step / peak; peak memory = the memory
+  model's bytes for the layout + the calibrated runtime share.
+
+What the calibration did not measure is taken from the nearest thing it did, and listed in
+``extrapolated``: an op at a group size not measured (its fitted bus bandwidth and latency at another
+size), an op not measured (another op's link), message sizes far outside the measured ones, traffic
+whose exposure was not measured (the textbook share), ranks per host not measured (the rate scaled by
+CPU oversubscription), a scaled model.
+
+``textbook`` is the uncalibrated model people use before they measure: compute = FLOPs / (peak × ranks),
+communication = volume / nominal bus bandwidth with a fixed 90 % overlap, bubble by the closed form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import pandas as pd
+
+from meshscope.dashboard.analysis import bubble_theory, busbw_factor
+from meshscope.dashboard.calibration import Calibration, ModelShape, local_params
+from meshscope.dashboard.memory_model import ModelSpec, memory_model
+from meshscope.dashboard.pipeline_sim import simulate
+from meshscope.trainer import layout as rules
+
+# Nominal bus bandwidths of the textbook model (bytes/s): NVLink 4 per direction on an H100 SXM; on CPU a
+# loopback figure for gloo's TCP transport. Nothing here is measured: that is the point of the comparison.
+NOMINAL_BUS_BW = {"cuda": 450e9, "cpu": 10e9}
+TEXTBOOK_OVERLAP = 0.9
+# Exposure where the calibration did not measure a kind of traffic: bucketed / prefetched data-parallel
+# traffic overlapped as the textbook says, TP's all-reduces on the critical path (Megatron's are blocking).
+DEFAULT_EXPOSURE = {"dp_grads": 1 - TEXTBOOK_OVERLAP, "fsdp": 1 - TEXTBOOK_OVERLAP, "tp": 1.0}
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default
+TP_PER_LAYER = 4.0  # Megatron: two all-reduces forward, two backward per block
+SIMULATED = ("gpipe", "1f1b", "interleaved", "interleaved-zb")
+KEYS = ("dp", "tp", "pp", "fsdp", "schedule", "microbatches", "virtual_stages", "batch", "layers", "width")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Layout:
+    """A resolved, checked layout (``resolve``)."""
+
+    dp: int
+    tp: int
+    pp: int
+    fsdp: bool
+    schedule: str  # "" without a pipeline
+    microbatches: int  # 1 without a pipeline
+    virtual_stages: int
+    world_size: int
+    global_batch: int
+    n_layers: int
+    d_model: int
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def label(self) -> str:
+        parts = [f"dp{self.dp}{'-fsdp' if self.fsdp and self.dp > 1 else ''}"]
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}")
+        if self.pp > 1:
+            v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+            parts.append(f"pp{self.pp} {self.schedule} m{self.microbatches}{v}")
+        return " · ".join(parts)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Prediction:
+    layout: Layout
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    peak_memory_bytes: float
+    memory_fits: bool | None  # None: the device's capacity is not known
+    breakdown: dict[str, float]
+    extrapolated: tuple[str, ...]
+
+    def as_json(self) -> dict:
+        return {"layout": self.layout.as_dict(), "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+                "mfu": self.mfu, "peak_memory_bytes": self.peak_memory_bytes, "memory_fits": self.memory_fits,
+                "breakdown": self.breakdown, "extrapolated": list(self.extrapolated)}
+
+
+# ---------------------------------------------------------------------------------------------- layouts
+def parse_layout(text: str) -> dict:
+    """``dp=2,tp=1,pp=1,fsdp=0,schedule=1f1b,microbatches=4`` → {key: value}; a bad key or value raises
+    ``rules.LayoutError`` naming it."""
+    out: dict = {}
+    for item in (p.strip() for p in text.split(",")):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or key not in KEYS:
+            raise rules.LayoutError(f"--layout item {item!r} must be KEY=VALUE with KEY one of {', '.join(KEYS)}")
+        if key == "schedule":
+            out[key] = value
+        elif key == "fsdp":
+            if value.lower() not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+                raise rules.LayoutError(f"fsdp={value!r} must be 0 or 1")
+            out[key] = value.lower() in ("1", "true", "yes", "on")
+        else:
+            try:
+                out[key] = int(value)
+            except ValueError:
+                raise rules.LayoutError(f"{key}={value!r} must be a whole number") from None
+    return out
+
+
+def resolve(spec: dict, *, model: ModelShape, world_size: int, global_batch: int) -> Layout:
+    """A layout from ``parse_layout``'s dict, with the trainer's defaults (dp auto, microbatches = pp,
+    two virtual stages for the multi-stage schedules) and checked by the trainer's own rules."""
+    tp, pp = spec.get("tp", 1), spec.get("pp", 1)
+    schedule = spec.get("schedule", "1f1b")
+    m, v = spec.get("microbatches", 0), spec.get("virtual_stages", 2)
+    rules.check_degrees(dp=spec.get("dp", 0), tp=tp, pp=pp, microbatches=m, virtual_stages=v, schedule=schedule)
+    if pp > 1 and schedule not in SIMULATED:
+        raise rules.LayoutError(f"the planner cannot simulate the {schedule} schedule (choose from {', '.join(SIMULATED)})")
+    m = m or pp
+    v = v if pp > 1 and schedule in rules.MULTI_STAGE else 1
+    layers, width = spec.get("layers", model.n_layers), spec.get("width", model.d_model)
+    if layers < 1 or width < 1:
+        raise rules.LayoutError(f"layers={layers} and width={width} must be positive")
+    heads = model.n_heads
+    if heads and width != model.d_model:  # a wider model keeps its head size
+        heads = max(1, heads * width // model.d_model)
+    rules.check_model_fit(tp=tp, n_stages=pp * v, n_heads=heads or tp, n_layers=layers)
+    dp = rules.resolve_dp(world_size=world_size, dp=spec.get("dp", 0), tp=tp, pp=pp)
+    batch = spec.get("batch", global_batch)
+    if batch < 1:
+        raise rules.LayoutError(f"batch={batch} must be >= 1")
+    fsdp = bool(spec.get("fsdp", False))
+    rules.check_batch(dp=dp, tp=tp, pp=pp, fsdp=fsdp, batch_size=batch, grad_accum=1, microbatches=m, schedule=schedule)
+    return Layout(dp=dp, tp=tp, pp=pp, fsdp=fsdp and dp > 1, schedule=schedule if pp > 1 else "",
+                  microbatches=m if pp > 1 else 1, virtual_stages=v, world_size=world_size, global_batch=batch,
+                  n_layers=layers, d_model=width)
+
+
+def candidates(*, model: ModelShape, world_size: int, global_batch: int) -> list[Layout]:
+    """Every layout of ``world_size`` ranks the trainer can run with this model and batch: tp and pp over
+    the divisors, DDP or FSDP for the rest, for a pipeline GPipe / 1F1B / interleaved (2 virtual stages)
+    with pp, 2·pp or 4·pp microbatches."""
+    out = []
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    for tp in divisors:
+        for pp in (d for d in divisors if (world_size // tp) % d == 0):
+            dp = world_size // (tp * pp)
+            for fsdp in ((False, True) if dp > 1 and tp == 1 and pp == 1 else (dp > 1,)):
+                pipes = [("", 1, 1)] if pp == 1 else [
+                    (s, m * pp, 2 if s == "interleaved" else 1) for s in ("gpipe", "1f1b", "interleaved") for m in (1, 2, 4)]
+                for schedule, m, v in pipes:
+                    spec = {"dp": dp, "tp": tp, "pp": pp, "fsdp": fsdp, "microbatches": m, "virtual_stages": v}
+                    if schedule:
+                        spec["schedule"] = schedule
+                    try:
+                        out.append(resolve(spec, model=model, world_size=world_size, global_batch=global_batch))
+                    except rules.LayoutError:
+                        continue
+    return out
+
+
+# -------------------------------------------------------------------------------------------- predict
+def scaled_model(model: ModelShape, lay: Layout) -> ModelShape:
+    """The model with the layout's layer count and width (blocks scale with width², embeddings with width)."""
+    if lay.n_layers == model.n_layers and lay.d_model == model.d_model:
+        return model
+    r = lay.d_model / model.d_model
+    layer = model.layer_params * r * r
+    emb = model.embedding_params * r
+    n = layer * lay.n_layers + emb
+    n_ne = n - model.vocab_size * lay.d_model
+    return dataclasses.replace(model, n_layers=lay.n_layers, d_model=lay.d_model, n_params=n, n_params_nonembedding=n_ne,
+                               flops_per_token=6 * n_ne + 12 * lay.n_layers * lay.d_model * model.seq_len)
+
+
+class _Links:
+    """Op times from the calibration's fits, noting what had to be borrowed."""
+
+    def __init__(self, cal: Calibration, notes: list[str]) -> None:
+        self.fits, self.device, self.notes = cal.links, cal.device, notes
+
+    def time(self, op: str, n: int, nbytes: float) -> float:
+        """α + bytes·f(op, n)/β of the fit for (op, n) when its measured sizes cover ``nbytes`` (within 4×);
+        else the bandwidth of the nearest fit that does (the same op at another group size, another op at
+        this one, then any), with this fit's latency where it measured small messages; noted."""
+        if n <= 1:
+            return 0.0
+        f = self.fits
+        if f.empty:
+            self._note(f"{op} over {n} ranks: no collective measured, nominal bandwidth")
+            return nbytes * busbw_factor(op, n) / NOMINAL_BUS_BW.get(self.device, NOMINAL_BUS_BW["cpu"])
+        covers = (f["bytes_min"] / 4 <= nbytes) & (nbytes <= 4 * f["bytes_max"])
+        exact = f[(f["op"] == op) & (f["group_size"] == n)]
+        if len(exact) and bool(covers[exact.index[0]]):
+            return self._t(exact.iloc[0], op, n, nbytes, alpha=None)
+        for pool in (f[covers & (f["op"] == op)], f[covers & (f["group_size"] == n)], f[covers], f):
+            if len(pool):
+                break
+        row = pool.iloc[(pool["group_size"] - n).abs().argsort().iloc[0]]
+        alpha = float(exact.iloc[0]["alpha_s"]) if len(exact) and exact.iloc[0]["bytes_min"] <= 65536 else None
+        self._note(f"{op} over {n} ranks at {_mb(nbytes)}: bandwidth from {row['op']} over {int(row['group_size'])} "
+                   f"ranks ({_mb(row['bytes_min'])}–{_mb(row['bytes_max'])} measured)")
+        return self._t(row, op, n, nbytes, alpha=alpha)
+
+    @staticmethod
+    def _t(row, op: str, n: int, nbytes: float, *, alpha: float | None) -> float:
+        beta = row["beta_bytes_per_s"]
+        a = row["alpha_s"] if alpha is None else alpha
+        return float(a + (nbytes * busbw_factor(op, n) / beta if beta > 0 else 0.0))
+
+    def _note(self, text: str) -> None:
+        _note(self.notes, text)
+
+
+def _mb(x: float) -> str:
+    return f"{x / 2**20:.2g} MiB"
+
+
+def sharing(cal: Calibration, *, k: int, busy: float, cores: int | None, notes: list[str]) -> float:
+    """Processor sharing on a CPU host (``calibration``): φ = max(1, k·u/C), C the cores the calibration
+    runs implied, else ``cores`` (this machine's; noted); 1 on GPUs."""
+    if not cal.device.startswith("cpu"):
+        return 1.0
+    c = cal.cores
+    if c is None:
+        c = float(cores or 1)
+        if k * busy > c:
+            _note(notes, f"no calibration run was oversubscribed: {k} ranks share {c:g} cores (this machine's)")
+    return max(1.0, k * busy / c)
+
+
+def _note(notes: list[str], text: str) -> None:
+    if text not in notes:
+        notes.append(text)
+
+
+def predict(cal: Calibration, lay: Layout, *, ranks_per_host: int | None = None, cores: int | None = None,
+            device_bytes: float | None = None) -> Prediction:
+    """The calibrated prediction of one layout (module docstring). ``ranks_per_host``: where the target
+    puts them (default: the world size up to the most a calibration host had, when the calibration ran on
+    several hosts; else the world size: one host); ``cores``: the host's cores (only for a CPU host at a
+    ranks-per-host count the calibration did not measure); ``device_bytes``: the memory one rank may use."""
+    notes: list[str] = []
+    model = scaled_model(cal.model, lay)
+    if model is not cal.model:
+        notes.append(f"model scaled to {lay.n_layers} layers × width {lay.d_model} (measured {cal.model.n_layers} × "
+                     f"{cal.model.d_model}): compute rate assumed the measured one")
+    k = ranks_per_host or lay.world_size
+    links = _Links(cal, notes)
+    tokens = lay.global_batch * model.seq_len
+    flops = model.flops_per_token * tokens / lay.world_size
+    held = local_params(model, {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "fsdp": lay.fsdp})
+    exposure = {kind: exposure_of(cal, kind, links=links) for kind in DEFAULT_EXPOSURE}
+    for kind, e in exposure.items():
+        if e is None:
+            exposure[kind] = DEFAULT_EXPOSURE[kind]
+            if _uses(lay, kind):
+                _note(notes, f"{kind} exposure not measured: {DEFAULT_EXPOSURE[kind]:.0%} of its time assumed exposed")
+    # The uncontended step's parts, then the sharing they imply (a pipeline's bubble leaves cores free).
+    parts = _parts(cal, lay, model=model, links=links, flops=flops, held=held, tokens=tokens, exposure=exposure,
+                   phi=1.0, notes=notes)
+    phi = sharing(cal, k=k, busy=1.0 - parts["idle_s"] / parts["step_s"], cores=cores, notes=notes)
+    if phi != 1.0:
+        parts = _parts(cal, lay, model=model, links=links, flops=flops, held=held, tokens=tokens, exposure=exposure,
+                       phi=phi, notes=notes)
+    step = parts["step_s"]
+    peak, fits = _memory(cal, model, lay, device_bytes)
+    return Prediction(
+        layout=lay, step_time_s=step, tokens_per_s=tokens / step,
+        mfu=flops / step / cal.peak_flops if cal.peak_flops > 0 else math.nan, peak_memory_bytes=peak, memory_fits=fits,
+        breakdown={"compute_s": parts["compute_s"], "optimizer_s": parts["optimizer_s"], "bubble_s": parts["bubble_s"],
+                   "other_s": parts["other_s"], "exposed_comm_s": parts["comm"], "sharing": phi},
+        extrapolated=tuple(notes))
+
+
+def _uses(lay: Layout, kind: str) -> bool:
+    return {"dp_grads": lay.dp > 1 and not lay.fsdp, "fsdp": lay.dp > 1 and lay.fsdp, "tp": lay.tp > 1}[kind]
+
+
+def transfer_times(cal: Calibration, lay: Layout, *, model: ModelShape, links: "_Links", tokens: float, held: float,
+                   notes: list[str]) -> dict[str, float]:
+    """Seconds per rank and step each kind of traffic takes on the fitted links (none of it hidden, no
+    processor sharing)."""
+    out = {"dp_grads": 0.0, "fsdp": 0.0, "tp": 0.0}
+    if _uses(lay, "dp_grads"):
+        grad = held * model.bytes_per_param
+        bucket = cal.counts.get("ddp_bucket_bytes", DDP_BUCKET_BYTES)
+        full, rest = divmod(grad, bucket)
+        out["dp_grads"] = full * links.time("all_reduce", lay.dp, bucket) + (
+            links.time("all_reduce", lay.dp, rest) if rest >= 1 else 0.0)
+    if _uses(lay, "fsdp"):
+        unit = model.layer_params * model.bytes_per_param / lay.tp
+        root = model.embedding_params * model.bytes_per_param / lay.tp / lay.pp
+        gathers = 2 if lay.pp == 1 else 1  # under PP the blocks stay gathered across microbatches
+        out["fsdp"] = model.n_layers / lay.pp * (gathers * links.time("all_gather", lay.dp, unit)
+                                                 + links.time("reduce_scatter", lay.dp, unit))
+        out["fsdp"] += gathers * links.time("all_gather", lay.dp, root) + links.time("reduce_scatter", lay.dp, root)
+    if lay.tp > 1:
+        per_layer = cal.counts.get("tp_per_layer_mb", math.nan)
+        if not math.isfinite(per_layer):
+            per_layer = TP_PER_LAYER
+            _note(notes, f"TP all-reduces per layer and microbatch not measured: {TP_PER_LAYER:g} (Megatron)")
+        mb_tokens = tokens / lay.dp / lay.microbatches
+        n_ops = per_layer * model.n_layers / lay.pp * lay.microbatches
+        out["tp"] = n_ops * links.time("all_reduce", lay.tp, mb_tokens * model.d_model * 4)
+    return out
+
+
+def exposure_of(cal: Calibration, kind: str, *, links: "_Links") -> float | None:
+    """Exposed seconds per second of modelled transfer for a kind of traffic: the calibration runs' exposed
+    time over the model's transfer time for their own layouts (at their sharing); None where no run had
+    that traffic. Above 1 where the thread also waited for its peers' arrival."""
+    rows = cal.traffic[cal.traffic["kind"] == kind] if len(cal.traffic) else cal.traffic
+    if rows.empty:
+        return None
+    exposed = modelled = 0.0
+    for r in rows.to_dict("records"):
+        lay = measured_layout(r, model=cal.model)
+        held = local_params(cal.model, r)
+        t = transfer_times(cal, lay, model=cal.model, links=links, tokens=lay.global_batch * cal.model.seq_len,
+                           held=held, notes=[])[kind] * r["sharing"]
+        exposed, modelled = exposed + r["exposed_s"], modelled + t
+    return exposed / modelled if modelled > 0 else None
+
+
+def _parts(cal: Calibration, lay: Layout, *, model: ModelShape, links: "_Links", flops: float, held: float,
+           tokens: float, exposure: dict, phi: float, notes: list[str]) -> dict:
+    """The step's parts with every rank's work slowed by ``phi`` (processor sharing)."""
+    rate = cal.rate
+    compute = flops * rate.s_per_flop * phi
+    optimizer = held * rate.s_per_param * phi
+    raw = transfer_times(cal, lay, model=model, links=links, tokens=tokens, held=held, notes=notes)
+    comm = {"dp": raw["dp_grads"] * phi * exposure["dp_grads"], "fsdp": raw["fsdp"] * phi * exposure["fsdp"],
+            "tp": raw["tp"] * phi * exposure["tp"]}
+    busy = compute + comm["tp"]  # TP's all-reduces sit inside the forward and backward
+    bubble = idle = 0.0
+    if lay.pp > 1:
+        m, v = lay.microbatches, lay.virtual_stages
+        share = rate.forward_share if math.isfinite(rate.forward_share) else 1 / 3
+        hop = cal.pipeline.get("hop_s", math.nan)
+        if not math.isfinite(hop):
+            hop = links.time("all_reduce", 2, tokens / lay.dp / m * model.d_model * 4) * phi
+            _note(notes, "pipeline transfer per hop not measured: an all-reduce of one microbatch's activations over 2")
+        gap = cal.pipeline.get("gap_s", math.nan)
+        sim = simulate(schedule=lay.schedule, p=lay.pp, m=m, v=v, f=busy * share / (m * v),
+                       b=busy * (1 - share) / (m * v), hop=hop, gap=gap if math.isfinite(gap) else 0.0)
+        makespan = float(sim["t_end"].max() - sim["t_start"].min())
+        bubble = idle = max(0.0, makespan - busy)
+    step = busy + bubble + optimizer + comm["dp"] + comm["fsdp"] + rate.other_s
+    return {"compute_s": compute, "optimizer_s": optimizer, "bubble_s": bubble, "other_s": rate.other_s,
+            "comm": comm, "idle_s": idle, "step_s": step}
+
+
+def _memory(cal: Calibration, model: ModelShape, lay: Layout, device_bytes: float | None) -> tuple[float, bool | None]:
+    mesh = {"fsdp" if lay.fsdp else "dp": lay.dp, "tp": lay.tp, "pp": lay.pp}
+    spec = ModelSpec(n_params=model.n_params, n_layers=model.n_layers, d_model=model.d_model, seq_len=model.seq_len,
+                     global_batch=lay.global_batch, strategy="fsdp" if lay.fsdp else "ddp", mesh=mesh,
+                     schedule=lay.schedule, microbatches=lay.microbatches, virtual_stages=lay.virtual_stages,
+                     dtype="fp32" if model.bytes_per_param == 4 and cal.device == "cpu" else "bfloat16")
+    peak = float(memory_model(spec)["bytes"].sum()) + (cal.memory_offset_bytes or 0.0)
+    return peak, (None if not device_bytes else peak <= device_bytes)
+
+
+def rank_layouts(cal: Calibration, *, world_size: int, global_batch: int, **kw) -> list[Prediction]:
+    """Every candidate layout predicted, fastest (tokens/s) first; layouts that do not fit in memory last."""
+    preds = [predict(cal, lay, **kw) for lay in candidates(model=cal.model, world_size=world_size,
+                                                           global_batch=global_batch)]
+    return sorted(preds, key=lambda p: (p.memory_fits is False, -p.tokens_per_s))
+
+
+def textbook(cal: Calibration, lay: Layout) -> float:
+    """The uncalibrated step time (module docstring): nominal peak and bus bandwidth, 90 % overlap, the
+    closed-form bubble."""
+    model = scaled_model(cal.model, lay)
+    tokens = lay.global_batch * model.seq_len
+    compute = model.flops_per_token * tokens / (cal.peak_flops * lay.world_size)
+    bw = NOMINAL_BUS_BW.get(cal.device, NOMINAL_BUS_BW["cpu"])
+    held = local_params(model, {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "fsdp": lay.fsdp})
+    volume = 0.0  # bus bytes per rank and step
+    if lay.dp > 1:
+        n = lay.dp
+        grads = held * (n if lay.fsdp else 1) * model.bytes_per_param
+        volume += grads * (3 * (n - 1) / n if lay.fsdp else 2 * (n - 1) / n)  # FSDP: 2 gathers + 1 reduce-scatter
+    if lay.tp > 1:
+        act = tokens / lay.dp * model.d_model * 4
+        volume += TP_PER_LAYER * model.n_layers / lay.pp * act * 2 * (lay.tp - 1) / lay.tp
+    if lay.pp > 1:
+        volume += 2 * tokens / lay.dp * model.d_model * 4  # activations forward, gradients backward
+    exposed = (1 - TEXTBOOK_OVERLAP) * volume / bw
+    frac = bubble_theory(schedule=lay.schedule, p=lay.pp, m=lay.microbatches, v=lay.virtual_stages) if lay.pp > 1 else 0.0
+    return (compute + exposed) / (1 - (frac or 0.0))
+
+
+def measured_layout(row: dict, *, model: ModelShape) -> Layout:
+    """A measured run's layout (``calibration.layout_of``) as a ``Layout``."""
+    return Layout(dp=row["dp"], tp=row["tp"], pp=row["pp"], fsdp=bool(row["fsdp"]) and row["dp"] > 1,
+                  schedule=row["schedule"], microbatches=row["microbatches"], virtual_stages=row["virtual_stages"],
+                  world_size=row["world_size"], global_batch=row["global_batch"], n_layers=model.n_layers,
+                  d_model=model.d_model)
+
+
+def comparison(cal: Calibration, measured: pd.DataFrame, **kw) -> pd.DataFrame:
+    """Measured runs (``run``, the layout columns, ``step_time_s``, ``peak_memory_bytes``) against the
+    calibrated and the textbook predictions: ``predicted_s``, ``error``, ``textbook_s``, ``textbook_error``,
+    ``memory_predicted``, ``memory_error`` (relative: predicted / measured − 1) and ``calibration`` (the
+    run was one the calibration used)."""
+    rows = []
+    for r in measured.to_dict("records"):
+        lay = measured_layout(r, model=cal.model)
+        p = predict(cal, lay, **kw)
+        tb = textbook(cal, lay)
+        mem = r.get("peak_memory_bytes", math.nan)
+        rows.append({"run": r["run"], "layout": lay.label, "world_size": lay.world_size, "family": family(lay),
+                     "measured_s": r["step_time_s"], "predicted_s": p.step_time_s,
+                     "error": p.step_time_s / r["step_time_s"] - 1, "textbook_s": tb,
+                     "textbook_error": tb / r["step_time_s"] - 1, "memory_measured": mem,
+                     "memory_predicted": p.peak_memory_bytes,
+                     "memory_error": p.peak_memory_bytes / mem - 1 if mem and mem == mem else math.nan,
+                     "calibration": r["run"] in cal.runs, "extrapolated": "; ".join(p.extrapolated)})
+    return pd.DataFrame(rows)
+
+
+def family(lay: Layout) -> str:
+    """The layout family a comparison groups by: DDP, FSDP, TP, PP-<schedule>, or their combination."""
+    parts = []
+    if lay.pp > 1:
+        parts.append(f"PP-{lay.schedule}")
+    if lay.tp > 1:
+        parts.append("TP")
+    if lay.dp > 1:
+        parts.append("FSDP" if lay.fsdp else "DDP")
+    return "+".join(parts) or "single"

@@ -1,0 +1,105 @@
+"""The planner over a store: calibrate from named runs (through the injected loader, like every view),
+and what the What-if page shows. ``meshscope plan`` (``dashboard/plan.py``) and the page call these."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import pandas as pd
+import plotly.graph_objects as go
+
+from meshscope.dashboard import calibration, figures, planner
+from meshscope.dashboard.config import ConfigError
+from meshscope.dashboard.views import Loader, meta_of
+from meshscope.trainer.layout import FLAVORS
+
+
+def calibrate_from(load: Loader, *, runs: list[str]) -> calibration.Calibration:
+    """The calibration of ``runs`` (one model). ConfigError, naming the value, for a run the store does
+    not have, runs of different models, or a run without step records."""
+    table = load("runs_table")
+    if not runs:
+        raise ConfigError("no run to calibrate from: name at least one measured run")
+    missing = [r for r in runs if r not in set(table["run"])]
+    if missing:
+        known = ", ".join(sorted(table["run"])) or "none"
+        raise ConfigError(f"no run {missing[0]!r} in the store (runs: {known})")
+    metas = [meta_of(table, r) for r in runs]
+    for meta in metas:
+        absent = [k for k in ("n_params", "n_layers", "d_model", "seq_len", "flops_per_token", "world_size")
+                  if k not in meta]
+        if absent:
+            raise ConfigError(f"run {meta['run']!r} does not describe its model ({', '.join(absent)} missing): "
+                              "the planner needs a run recorded by meshscope's instrumentation with a model")
+    shapes = {(m.get("model"), int(m["n_params"]), int(m["seq_len"])) for m in metas}
+    if len(shapes) > 1:
+        raise ConfigError("runs of different models cannot calibrate one planner: "
+                          + ", ".join(f"{m['run']} ({m.get('model')}, {int(m['n_params']):,} params, seq {int(m['seq_len'])})"
+                                      for m in metas))
+    model = calibration.model_shape(metas[0], **_flavor(metas[0]))
+    measured = []
+    for meta in metas:
+        try:
+            measured.append(calibration.measure(meta, load("planner_data", run=meta["run"]), model=model))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    peaks = [float(m["peak_flops"]) for m in metas if float(m.get("peak_flops") or 0) > 0]
+    return calibration.calibrate(measured, model=model, device=str(metas[0].get("device") or "cpu").split(":")[0],
+                                 peak_flops=sum(peaks) / len(peaks) if peaks else 0.0)
+
+
+def _flavor(meta: dict) -> dict:
+    """n_heads and vocabulary of a run's model where it is the reference trainer's (a flavor it names)."""
+    try:
+        config = json.loads(meta.get("config") or "{}")
+    except (TypeError, ValueError):
+        config = {}
+    name = (config.get("model") or {}).get("flavor") if isinstance(config.get("model"), dict) else None
+    flavor = FLAVORS.get(name or str(meta.get("model") or ""))
+    return {"n_heads": flavor.n_heads, "vocab_size": flavor.vocab_size} if flavor else {}
+
+
+def host_cores() -> int:
+    """Cores this process may use (what a CPU calibration is scaled by at an unmeasured ranks-per-host)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WhatIf:
+    calibration: calibration.Calibration
+    predictions: list[planner.Prediction]
+    table: pd.DataFrame  # one row per candidate layout
+    measured: pd.DataFrame  # planner.comparison of the measured runs at this world size
+    figure: go.Figure
+
+
+def whatif(load: Loader, *, runs: list[str], world_size: int, global_batch: int | None = None) -> WhatIf:
+    """What the What-if page shows: every candidate layout for ``world_size`` ranks predicted from
+    ``runs``, and the measured runs of that world size (from the store, any the user picked) overlaid."""
+    cal = calibrate_from(load, runs=runs)
+    batch = global_batch or int(cal.measured["global_batch"].iloc[0])
+    preds = planner.rank_layouts(cal, world_size=world_size, global_batch=batch, cores=host_cores())
+    table = prediction_table(preds)
+    measured = cal.measured[(cal.measured["world_size"] == world_size) & (cal.measured["global_batch"] == batch)]
+    comp = planner.comparison(cal, measured, cores=host_cores()) if len(measured) else pd.DataFrame()
+    return WhatIf(calibration=cal, predictions=preds, table=table, measured=comp,
+                  figure=figures.whatif_layouts(table, measured=comp))
+
+
+def prediction_table(preds: list[planner.Prediction]) -> pd.DataFrame:
+    """One row per prediction: the layout label, step time and its parts, tokens/s, MFU, memory."""
+    rows = []
+    for p in preds:
+        b = p.breakdown
+        rows.append({"layout": p.layout.label, "family": planner.family(p.layout), "step_time_s": p.step_time_s,
+                     "tokens_per_s": p.tokens_per_s, "mfu": p.mfu, "compute_s": b["compute_s"],
+                     "optimizer_s": b["optimizer_s"], "bubble_s": b["bubble_s"], "other_s": b["other_s"],
+                     **{f"exposed_{k}_s": v for k, v in b["exposed_comm_s"].items()},
+                     "peak_memory_bytes": p.peak_memory_bytes, "memory_fits": p.memory_fits,
+                     "extrapolated": "; ".join(p.extrapolated)})
+    return pd.DataFrame(rows)
