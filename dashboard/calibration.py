@@ -84,7 +84,8 @@ class Rate:
 
     s_per_flop: float  # forward + backward seconds per model FLOP on one rank
     forward_share: float  # forward / (forward + backward)
-    s_per_param: float  # optimizer seconds per parameter the rank holds
+    optimizer_s: float  # optimizer seconds per step, fixed part
+    s_per_param: float  # optimizer seconds per step per parameter the rank holds
     other_s: float  # per step: wall − compute − exposed comm − bubble (host work between phases)
 
 
@@ -94,15 +95,16 @@ class Calibration:
     device: str  # "cpu", "cuda", ...
     model: ModelShape
     peak_flops: float  # per device, as the runs recorded it (table, override or calibrated)
-    rate: Rate
     cores: float | None  # CPU host: the cores the ranks shared, as the runs' sharing implies (None: not seen)
-    links: pd.DataFrame  # fit_alpha_beta's frame
+    links: pd.DataFrame  # fit_alpha_beta's frame per sharing regime (``shared``: the runs' φ > 1)
     traffic: pd.DataFrame  # per run and kind of traffic: exposed_s (per rank and step), sharing, the run's layout
     counts: dict[str, float]  # ddp_bucket_bytes, tp_per_layer_mb, sync_per_step (measured only)
     pipeline: dict[str, float]  # hop_s, gap_s (measured only)
     memory_offset_bytes: float | None  # measured peak − model, mean over runs (None: not measured)
     memory_measure: str  # "allocator peak" or "host RSS peak"
-    measured: pd.DataFrame = field(default_factory=pd.DataFrame)  # per run: layout and measured step/memory
+    # per run: its layout, measured step time and peak memory, and its rates (``Rate``'s fields, with
+    # ``optimizer_s`` and ``held`` params for the optimizer's fit); ``planner.rate_for`` picks among them
+    measured: pd.DataFrame = field(default_factory=pd.DataFrame)
 
 
 # ----------------------------------------------------------------------------------------------- links
@@ -256,13 +258,16 @@ def measure(meta: dict, frames: dict[str, pd.DataFrame], *, model: ModelShape) -
         phi = phi if phi > SHARED else 1.0
     out = {"run": meta.get("run"), "layout": lay, "ranks_per_host": k, "first_step": first,
            "step_time_s": float(means["step_time_s"]), "s_per_flop": fb / flops / phi if flops > 0 else math.nan,
-           "s_per_param": float(means["optimizer_s"]) / local_params(model, lay) / phi, "sharing": phi, "busy": busy,
+           "optimizer_s": float(means["optimizer_s"]) / phi, "held": local_params(model, lay), "sharing": phi, "busy": busy,
            # the cores this run's sharing implies; only an oversubscribed run says anything about them
            "cores": k * busy / phi if phi > SHARED else math.nan,
            "forward_share": math.nan, "exposed": exposed, "counts": counts, "pipeline": {},
            "other_s": max(0.0, float(means["step_time_s"] - means["compute_s"] - means["bubble_s"]) - exposed_bulk),
            "means": means, "memory": _memory(meta, frames["memory"]),
-           "instances": inst[["op", "group_size", "bytes", "duration_s"]].assign(duration_s=inst["duration_s"] / phi)}
+           # The small synchronising collectives are left out of the link fits: their time is the peers'
+           # arrival skew, not the link's latency.
+           "instances": inst.loc[inst["bytes"] >= SMALL_BYTES, ["op", "group_size", "bytes", "duration_s"]].assign(
+               duration_s=lambda t: t["duration_s"] / phi)}
     spans = frames["spans"]
     if lay["pp"] > 1 and not spans.empty:
         spans = spans[spans["step"] >= first]
@@ -304,10 +309,6 @@ def calibrate(measured: list[dict], *, model: ModelShape, device: str, peak_flop
     several measured the same thing)."""
     if not measured:
         raise ValueError("no run to calibrate from")
-    non_pp = [m for m in measured if m["layout"]["pp"] == 1] or measured
-    rate = Rate(s_per_flop=_mean(m["s_per_flop"] for m in measured),
-                forward_share=_mean(m["forward_share"] for m in measured),
-                s_per_param=_mean(m["s_per_param"] for m in measured), other_s=_mean(m["other_s"] for m in non_pp))
     cores = _mean(m["cores"] for m in measured)
     traffic = pd.DataFrame([{"run": m["run"], "kind": kind, "exposed_s": v, "sharing": m["sharing"], **m["layout"]}
                             for m in measured for kind, v in m["exposed"].items()])
@@ -317,14 +318,19 @@ def calibrate(measured: list[dict], *, model: ModelShape, device: str, peak_flop
                 if any(m["pipeline"] for m in measured)}
     mem = [m["memory"] for m in measured if m["memory"]]
     return Calibration(
-        runs=tuple(m["run"] for m in measured), device=device, model=model, peak_flops=peak_flops, rate=rate,
+        runs=tuple(m["run"] for m in measured), device=device, model=model, peak_flops=peak_flops,
         cores=cores if math.isfinite(cores) else None,
-        links=fit_alpha_beta(pd.concat([m["instances"] for m in measured], ignore_index=True)), traffic=traffic,
+        # one fit per sharing regime: a link between oversubscribed ranks waits for both to be scheduled
+        links=pd.concat([fit_alpha_beta(pd.concat([m["instances"] for m in measured if (m["sharing"] > 1) == shared]))
+                         .assign(shared=shared) for shared in (False, True)
+                         if any((m["sharing"] > 1) == shared for m in measured)], ignore_index=True), traffic=traffic,
         counts=counts, pipeline=pipeline,
         memory_offset_bytes=_mean(m["peak_bytes"] - m["model_bytes"] for m in mem) if mem else None,
         memory_measure=mem[0]["measure"] if mem else "",
         measured=pd.DataFrame([{"run": m["run"], **m["layout"], "step_time_s": m["step_time_s"],
                                 "ranks_per_host": m["ranks_per_host"], "sharing": m["sharing"], "busy": m["busy"],
+                                "s_per_flop": m["s_per_flop"], "forward_share": m["forward_share"],
+                                "optimizer_s": m["optimizer_s"], "held": m["held"], "other_s": m["other_s"],
                                 "peak_memory_bytes": m["memory"].get("peak_bytes", math.nan)} for m in measured]))
 
 

@@ -36,9 +36,10 @@ from dataclasses import dataclass
 import pandas as pd
 
 from meshscope.dashboard.analysis import bubble_theory, busbw_factor
-from meshscope.dashboard.calibration import Calibration, ModelShape, local_params
+from meshscope.dashboard.calibration import Calibration, ModelShape, Rate, local_params
 from meshscope.dashboard.memory_model import ModelSpec, memory_model
-from meshscope.dashboard.pipeline_sim import simulate
+from meshscope.dashboard.analysis import normalize_schedule
+from meshscope.dashboard.pipeline_sim import ORDERED, makespan_shared, simulate
 from meshscope.trainer import layout as rules
 
 # Nominal bus bandwidths of the textbook model (bytes/s): NVLink 4 per direction on an H100 SXM; on CPU a
@@ -196,8 +197,12 @@ def scaled_model(model: ModelShape, lay: Layout) -> ModelShape:
 class _Links:
     """Op times from the calibration's fits, noting what had to be borrowed."""
 
-    def __init__(self, cal: Calibration, notes: list[str]) -> None:
-        self.fits, self.device, self.notes = cal.links, cal.device, notes
+    def __init__(self, cal: Calibration, notes: list[str], *, shared: bool = False) -> None:
+        self.device, self.notes = cal.device, notes
+        same = cal.links[cal.links["shared"] == shared] if len(cal.links) else cal.links
+        self.fits = same if len(same) else cal.links
+        if len(cal.links) and not len(same):
+            _note(notes, f"links measured only {'with' if not shared else 'without'} ranks sharing cores")
 
     def time(self, op: str, n: int, nbytes: float) -> float:
         """α + bytes·f(op, n)/β of the fit for (op, n) when its measured sizes cover ``nbytes`` (within 4×);
@@ -213,10 +218,14 @@ class _Links:
         exact = f[(f["op"] == op) & (f["group_size"] == n)]
         if len(exact) and bool(covers[exact.index[0]]):
             return self._t(exact.iloc[0], op, n, nbytes, alpha=None)
-        for pool in (f[covers & (f["op"] == op)], f[covers & (f["group_size"] == n)], f[covers], f):
+        for pool in (f[covers & (f["op"] == op)], f[covers & (f["group_size"] == n)], f[covers]):
             if len(pool):
+                row = pool.iloc[(pool["group_size"] - n).abs().argsort().iloc[0]]
                 break
-        row = pool.iloc[(pool["group_size"] - n).abs().argsort().iloc[0]]
+        else:  # nothing measured this size: the bandwidth of the largest messages measured, this op's first
+            same = f[f["op"] == op]
+            pool = same if len(same) and same["bytes_max"].max() >= 65536 else f
+            row = pool.loc[pool["bytes_max"].idxmax()]
         alpha = float(exact.iloc[0]["alpha_s"]) if len(exact) and exact.iloc[0]["bytes_min"] <= 65536 else None
         self._note(f"{op} over {n} ranks at {_mb(nbytes)}: bandwidth from {row['op']} over {int(row['group_size'])} "
                    f"ranks ({_mb(row['bytes_min'])}–{_mb(row['bytes_max'])} measured)")
@@ -236,17 +245,17 @@ def _mb(x: float) -> str:
     return f"{x / 2**20:.2g} MiB"
 
 
-def sharing(cal: Calibration, *, k: int, busy: float, cores: int | None, notes: list[str]) -> float:
-    """Processor sharing on a CPU host (``calibration``): φ = max(1, k·u/C), C the cores the calibration
-    runs implied, else ``cores`` (this machine's; noted); 1 on GPUs."""
+def host_cores_of(cal: Calibration, *, k: int, cores: int | None, notes: list[str]) -> float | None:
+    """The cores ``k`` ranks share on a CPU host (``calibration``): those the calibration runs implied,
+    else ``cores`` (this machine's; noted when the ranks outnumber them); None on GPUs (no sharing)."""
     if not cal.device.startswith("cpu"):
-        return 1.0
-    c = cal.cores
-    if c is None:
-        c = float(cores or 1)
-        if k * busy > c:
-            _note(notes, f"no calibration run was oversubscribed: {k} ranks share {c:g} cores (this machine's)")
-    return max(1.0, k * busy / c)
+        return None
+    if cal.cores is not None:
+        return cal.cores
+    c = float(cores or 1)
+    if k > c:
+        _note(notes, f"no calibration run was oversubscribed: {k} ranks share {c:g} cores (this machine's)")
+    return c
 
 
 def _note(notes: list[str], text: str) -> None:
@@ -266,23 +275,31 @@ def predict(cal: Calibration, lay: Layout, *, ranks_per_host: int | None = None,
         notes.append(f"model scaled to {lay.n_layers} layers × width {lay.d_model} (measured {cal.model.n_layers} × "
                      f"{cal.model.d_model}): compute rate assumed the measured one")
     k = ranks_per_host or lay.world_size
-    links = _Links(cal, notes)
+    cores_eff = host_cores_of(cal, k=k, cores=cores, notes=notes)
+    phi = max(1.0, k / cores_eff) if cores_eff else 1.0
+    links = _Links(cal, notes, shared=phi > 1)
     tokens = lay.global_batch * model.seq_len
     flops = model.flops_per_token * tokens / lay.world_size
     held = local_params(model, {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "fsdp": lay.fsdp})
-    exposure = {kind: exposure_of(cal, kind, links=links) for kind in DEFAULT_EXPOSURE}
+    exposure = {kind: exposure_of(cal, kind, shared=phi > 1) for kind in DEFAULT_EXPOSURE}
+    seen = {k: e for k, e in exposure.items() if e is not None}
     for kind, e in exposure.items():
-        if e is None:
+        if e is not None:
+            continue
+        # What this machine showed for its other traffic says more than the textbook's overlap (gloo on a
+        # CPU host overlaps little of anything); the textbook only where nothing was measured.
+        if seen:  # at most all of it: exposure above 1 is waiting for peers, a trait of the traffic measured
+            exposure[kind] = min(1.0, sum(seen.values()) / len(seen))
+            how = f"from {', '.join(seen)}'s"
+        else:
             exposure[kind] = DEFAULT_EXPOSURE[kind]
-            if _uses(lay, kind):
-                _note(notes, f"{kind} exposure not measured: {DEFAULT_EXPOSURE[kind]:.0%} of its time assumed exposed")
-    # The uncontended step's parts, then the sharing they imply (a pipeline's bubble leaves cores free).
+            how = "the textbook's"
+        if _uses(lay, kind):
+            _note(notes, f"{kind} exposure not measured: {exposure[kind]:.0%} of its modelled time exposed, {how}")
+    # Every rank busy outside the pipeline: φ = max(1, k/C); the pipeline's schedule is simulated with its
+    # ranks sharing the cores (its fill and drain leave some free).
     parts = _parts(cal, lay, model=model, links=links, flops=flops, held=held, tokens=tokens, exposure=exposure,
-                   phi=1.0, notes=notes)
-    phi = sharing(cal, k=k, busy=1.0 - parts["idle_s"] / parts["step_s"], cores=cores, notes=notes)
-    if phi != 1.0:
-        parts = _parts(cal, lay, model=model, links=links, flops=flops, held=held, tokens=tokens, exposure=exposure,
-                       phi=phi, notes=notes)
+                   phi=phi, cores=cores_eff * lay.pp / k if cores_eff else None, notes=notes)
     step = parts["step_s"]
     peak, fits = _memory(cal, model, lay, device_bytes)
     return Prediction(
@@ -291,6 +308,42 @@ def predict(cal: Calibration, lay: Layout, *, ranks_per_host: int | None = None,
         breakdown={"compute_s": parts["compute_s"], "optimizer_s": parts["optimizer_s"], "bubble_s": parts["bubble_s"],
                    "other_s": parts["other_s"], "exposed_comm_s": parts["comm"], "sharing": phi},
         extrapolated=tuple(notes))
+
+
+def rate_for(cal: Calibration, lay: Layout, *, held: float, shared: bool, notes: list[str]) -> Rate:
+    """The rates of the calibration runs most like ``lay`` (the same use of TP, FSDP and a pipeline: TP's
+    replicated work and DTensor's dispatch, FSDP's copies cost compute the FLOPs do not count); the
+    optimizer's fixed and per-parameter seconds fitted over all runs (a line in the parameters held)."""
+    m = cal.measured
+    feats = ("tp", "fsdp", "pp", "shared")
+    want = {"tp": lay.tp > 1, "fsdp": lay.fsdp, "pp": lay.pp > 1, "shared": shared}
+    have = pd.DataFrame({"tp": m["tp"] > 1, "fsdp": m["fsdp"].astype(bool) & (m["dp"] > 1), "pp": m["pp"] > 1,
+                         "shared": m["sharing"] > 1})
+    score = sum((have[f] == want[f]).astype(int) for f in feats)
+    best = m[score == score.max()]
+    if score.max() < len(feats):
+        differ = [{"shared": "sharing cores"}.get(f, f.upper()) for f in feats if (have.loc[best.index, f] != want[f]).any()]
+        _note(notes, f"compute rate from {', '.join(best['run'])} (which differ in {', '.join(differ)})")
+    share = m.loc[m["pp"] > 1, "forward_share"].dropna()
+    share = share if len(share) else m["forward_share"].dropna()
+    x, y = m["held"].to_numpy(float), m["optimizer_s"].to_numpy(float)
+    fixed, per_param = _line(x, y)
+    return Rate(s_per_flop=float(best["s_per_flop"].mean()), forward_share=float(share.mean()) if len(share) else math.nan,
+                optimizer_s=fixed, s_per_param=per_param, other_s=float(best["other_s"].mean()))
+
+
+def _line(x, y) -> tuple[float, float]:
+    """y = a + b·x with a, b >= 0 by least squares; through the origin with one distinct x."""
+    import numpy as np
+
+    if len(set(x)) < 2:
+        return 0.0, float(np.sum(y) / np.sum(x)) if np.sum(x) > 0 else 0.0
+    b, a = np.polyfit(x, y, 1)
+    if b < 0:
+        return float(np.mean(y)), 0.0
+    if a < 0:
+        return 0.0, float(np.dot(x, y) / np.dot(x, x))
+    return float(a), float(b)
 
 
 def _uses(lay: Layout, kind: str) -> bool:
@@ -326,13 +379,17 @@ def transfer_times(cal: Calibration, lay: Layout, *, model: ModelShape, links: "
     return out
 
 
-def exposure_of(cal: Calibration, kind: str, *, links: "_Links") -> float | None:
+def exposure_of(cal: Calibration, kind: str, *, shared: bool) -> float | None:
     """Exposed seconds per second of modelled transfer for a kind of traffic: the calibration runs' exposed
-    time over the model's transfer time for their own layouts (at their sharing); None where no run had
-    that traffic. Above 1 where the thread also waited for its peers' arrival."""
+    time over the model's transfer time for their own layouts (at their sharing; the runs of the target's
+    sharing regime where there are any); None where no run had that traffic. Above 1 where the thread also
+    waited for its peers' arrival."""
     rows = cal.traffic[cal.traffic["kind"] == kind] if len(cal.traffic) else cal.traffic
     if rows.empty:
         return None
+    same = rows[(rows["sharing"] > 1) == shared]
+    rows = same if len(same) else rows
+    links = _Links(cal, [], shared=bool((rows["sharing"] > 1).all()))
     exposed = modelled = 0.0
     for r in rows.to_dict("records"):
         lay = measured_layout(r, model=cal.model)
@@ -344,16 +401,17 @@ def exposure_of(cal: Calibration, kind: str, *, links: "_Links") -> float | None
 
 
 def _parts(cal: Calibration, lay: Layout, *, model: ModelShape, links: "_Links", flops: float, held: float,
-           tokens: float, exposure: dict, phi: float, notes: list[str]) -> dict:
-    """The step's parts with every rank's work slowed by ``phi`` (processor sharing)."""
-    rate = cal.rate
+           tokens: float, exposure: dict, phi: float, cores: float | None, notes: list[str]) -> dict:
+    """The step's parts with every rank's work slowed by ``phi`` (processor sharing), the pipeline's
+    schedule simulated with its p ranks sharing ``cores`` (None: each has its device)."""
+    rate = rate_for(cal, lay, held=held, shared=phi > 1, notes=notes)
     compute = flops * rate.s_per_flop * phi
-    optimizer = held * rate.s_per_param * phi
+    optimizer = (rate.optimizer_s + held * rate.s_per_param) * phi
     raw = transfer_times(cal, lay, model=model, links=links, tokens=tokens, held=held, notes=notes)
     comm = {"dp": raw["dp_grads"] * phi * exposure["dp_grads"], "fsdp": raw["fsdp"] * phi * exposure["fsdp"],
             "tp": raw["tp"] * phi * exposure["tp"]}
     busy = compute + comm["tp"]  # TP's all-reduces sit inside the forward and backward
-    bubble = idle = 0.0
+    bubble = 0.0
     if lay.pp > 1:
         m, v = lay.microbatches, lay.virtual_stages
         share = rate.forward_share if math.isfinite(rate.forward_share) else 1 / 3
@@ -362,13 +420,22 @@ def _parts(cal: Calibration, lay: Layout, *, model: ModelShape, links: "_Links",
             hop = links.time("all_reduce", 2, tokens / lay.dp / m * model.d_model * 4) * phi
             _note(notes, "pipeline transfer per hop not measured: an all-reduce of one microbatch's activations over 2")
         gap = cal.pipeline.get("gap_s", math.nan)
-        sim = simulate(schedule=lay.schedule, p=lay.pp, m=m, v=v, f=busy * share / (m * v),
-                       b=busy * (1 - share) / (m * v), hop=hop, gap=gap if math.isfinite(gap) else 0.0)
-        makespan = float(sim["t_end"].max() - sim["t_start"].min())
-        bubble = idle = max(0.0, makespan - busy)
+        if cores is not None and normalize_schedule(lay.schedule) in ORDERED:
+            work = busy / phi  # with a core to itself; the simulation shares the cores
+            makespan, ran = makespan_shared(schedule=lay.schedule, p=lay.pp, m=m, v=v, f=work * share / (m * v),
+                                            b=work * (1 - share) / (m * v), hop=hop,
+                                            gap=gap if math.isfinite(gap) else 0.0, cores=cores)
+            slow = ran / work if work > 0 else 1.0  # the pipeline's own sharing
+            compute, comm["tp"] = compute / phi * slow, comm["tp"] / phi * slow
+            busy = ran
+        else:
+            sim = simulate(schedule=lay.schedule, p=lay.pp, m=m, v=v, f=busy * share / (m * v),
+                           b=busy * (1 - share) / (m * v), hop=hop, gap=gap if math.isfinite(gap) else 0.0)
+            makespan = float(sim["t_end"].max() - sim["t_start"].min())
+        bubble = max(0.0, makespan - busy)
     step = busy + bubble + optimizer + comm["dp"] + comm["fsdp"] + rate.other_s
     return {"compute_s": compute, "optimizer_s": optimizer, "bubble_s": bubble, "other_s": rate.other_s,
-            "comm": comm, "idle_s": idle, "step_s": step}
+            "comm": comm, "step_s": step}
 
 
 def _memory(cal: Calibration, model: ModelShape, lay: Layout, device_bytes: float | None) -> tuple[float, bool | None]:

@@ -1,0 +1,146 @@
+"""The what-if planner against real runs: a grid of gloo jobs of one model on this machine (DDP, FSDP2,
+TP, PP GPipe / 1F1B / interleaved at 2 ranks; DDP, FSDP2, TP, PP 1F1B, FSDP2+TP, PP+FSDP2 at 4), a
+calibration from one or two of them, and every other run's measured step time against the calibrated
+prediction and the uncalibrated textbook model (``dashboard.planner.textbook``), with peak memory.
+
+    python bench/planner_grid.py [--store DIR] [--reuse] [--calibrate ddp2,fsdptp4] [--steps 12] [--json]
+
+The measured step time is ``meshscope report``'s (the median over the steps after warm-up of the slowest
+rank's wall time). Errors are predicted / measured - 1; the summary leaves the calibration runs out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from meshscope.agent.collector.reader import Store
+from meshscope.dashboard import planner, report, views, whatif
+
+# name -> (ranks, trainer arguments)
+GRID: dict[str, tuple[int, list[str]]] = {
+    "ddp2": (2, []),
+    "fsdp2": (2, ["--fsdp"]),
+    "tp2": (2, ["--tp", "2"]),
+    "gpipe2": (2, ["--pp", "2", "--schedule", "gpipe", "--microbatches", "4"]),
+    "1f1b2": (2, ["--pp", "2", "--schedule", "1f1b", "--microbatches", "4"]),
+    "interleaved2": (2, ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "4"]),
+    "ddp4": (4, []),
+    "fsdp4": (4, ["--fsdp"]),
+    "tp4": (4, ["--tp", "4"]),
+    "1f1b4": (4, ["--pp", "4", "--schedule", "1f1b", "--microbatches", "4"]),
+    "fsdptp4": (4, ["--fsdp", "--tp", "2"]),
+    "ppfsdp4": (4, ["--fsdp", "--pp", "2", "--schedule", "1f1b", "--microbatches", "4"]),
+}
+
+
+def run_grid(store: Path, *, model: str, steps: int, batch: int, reuse: bool, names: list[str]) -> dict[str, float]:
+    """Run every grid job not already in the store (with ``reuse``); seconds per job."""
+    have = set(Store.open(store).runs()) if reuse and store.exists() else set()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    took = {}
+    for name in names:
+        if name in have:
+            continue
+        ranks, args = GRID[name]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+               "-m", "meshscope.trainer.train", "--model", model, "--steps", str(steps), "--log-every", str(steps),
+               "--batch-size", str(batch), "--store", str(store), "--run-name", name, *args]
+        t0 = time.monotonic()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        took[name] = time.monotonic() - t0
+        if proc.returncode != 0:
+            sys.exit(f"planner_grid: {name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        print(f"  {name}: {ranks} ranks, {took[name]:.0f} s", flush=True)
+    subprocess.run([sys.executable, "-m", "meshscope.cli", "ingest", "--store", str(store)], env=env, check=True,
+                   capture_output=True, timeout=600)
+    return took
+
+
+def compare(store: Path, *, calibrate: list[str], names: list[str]) -> tuple[pd.DataFrame, str]:
+    """Every grid run's report step time against the calibrated and textbook predictions."""
+    load = views.direct_loader(Store.open(store))
+    cal = whatif.calibrate_from(load, runs=calibrate)
+    every = whatif.calibrate_from(load, runs=names).measured  # each run's layout and peak memory
+    every["step_time_s"] = [report.build(load, run=r)["step_time_s"] for r in every["run"]]
+    return planner.comparison(cal, every, cores=whatif.host_cores()), cal.memory_measure
+
+
+def summary(comp: pd.DataFrame) -> dict:
+    others = comp[~comp["calibration"]]
+    fam = others.assign(cal=others["error"].abs(), tb=others["textbook_error"].abs()).groupby("family")[["cal", "tb"]].median()
+    mem = others["memory_error"].abs().dropna()
+    return {"median_abs_error": float(others["error"].abs().median()), "worst_abs_error": float(others["error"].abs().max()),
+            "worst_run": str(others.loc[others["error"].abs().idxmax(), "run"]),
+            "textbook_median_abs_error": float(others["textbook_error"].abs().median()),
+            "beats_textbook_in_every_family": bool((fam["cal"] < fam["tb"]).all()),
+            "families": {f: {"calibrated": float(r.cal), "textbook": float(r.tb)} for f, r in fam.iterrows()},
+            "memory_median_abs_error": float(mem.median()) if len(mem) else math.nan,
+            "memory_worst_abs_error": float(mem.max()) if len(mem) else math.nan}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--store", default="", help="run store (default: a new temporary directory)")
+    ap.add_argument("--reuse", action="store_true", help="keep the runs already in --store")
+    ap.add_argument("--model", default="tiny-wide")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--calibrate", default="ddp2,fsdptp4", help="runs to calibrate from (grid names)")
+    ap.add_argument("--only", default="", help="grid names to run (default: all)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    store = Path(a.store or tempfile.mkdtemp(prefix="meshscope-planner-"))
+    names = [n for n in (a.only.split(",") if a.only else GRID) if n]
+    calibrate = [n for n in a.calibrate.split(",") if n]
+    bad = [n for n in names + calibrate if n not in GRID]
+    if bad:
+        print(f"planner_grid: error: unknown grid name {bad[0]!r} (choose from {', '.join(GRID)})", file=sys.stderr)
+        return 2
+    load0 = os.getloadavg()
+    print(f"grid of {len(names)} jobs ({a.model}, {a.steps} steps, batch {a.batch_size}) into {store}; "
+          f"load average {load0[0]:.2f} on {os.cpu_count()} CPUs", flush=True)
+    t0 = time.monotonic()
+    took = run_grid(store, model=a.model, steps=a.steps, batch=a.batch_size, reuse=a.reuse, names=names)
+    grid_s = time.monotonic() - t0
+    comp, memory_measure = compare(store, calibrate=calibrate, names=names)
+    s = {**summary(comp), "calibration": calibrate, "grid_seconds": grid_s, "jobs_run": len(took),
+         "load_average_before": load0[0], "load_average_after": os.getloadavg()[0]}
+    if a.json:
+        print(json.dumps({"summary": s, "runs": comp.to_dict("records")}, indent=2, default=float))
+        return 0
+    show = comp.assign(
+        measured=comp["measured_s"].map("{:.3f}".format), calibrated=comp["predicted_s"].map("{:.3f}".format),
+        err=comp["error"].map("{:+.1%}".format), textbook=comp["textbook_s"].map("{:.3f}".format),
+        tb_err=comp["textbook_error"].map("{:+.1%}".format),
+        mem_MiB=(comp["memory_measured"] / 2**20).map("{:.0f}".format),
+        mem_pred=(comp["memory_predicted"] / 2**20).map("{:.0f}".format), mem_err=comp["memory_error"].map("{:+.1%}".format),
+        cal=comp["calibration"].map({True: "calibration", False: ""}))
+    print(show[["run", "layout", "family", "measured", "calibrated", "err", "textbook", "tb_err", "mem_MiB", "mem_pred",
+                "mem_err", "cal"]].to_string(index=False))
+    print(f"\ncalibrated from {', '.join(calibrate)}; over the {int((~comp['calibration']).sum())} other runs: "
+          f"median |error| {s['median_abs_error']:.1%}, worst {s['worst_abs_error']:.1%} ({s['worst_run']}); "
+          f"textbook median {s['textbook_median_abs_error']:.1%}")
+    print("per family, median |error| calibrated vs textbook: " + ", ".join(
+        f"{f} {v['calibrated']:.1%} vs {v['textbook']:.1%}" for f, v in s["families"].items())
+          + f" -> calibrated better in every family: {s['beats_textbook_in_every_family']}")
+    print(f"peak memory ({memory_measure}): median |error| {s['memory_median_abs_error']:.1%}, "
+          f"worst {s['memory_worst_abs_error']:.1%}")
+    print(f"grid: {s['jobs_run']} jobs in {grid_s:.0f} s; load average {s['load_average_before']:.2f} before, "
+          f"{s['load_average_after']:.2f} after")
+    for r in comp[comp["extrapolated"] != ""].itertuples():
+        print(f"  {r.run}: extrapolated: {r.extrapolated}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""What-if: the layouts of a world size predicted from the selected runs (one model; calibration and
+model in ``dashboard/calibration.py`` and ``dashboard/planner.py``), fastest first, with the measured runs
+of that world size on the same chart. One computation with ``meshscope plan``."""
+
+import streamlit as st
+
+from meshscope.dashboard import ui, whatif
+from meshscope.dashboard.config import ConfigError
+
+COLUMNS = {"layout": ("layout", None), "step_time_s": ("step time (s)", "%.3f"), "tokens_per_s": ("tokens/s", "int"),
+           "mfu": ("MFU", "percent"), "compute_s": ("compute (s)", "%.3f"), "optimizer_s": ("optimizer (s)", "%.3f"),
+           "exposed_dp_s": ("exposed DDP (s)", "%.3f"), "exposed_fsdp_s": ("exposed FSDP (s)", "%.3f"),
+           "exposed_tp_s": ("exposed TP (s)", "%.3f"), "bubble_s": ("bubble (s)", "%.3f"),
+           "peak_memory_mib": ("peak memory (MiB)", "int"), "memory_fits": ("fits", None),
+           "extrapolated": ("extrapolated", None)}
+MEASURED = {"run": ("run", None), "layout": ("layout", None), "measured_s": ("measured step (s)", "%.3f"),
+            "predicted_s": ("predicted (s)", "%.3f"), "error": ("error", "percent"),
+            "textbook_s": ("textbook (s)", "%.3f"), "textbook_error": ("textbook error", "percent")}
+
+
+def main(ctx: ui.Context) -> None:
+    st.title("What-if")
+    runs = ctx.runs.set_index("run")
+    model = runs.loc[ctx.focus, "model"] if ctx.focus in runs.index else None
+    picked = [r for r in ctx.selected if r in runs.index and runs.loc[r, "model"] == model] or [ctx.focus]
+    st.caption(f"Calibrated from {', '.join(f'`{r}`' for r in picked)} (the selected runs of the focus run's model; "
+               "pick runs on the Runs page). Each layout's step time is predicted from what those runs measured "
+               "on this machine: compute rate, links (α + bytes/β per op and group size), how much communication "
+               "stayed exposed, the pipeline's transfers, memory beyond the model's bytes.")
+    c = st.columns(2)
+    world = int(c[0].number_input("world size (ranks)", min_value=1, max_value=4096,
+                                  value=int(runs.loc[ctx.focus, "world_size"] or 1)))
+    batch = int(c[1].number_input("global batch (sequences)", min_value=1,
+                                  value=int(runs.loc[ctx.focus, "global_batch"] or 1)))
+    try:
+        view = whatif.whatif(ui.loader(ctx), runs=picked, world_size=world, global_batch=batch)
+    except ConfigError as e:
+        st.error(str(e))
+        return
+    if view.table.empty:
+        st.info(f"No layout of {world} ranks divides this model (heads, layers) and a global batch of {batch}.")
+        return
+    best = view.predictions[0]
+    m = st.columns(3)
+    m[0].metric("fastest predicted layout", best.layout.label)
+    m[1].metric("predicted tokens/s", f"{best.tokens_per_s:,.0f}")
+    m[2].metric("predicted step time", f"{best.step_time_s:.3f} s")
+    ui.chart(view.figure)
+    ui.table(view.table.assign(peak_memory_mib=view.table["peak_memory_bytes"] / 2**20), COLUMNS)
+    if len(view.measured):
+        st.subheader("Measured runs of this world size")
+        ui.table(view.measured, MEASURED)
+    st.caption("Extrapolated: what the calibration runs did not measure (another group size, an op not seen, a "
+               "kind of traffic whose overlap was not measured) is taken from the nearest measurement and listed "
+               "per layout. Textbook: FLOPs / (peak × ranks), volume / nominal bandwidth, 90 % overlap, the closed-form "
+               "bubble (README, Formulas, What-if planner).")
+
+
+ui.render(main)

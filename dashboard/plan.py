@@ -1,0 +1,119 @@
+"""``meshscope plan``: from measured runs of a model, the predicted step time, its breakdown, tokens/s,
+MFU and peak memory of another layout or world size (``--layout``), or every layout of a world size
+ranked by predicted tokens/s (``--rank-layouts``). One computation with the What-if page
+(``dashboard.whatif``, ``dashboard.planner``); ``--json`` for scripts.
+
+    meshscope plan --store DIR --run NAME [--run NAME ...] --layout dp=2,tp=1,pp=1,fsdp=0,schedule=1f1b,microbatches=4
+                   [--world-size N] [--json]
+    meshscope plan --store DIR --run NAME [--run NAME ...] --rank-layouts --world-size N [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from meshscope.agent.cliargs import ArgParser, run_command
+from meshscope.agent.collector.catchup import catch_up
+from meshscope.agent.collector.reader import Store, StoreError
+from meshscope.dashboard import planner, views, whatif
+from meshscope.dashboard.config import ConfigError
+from meshscope.trainer.layout import LayoutError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = ArgParser(prog="meshscope plan", description=__doc__.split("\n")[0])
+    p.add_argument("--store", action="append", required=True, metavar="DIR", help="run store (repeatable)")
+    p.add_argument("--run", action="append", required=True, metavar="NAME",
+                   help="a measured run to calibrate from (repeatable; runs of one model)")
+    p.add_argument("--layout", default=None, metavar="K=V,...",
+                   help=f"the layout to predict; keys: {', '.join(planner.KEYS)} (layers / width: a scaled model)")
+    p.add_argument("--rank-layouts", action="store_true", help="every valid layout of --world-size, fastest first")
+    p.add_argument("--world-size", type=int, default=None, metavar="N", help="ranks (default: the first run's)")
+    p.add_argument("--batch", type=int, default=None, metavar="B", help="global batch (default: the first run's)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    def body(a: argparse.Namespace) -> int:
+        if (a.layout is None) == (not a.rank_layouts):
+            raise ConfigError("give either --layout K=V,... or --rank-layouts")
+        if a.world_size is not None and a.world_size < 1:
+            raise ConfigError(f"--world-size {a.world_size} must be >= 1")
+        if a.batch is not None and a.batch < 1:
+            raise ConfigError(f"--batch {a.batch} must be >= 1")
+        try:
+            spec = planner.parse_layout(a.layout) if a.layout is not None else {}
+            store = Store.open_many(a.store)
+        except (LayoutError, StoreError) as e:
+            raise ConfigError(str(e)) from None
+        for root in store.roots:  # records still only in spools (no agent ran) count too
+            if note := catch_up(root).message():
+                print(f"meshscope plan: {note}", file=sys.stderr)
+        cal = whatif.calibrate_from(views.direct_loader(store), runs=list(dict.fromkeys(a.run)))
+        first = cal.measured.iloc[0]
+        world = a.world_size or int(first["world_size"])
+        batch = a.batch or spec.get("batch") or int(first["global_batch"])
+        cores = whatif.host_cores()
+        try:
+            if a.rank_layouts:
+                preds = planner.rank_layouts(cal, world_size=world, global_batch=batch, cores=cores)
+                if not preds:
+                    raise ConfigError(f"no layout of {world} ranks divides this model and batch {batch}")
+            else:
+                lay = planner.resolve(spec, model=cal.model, world_size=world, global_batch=batch)
+                preds = [planner.predict(cal, lay, cores=cores)]
+        except LayoutError as e:
+            raise ConfigError(str(e)) from None
+        if a.json:
+            out = [p.as_json() for p in preds]
+            print(json.dumps(_clean(out if a.rank_layouts else out[0]), indent=2))
+        else:
+            print(format_text(cal, preds, ranked=a.rank_layouts))
+        return 0
+
+    return run_command(prog="meshscope plan", parser=_parser(), argv=argv, body=body)
+
+
+def format_text(cal, preds: list[planner.Prediction], *, ranked: bool) -> str:
+    lines = [f"calibrated from {', '.join(cal.runs)} ({cal.model.name}, {cal.model.n_params:,.0f} params, "
+             f"{cal.device}" + (f", {cal.cores:.1f} cores shared" if cal.cores else "") + ")"]
+    if ranked:
+        lines.append(f"{'layout':<34} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'memory':>10}  fits")
+        for p in preds:
+            fits = {None: "?", True: "yes", False: "NO"}[p.memory_fits]
+            lines.append(f"{p.layout.label:<34} {p.step_time_s:>8.3f} {p.tokens_per_s:>10,.0f} {_pct(p.mfu):>6} "
+                         f"{p.peak_memory_bytes / 2**20:>7,.0f} MiB  {fits}")
+        notes = sorted({n for p in preds for n in p.extrapolated})
+    else:
+        p = preds[0]
+        b = p.breakdown
+        comm = ", ".join(f"{k} {v:.3f} s" for k, v in b["exposed_comm_s"].items() if v > 0) or "none"
+        lines += [f"layout {p.layout.label} on {p.layout.world_size} ranks, global batch {p.layout.global_batch}",
+                  f"  step time {p.step_time_s:.3f} s · {p.tokens_per_s:,.0f} tokens/s · MFU {_pct(p.mfu)} · "
+                  f"peak memory {p.peak_memory_bytes / 2**20:,.0f} MiB per rank",
+                  f"  compute {b['compute_s']:.3f} s, optimizer {b['optimizer_s']:.3f} s, exposed comm: {comm}, "
+                  f"bubble {b['bubble_s']:.3f} s, other {b['other_s']:.3f} s"]
+        notes = list(p.extrapolated)
+    if notes:
+        lines.append("extrapolated (not measured by the calibration runs):")
+        lines += [f"  - {n}" for n in notes]
+    return "\n".join(lines)
+
+
+def _pct(x: float) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:.1%}"
+
+
+def _clean(x):
+    """JSON without NaN (not JSON): None instead."""
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x

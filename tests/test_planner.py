@@ -1,0 +1,178 @@
+"""The what-if planner: the α-β fit against synthetic collectives of known α and β, the processor-sharing
+pipeline simulation against the plain one and its bounds, layout checks against the trainer's own
+messages, and (gloo tier) real 2-rank runs that the planner calibrated from reproduces within 5 %
+(``meshscope report``'s step time), plus ``meshscope plan`` as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from meshscope.dashboard import calibration, planner, views, whatif
+from meshscope.dashboard.analysis import busbw_factor
+from meshscope.dashboard.pipeline_sim import makespan_shared, simulate
+from meshscope.trainer import config as trainer_config
+from meshscope.trainer.layout import FLAVORS, LayoutError
+from tests.test_telemetry_e2e import run_job
+
+TINY_WIDE = FLAVORS["tiny-wide"]
+
+
+def _instances(op: str, n: int, *, alpha: float, beta: float, noise: float, rng) -> pd.DataFrame:
+    sizes = np.repeat(2.0 ** np.arange(10, 27, 2), 20)  # 1 KiB .. 64 MiB, 20 of each
+    t = alpha + sizes * busbw_factor(op, n) / beta
+    return pd.DataFrame({"op": op, "group_size": n, "bytes": sizes.astype(np.int64),
+                         "duration_s": t * (1 + rng.normal(0, noise, len(t)))})
+
+
+def test_alpha_beta_fit_recovers_known_latency_and_bandwidth():
+    rng = np.random.default_rng(0)
+    truth = {("all_reduce", 4): (40e-6, 8e9), ("all_gather", 2): (15e-6, 2e9), ("reduce_scatter", 8): (90e-6, 20e9)}
+    inst = pd.concat([_instances(op, n, alpha=a, beta=b, noise=0.03, rng=rng) for (op, n), (a, b) in truth.items()])
+    fits = calibration.fit_alpha_beta(inst).set_index(["op", "group_size"])
+    for key, (a, b) in truth.items():
+        fit = fits.loc[key]
+        assert fit["alpha_s"] == pytest.approx(a, rel=0.15), key
+        assert fit["beta_bytes_per_s"] == pytest.approx(b, rel=0.05), key
+        assert fit["sizes"] == 9 and fit["rmse_rel"] < 0.06
+
+
+def test_alpha_beta_fit_with_one_size_says_so():
+    inst = pd.DataFrame({"op": "all_reduce", "group_size": 2, "bytes": [2**20] * 5, "duration_s": [1e-3] * 5})
+    fit = calibration.fit_alpha_beta(inst).iloc[0]
+    assert fit["sizes"] == 1 and fit["alpha_s"] == 0.0
+    assert fit["beta_bytes_per_s"] == pytest.approx(2**20 * busbw_factor("all_reduce", 2) / 1e-3)
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+def test_shared_pipeline_matches_the_plain_one_with_a_core_each_and_its_bounds_without(schedule, v):
+    p, m, f, b = 4, 8, 1.0, 2.0
+    alone, busy = makespan_shared(schedule=schedule, p=p, m=m, v=v, f=f, b=b, cores=p)
+    plain = simulate(schedule=schedule, p=p, m=m, v=v, f=f, b=b)
+    assert alone == pytest.approx(float(plain["t_end"].max()))
+    assert busy == pytest.approx(m * v * (f + b))
+    shared, _ = makespan_shared(schedule=schedule, p=p, m=m, v=v, f=f, b=b, cores=2)
+    work = p * m * v * (f + b)
+    assert work / 2 <= shared <= alone * p / 2  # no faster than all work on 2 cores, no slower than halving every rank
+    assert shared > alone
+
+
+SHAPE = calibration.ModelShape(name="tiny-wide", n_layers=TINY_WIDE.n_layers, d_model=TINY_WIDE.d_model,
+                               n_heads=TINY_WIDE.n_heads, vocab_size=TINY_WIDE.vocab_size, seq_len=64,
+                               n_params=12849664, n_params_nonembedding=12718592, flops_per_token=1.0)
+
+
+@pytest.mark.parametrize("spec,world,batch", [
+    ({"tp": 3}, 3, 9),  # tp does not divide the heads
+    ({"pp": 3}, 3, 9),  # stages do not divide the layers
+    ({"dp": 2, "tp": 2}, 8, 8),  # degrees do not multiply to the world
+    ({"tp": 8}, 4, 8),  # tp*pp exceeds the world
+    ({"dp": 2, "tp": 2}, 4, 8),  # DDP over TP needs FSDP
+    ({"dp": 4}, 4, 6),  # batch not divisible by dp
+    ({"pp": 2, "microbatches": 3}, 2, 8),  # microbatches do not divide the batch
+    ({"pp": 4, "microbatches": 2, "schedule": "1f1b"}, 4, 8),  # 1F1B needs m >= p
+    ({"pp": 2, "schedule": "zigzag"}, 2, 8),  # unknown schedule
+])
+def test_invalid_layouts_get_the_trainers_message(spec, world, batch):
+    with pytest.raises(LayoutError) as planned:
+        planner.resolve(spec, model=SHAPE, world_size=world, global_batch=batch)
+    flags = {"parallel": {k: v for k, v in spec.items() if k in ("dp", "tp", "pp", "microbatches", "schedule")}}
+    with pytest.raises(trainer_config.ConfigError) as trained:
+        trainer_config.load(None, {"model.flavor": "tiny-wide", "data.batch_size": batch,
+                                   **{f"parallel.{k}": v for k, v in flags["parallel"].items()}}).resolve(world)
+    assert str(planned.value) == str(trained.value)
+
+
+def test_every_candidate_layout_is_one_the_trainer_accepts():
+    lays = planner.candidates(model=SHAPE, world_size=8, global_batch=16)
+    assert {(x.dp, x.tp, x.pp) for x in lays} >= {(8, 1, 1), (4, 2, 1), (2, 2, 2), (1, 8, 1), (2, 1, 4)}
+    for x in lays:
+        cfg = trainer_config.load(None, {"model.flavor": "tiny-wide", "data.batch_size": 16, "parallel.dp": x.dp,
+                                         "parallel.tp": x.tp, "parallel.pp": x.pp, "parallel.fsdp": x.fsdp,
+                                         "parallel.schedule": x.schedule or "1f1b",
+                                         "parallel.microbatches": x.microbatches,
+                                         "parallel.virtual_stages": x.virtual_stages})
+        assert cfg.resolve(8).parallel.n_stages == x.pp * x.virtual_stages
+
+
+# ------------------------------------------------------------------------------------- real runs (gloo)
+RUNS = {"ddp": (), "fsdp": ("--fsdp",), "tp": ("--tp", "2"),
+        "pp": ("--pp", "2", "--schedule", "1f1b", "--microbatches", "4")}
+
+
+@pytest.fixture(scope="module")
+def planner_store(tmp_path_factory):
+    store = tmp_path_factory.mktemp("planner")
+    for name, args in RUNS.items():
+        run_job(store, name, 2, "--model", "tiny-wide", "--steps", "10", *args)
+    return store
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("run", list(RUNS))
+def test_planner_reproduces_the_run_it_calibrated_from(planner_store, run):
+    """Self-consistency: calibrated from one real run, the prediction of that run's own layout is within
+    5 % of its measured step time (report's: slowest rank, median over the steps after warm-up)."""
+    from meshscope.agent.collector.reader import Store
+    from meshscope.dashboard import report
+
+    load = views.direct_loader(Store.open(planner_store))
+    cal = whatif.calibrate_from(load, runs=[run])
+    row = cal.measured.iloc[0].to_dict()
+    pred = planner.predict(cal, planner.measured_layout(row, model=cal.model), cores=2)
+    measured = report.build(load, run=run)["step_time_s"]
+    assert pred.step_time_s == pytest.approx(measured, rel=0.05)
+    assert not pred.extrapolated, pred.extrapolated  # its own layout needs nothing it did not measure
+    parts = pred.breakdown
+    total = (parts["compute_s"] + parts["optimizer_s"] + parts["bubble_s"] + parts["other_s"]
+             + sum(parts["exposed_comm_s"].values()))
+    assert total == pytest.approx(pred.step_time_s, rel=1e-6)
+
+
+def _plan(store, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshscope.cli", "plan", "--store", str(store), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.gloo
+def test_plan_cli_predicts_a_layout_and_ranks_every_layout(planner_store):
+    proc = _plan(planner_store, "--run", "ddp", "--run", "pp", "--layout", "dp=1,tp=1,pp=2,schedule=gpipe,microbatches=4",
+                 "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["layout"]["pp"] == 2 and out["layout"]["schedule"] == "gpipe"
+    assert out["step_time_s"] > 0 and out["tokens_per_s"] == pytest.approx(8 * 64 / out["step_time_s"])
+    assert out["peak_memory_bytes"] > 0 and 0 < out["mfu"] < 1
+    assert set(out["breakdown"]) >= {"compute_s", "exposed_comm_s", "bubble_s"} and out["breakdown"]["bubble_s"] > 0
+    ranked = _plan(planner_store, "--run", "ddp", "--rank-layouts", "--world-size", "4", "--json")
+    assert ranked.returncode == 0, ranked.stderr
+    rows = json.loads(ranked.stdout)
+    assert len(rows) >= 5
+    speeds = [r["tokens_per_s"] for r in rows if r["memory_fits"] is not False]
+    assert speeds == sorted(speeds, reverse=True)
+    # A layout the calibration never saw says what it extrapolated.
+    assert any("tp" in " ".join(r["extrapolated"]).lower() for r in rows if r["layout"]["tp"] > 1)
+    text = _plan(planner_store, "--run", "ddp", "--layout", "tp=2")
+    assert text.returncode == 0 and "step time" in text.stdout and "extrapolated" in text.stdout
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("args,needle", [
+    (("--run", "ddp", "--layout", "tp=3"), "tp=3 does not divide n_heads=8"),
+    (("--run", "ddp", "--layout", "dp=3"), "dp*tp*pp = 3*1*1 = 3 but the world size is 2"),
+    (("--run", "ddp", "--layout", "bogus=1"), "'bogus=1'"),
+    (("--run", "ddp", "--layout", "pp=2,schedule=looped-bfs"), "cannot simulate the looped-bfs schedule"),
+    (("--run", "nope", "--layout", "dp=2"), "no run 'nope'"),
+    (("--run", "ddp"), "either --layout"),
+    (("--run", "ddp", "--rank-layouts", "--world-size", "0"), "--world-size 0"),
+])
+def test_plan_cli_bad_input_is_one_line_and_exit_2(planner_store, args, needle):
+    proc = _plan(planner_store, *args)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert needle in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
