@@ -3,10 +3,13 @@ TP, PP GPipe / 1F1B / interleaved at 2 ranks; DDP, FSDP2, TP, PP 1F1B, FSDP2+TP,
 calibration from one or two of them, and every other run's measured step time against the calibrated
 prediction and the uncalibrated textbook model (``dashboard.planner.textbook``), with peak memory.
 
-    python bench/planner_grid.py [--store DIR] [--reuse] [--calibrate ddp2,fsdptp4] [--steps 12] [--json]
+    python bench/planner_grid.py [--store DIR] [--reuse] [--calibrate ddp2,fsdptp4] [--repeats 3] [--json]
 
-The measured step time is ``meshscope report``'s (the median over the steps after warm-up of the slowest
-rank's wall time). Errors are predicted / measured - 1; the summary leaves the calibration runs out.
+Each layout runs ``--repeats`` times (``ddp2``, ``ddp2-r2``, ...): this 2-vCPU VM's speed drifts by 5-15 %
+between runs minutes apart (once 48 % for one run), so a layout's measured step time is the median over its
+repeats of ``meshscope report``'s step time (the median over the steps after warm-up of the slowest rank's
+wall time), and so is its peak memory. The calibration uses the first run of each calibration layout only.
+Errors are predicted / measured - 1; the summary leaves the calibration layouts out.
 """
 
 from __future__ import annotations
@@ -43,36 +46,51 @@ GRID: dict[str, tuple[int, list[str]]] = {
 }
 
 
-def run_grid(store: Path, *, model: str, steps: int, batch: int, reuse: bool, names: list[str]) -> dict[str, float]:
-    """Run every grid job not already in the store (with ``reuse``); seconds per job."""
+def run_name(name: str, repeat: int) -> str:
+    return name if repeat == 1 else f"{name}-r{repeat}"
+
+
+def run_grid(store: Path, *, model: str, steps: int, batch: int, reuse: bool, names: list[str],
+             repeats: int) -> dict[str, float]:
+    """Run every grid job not already in the store (with ``reuse``), each layout ``repeats`` times, the
+    layouts interleaved (a slow spell of the machine hits different layouts); seconds per job."""
     have = set(Store.open(store).runs()) if reuse and store.exists() else set()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     took = {}
-    for name in names:
-        if name in have:
+    for name, repeat in ((n, r) for r in range(1, repeats + 1) for n in names):
+        run = run_name(name, repeat)
+        if run in have:
             continue
         ranks, args = GRID[name]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
                "-m", "meshscope.trainer.train", "--model", model, "--steps", str(steps), "--log-every", str(steps),
-               "--batch-size", str(batch), "--store", str(store), "--run-name", name, *args]
+               "--batch-size", str(batch), "--store", str(store), "--run-name", run, *args]
         t0 = time.monotonic()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        took[name] = time.monotonic() - t0
+        took[run] = time.monotonic() - t0
         if proc.returncode != 0:
-            sys.exit(f"planner_grid: {name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-        print(f"  {name}: {ranks} ranks, {took[name]:.0f} s", flush=True)
+            sys.exit(f"planner_grid: {run} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        print(f"  {run}: {ranks} ranks, {took[run]:.0f} s", flush=True)
     subprocess.run([sys.executable, "-m", "meshscope.cli", "ingest", "--store", str(store)], env=env, check=True,
                    capture_output=True, timeout=600)
     return took
 
 
-def compare(store: Path, *, calibrate: list[str], names: list[str]) -> tuple[pd.DataFrame, str]:
-    """Every grid run's report step time against the calibrated and textbook predictions."""
+def compare(store: Path, *, calibrate: list[str], names: list[str], repeats: int) -> tuple[pd.DataFrame, str]:
+    """Every grid layout's step time (the median of its repeats' report step times) and peak memory
+    against the calibrated and textbook predictions."""
     load = views.direct_loader(Store.open(store))
     cal = whatif.calibrate_from(load, runs=calibrate)
-    every = whatif.calibrate_from(load, runs=names).measured  # each run's layout and peak memory
+    runs = [run_name(n, r) for n in names for r in range(1, repeats + 1)]
+    every = whatif.calibrate_from(load, runs=runs).measured  # each run's layout and peak memory
     every["step_time_s"] = [report.build(load, run=r)["step_time_s"] for r in every["run"]]
-    return planner.comparison(cal, every, cores=whatif.host_cores()), cal.memory_measure
+    every["run"] = every["run"].str.replace(r"-r\d+$", "", regex=True)
+    spread = every.groupby("run")["step_time_s"].agg(lambda t: t.max() / t.min() - 1)
+    layouts = every.groupby("run", as_index=False, sort=False).agg(
+        {**{c: "first" for c in every.columns if c not in ("run", "step_time_s", "peak_memory_bytes")},
+         "step_time_s": "median", "peak_memory_bytes": "median"})
+    comp = planner.comparison(cal, layouts)
+    return comp.assign(repeat_spread=comp["run"].map(spread)), cal.memory_measure
 
 
 def summary(comp: pd.DataFrame) -> dict:
@@ -96,6 +114,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--calibrate", default="ddp2,fsdptp4", help="runs to calibrate from (grid names)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per layout (measured: their median)")
     ap.add_argument("--only", default="", help="grid names to run (default: all)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -107,12 +126,13 @@ def main() -> int:
         print(f"planner_grid: error: unknown grid name {bad[0]!r} (choose from {', '.join(GRID)})", file=sys.stderr)
         return 2
     load0 = os.getloadavg()
-    print(f"grid of {len(names)} jobs ({a.model}, {a.steps} steps, batch {a.batch_size}) into {store}; "
+    print(f"grid of {len(names)} layouts x {a.repeats} ({a.model}, {a.steps} steps, batch {a.batch_size}) into {store}; "
           f"load average {load0[0]:.2f} on {os.cpu_count()} CPUs", flush=True)
     t0 = time.monotonic()
-    took = run_grid(store, model=a.model, steps=a.steps, batch=a.batch_size, reuse=a.reuse, names=names)
+    took = run_grid(store, model=a.model, steps=a.steps, batch=a.batch_size, reuse=a.reuse, names=names,
+                    repeats=a.repeats)
     grid_s = time.monotonic() - t0
-    comp, memory_measure = compare(store, calibrate=calibrate, names=names)
+    comp, memory_measure = compare(store, calibrate=calibrate, names=names, repeats=a.repeats)
     s = {**summary(comp), "calibration": calibrate, "grid_seconds": grid_s, "jobs_run": len(took),
          "load_average_before": load0[0], "load_average_after": os.getloadavg()[0]}
     if a.json:
@@ -124,9 +144,10 @@ def main() -> int:
         tb_err=comp["textbook_error"].map("{:+.1%}".format),
         mem_MiB=(comp["memory_measured"] / 2**20).map("{:.0f}".format),
         mem_pred=(comp["memory_predicted"] / 2**20).map("{:.0f}".format), mem_err=comp["memory_error"].map("{:+.1%}".format),
-        cal=comp["calibration"].map({True: "calibration", False: ""}))
-    print(show[["run", "layout", "family", "measured", "calibrated", "err", "textbook", "tb_err", "mem_MiB", "mem_pred",
-                "mem_err", "cal"]].to_string(index=False))
+        spread=comp["repeat_spread"].map("{:.0%}".format), cal=comp["calibration"].map({True: "calibration", False: ""}))
+    print(show[["run", "layout", "family", "measured", "spread", "calibrated", "err", "textbook", "tb_err", "mem_MiB",
+                "mem_pred", "mem_err", "cal"]].to_string(index=False))
+    print("(spread: slowest / fastest repeat - 1)")
     print(f"\ncalibrated from {', '.join(calibrate)}; over the {int((~comp['calibration']).sum())} other runs: "
           f"median |error| {s['median_abs_error']:.1%}, worst {s['worst_abs_error']:.1%} ({s['worst_run']}); "
           f"textbook median {s['textbook_median_abs_error']:.1%}")

@@ -8,13 +8,15 @@ mean over ranks (every rank's wall is the step's, so the means add up to the mea
 - **Compute rate**: seconds per model FLOP of the forward and backward work,
   (``compute_s`` − ``optimizer_s``) / ``flops`` (the rank's attributed FLOPs), and the forward's share of
   it; seconds per parameter of the optimizer step (``optimizer_s`` / the parameters the rank holds).
-- **Processor sharing** (CPU hosts): ranks on one host share its cores, so the same work takes longer with
-  more ranks busy at once. A run's *sharing* φ = 1 / (1 − w), w its CPU wait share (the run-queue delay
-  over the time the training thread was not blocked, ``environment.cpu_wait_share``): the factor its
-  threads were slowed by. The rates above are divided by φ (per rank with a core to itself), and the
-  host's cores are what the sharing implies: C = k·u/φ for a run with k ranks on the host, busy a share u
-  of the step (not idle in a bubble or waiting for a pipeline neighbour; gloo's collectives keep the CPU
-  busy). A target layout is slowed by φ = max(1, k·u/C) again. On GPUs φ = 1.
+- **Processor sharing** (CPU hosts): ranks on one host share its C cores, so the same work takes longer
+  with more ranks busy at once. A run's *sharing* φ = 1 / (1 − w), w its CPU wait share (the run-queue
+  delay over the time the training thread was not blocked, ``environment.cpu_wait_share``): the factor
+  its threads were slowed by. The rates above are divided by φ (per rank with a core to itself). A rank
+  demands a core a share u of the step: all of it but a pipeline's idle and the part (1 − γ) of its
+  exposed communication it sleeps through (gloo spins a while before it sleeps), so φ = max(1, k·u/C)
+  with k ranks on the host; each oversubscribed run gives γ = 1 − (u₀ − φ·C/k)·step / exposed, u₀ its
+  share outside pipeline idle. C is the cores of the machine the planner runs on (the runs' host, as
+  the CPU path is used here); on GPUs φ = 1.
 - **Links**: per (op, group size), t = α + bytes·f(op, n)/β (``fit_alpha_beta``; f the nccl-tests bus
   factor, so β is a bus bandwidth and one fit carries to other group sizes of the same op). An instance's
   time is the least over its ranks (the rank that arrived last waited for the transfer only), divided by
@@ -26,8 +28,8 @@ mean over ranks (every rank's wall is the step's, so the means add up to the mea
 - **Counts**: the DDP bucket size, the TP all-reduces per layer and microbatch, the small synchronising
   collectives per step (loss, gradient norm), as the run issued them.
 - **Pipeline**: the measured transfer time per hop and host gap per action (``pipeline_sim.replay``).
-- **Memory**: the measured peak minus the analytic model's bytes (``memory_model``): the runtime's own
-  share (on CPU the host RSS holds the Python and torch runtime; on GPU the allocator's peak holds
+- **Memory**: per run, the measured peak minus the analytic model's bytes (``memory_model``): the runtime's own
+  share (the planner takes it from the runs most like the target: FSDP's buffers are not in the model) (on CPU the host RSS holds the Python and torch runtime; on GPU the allocator's peak holds
   workspaces and communication buffers), added to the model's bytes of a target layout.
 """
 
@@ -95,7 +97,8 @@ class Calibration:
     device: str  # "cpu", "cuda", ...
     model: ModelShape
     peak_flops: float  # per device, as the runs recorded it (table, override or calibrated)
-    cores: float | None  # CPU host: the cores the ranks shared, as the runs' sharing implies (None: not seen)
+    cores: float | None  # CPU host: the cores its ranks shared (None on GPUs)
+    spin: float  # the share of exposed communication a waiting rank keeps a core busy (γ); 1 where not seen
     links: pd.DataFrame  # fit_alpha_beta's frame per sharing regime (``shared``: the runs' φ > 1)
     traffic: pd.DataFrame  # per run and kind of traffic: exposed_s (per rank and step), sharing, the run's layout
     counts: dict[str, float]  # ddp_bucket_bytes, tp_per_layer_mb, sync_per_step (measured only)
@@ -113,8 +116,9 @@ def fit_alpha_beta(instances: pd.DataFrame) -> pd.DataFrame:
     ``beta_bytes_per_s`` (bus bandwidth), ``n`` instances, ``sizes`` (distinct message sizes),
     ``bytes_min``, ``bytes_max`` and ``rmse_rel`` (RMS of the instances' relative residuals).
 
-    Least squares of t = α + x/β on x = bytes × bus factor, over the per-size medians (weighted by √count:
-    a size seen often is known better, but one size must not drown the others), with α, 1/β ≥ 0. With one
+    Least squares of t = α + x/β on x = bytes × bus factor, over the per-size medians, in relative terms
+    (weights √count / t: a size seen often is known better, but one size must not drown the others, and
+    a large transfer's noise must not swamp a small one's latency), with α, 1/β ≥ 0. With one
     message size α and β cannot be told apart: α is 0 and β the size over its median time (``sizes`` 1
     says so)."""
     cols = ["op", "group_size", "alpha_s", "beta_bytes_per_s", "n", "sizes", "bytes_min", "bytes_max", "rmse_rel"]
@@ -125,7 +129,10 @@ def fit_alpha_beta(instances: pd.DataFrame) -> pd.DataFrame:
         if not math.isfinite(f) or f <= 0:
             continue
         med = g.groupby("bytes")["duration_s"].agg(["median", "size"]).reset_index()
-        x, y, w = med["bytes"].to_numpy(float) * f, med["median"].to_numpy(float), np.sqrt(med["size"].to_numpy(float))
+        x, y = med["bytes"].to_numpy(float) * f, med["median"].to_numpy(float)
+        # Relative residuals (timing noise is proportional to the time): a 64 MiB transfer's noise must not
+        # swamp a 1 KiB one's latency.
+        w = np.sqrt(med["size"].to_numpy(float)) / np.maximum(y, 1e-12)
         alpha, inv_beta = _nonneg_line(x, y, w)
         pred = alpha + g["bytes"].to_numpy(float) * f * inv_beta
         rel = (g["duration_s"].to_numpy(float) - pred) / np.maximum(pred, 1e-12)
@@ -259,8 +266,7 @@ def measure(meta: dict, frames: dict[str, pd.DataFrame], *, model: ModelShape) -
     out = {"run": meta.get("run"), "layout": lay, "ranks_per_host": k, "first_step": first,
            "step_time_s": float(means["step_time_s"]), "s_per_flop": fb / flops / phi if flops > 0 else math.nan,
            "optimizer_s": float(means["optimizer_s"]) / phi, "held": local_params(model, lay), "sharing": phi, "busy": busy,
-           # the cores this run's sharing implies; only an oversubscribed run says anything about them
-           "cores": k * busy / phi if phi > SHARED else math.nan,
+           "exposed_bulk_s": exposed_bulk,
            "forward_share": math.nan, "exposed": exposed, "counts": counts, "pipeline": {},
            "other_s": max(0.0, float(means["step_time_s"] - means["compute_s"] - means["bubble_s"]) - exposed_bulk),
            "means": means, "memory": _memory(meta, frames["memory"]),
@@ -304,12 +310,18 @@ def _memory(meta: dict, memory: pd.DataFrame) -> dict:
     return {"measure": measure_name, "peak_bytes": float(col.max()), "model_bytes": model_bytes}
 
 
-def calibrate(measured: list[dict], *, model: ModelShape, device: str, peak_flops: float) -> Calibration:
+def calibrate(measured: list[dict], *, model: ModelShape, device: str, peak_flops: float,
+              cores: float | None = None) -> Calibration:
     """One calibration from ``measure``'s results of one model's runs (the runs' figures averaged where
-    several measured the same thing)."""
+    several measured the same thing). ``cores``: the CPU host's (ignored on GPUs)."""
     if not measured:
         raise ValueError("no run to calibrate from")
-    cores = _mean(m["cores"] for m in measured)
+    cpu = device.startswith("cpu")
+    spins = []
+    for m in measured:  # γ from each oversubscribed run (module docstring)
+        e = m["exposed_bulk_s"] / m["step_time_s"]
+        if cpu and cores and m["sharing"] > 1 and e > 0.05:
+            spins.append(min(1.0, max(0.0, 1 - (m["busy"] - m["sharing"] * cores / m["ranks_per_host"]) / e)))
     traffic = pd.DataFrame([{"run": m["run"], "kind": kind, "exposed_s": v, "sharing": m["sharing"], **m["layout"]}
                             for m in measured for kind, v in m["exposed"].items()])
     counts = {k: _mean(m["counts"][k] for m in measured if k in m["counts"])
@@ -319,7 +331,7 @@ def calibrate(measured: list[dict], *, model: ModelShape, device: str, peak_flop
     mem = [m["memory"] for m in measured if m["memory"]]
     return Calibration(
         runs=tuple(m["run"] for m in measured), device=device, model=model, peak_flops=peak_flops,
-        cores=cores if math.isfinite(cores) else None,
+        cores=float(cores) if cpu and cores else None, spin=float(np.mean(spins)) if spins else 1.0,
         # one fit per sharing regime: a link between oversubscribed ranks waits for both to be scheduled
         links=pd.concat([fit_alpha_beta(pd.concat([m["instances"] for m in measured if (m["sharing"] > 1) == shared]))
                          .assign(shared=shared) for shared in (False, True)
@@ -331,7 +343,9 @@ def calibrate(measured: list[dict], *, model: ModelShape, device: str, peak_flop
                                 "ranks_per_host": m["ranks_per_host"], "sharing": m["sharing"], "busy": m["busy"],
                                 "s_per_flop": m["s_per_flop"], "forward_share": m["forward_share"],
                                 "optimizer_s": m["optimizer_s"], "held": m["held"], "other_s": m["other_s"],
-                                "peak_memory_bytes": m["memory"].get("peak_bytes", math.nan)} for m in measured]))
+                                "peak_memory_bytes": m["memory"].get("peak_bytes", math.nan),
+                                "memory_offset_bytes": m["memory"].get("peak_bytes", math.nan)
+                                - m["memory"].get("model_bytes", math.nan)} for m in measured]))
 
 
 def _mean(values) -> float:

@@ -2,7 +2,7 @@
 
 Model states, mixed precision with Adam: parameters 2 B, gradients 2 B, optimizer state 12 B per
 parameter (fp32 master 4 + momentum 4 + variance 4); pure fp32: 4 + 4 + 8. Sharding:
-- DDP: nothing sharded. ZeRO-1: optimizer / dp. ZeRO-2: gradients and optimizer / dp.
+- DDP: nothing sharded, and its buckets hold a second copy of the gradients. ZeRO-1: optimizer / dp. ZeRO-2: gradients and optimizer / dp.
 - FSDP / ZeRO-3: all three / the shard degree, plus the unsharded parameters of the layers in flight
   (the current layer and the prefetched next one).
 - TP divides the sharded layers' parameters by tp (we divide all of them: embeddings are sharded too in
@@ -105,6 +105,9 @@ def memory_model(spec: ModelSpec) -> pd.DataFrame:
         rows.append(("unsharded params in flight", in_flight, f"2 layers x N/L/tp x {bp} B"))
     else:
         how = "replicated"
+        if dp > 1 and "ddp" in strategy:
+            # torch DDP copies the gradients into its buckets (gradient_as_bucket_view is off by default).
+            rows.append(("DDP gradient buckets", n_g, "a second copy of the gradients"))
     base = f"N/(tp·pp) = {local:.3g} params; {how}"
     rows = [("parameters", n_p, f"{bp} B/param; {base}"), ("gradients", n_g, f"{bg} B/param; {base}"),
             ("optimizer state", n_o, f"{bo} B/param; {base}"), *rows]

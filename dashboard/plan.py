@@ -57,15 +57,14 @@ def main(argv: list[str] | None = None) -> int:
         first = cal.measured.iloc[0]
         world = a.world_size or int(first["world_size"])
         batch = a.batch or spec.get("batch") or int(first["global_batch"])
-        cores = whatif.host_cores()
         try:
             if a.rank_layouts:
-                preds = planner.rank_layouts(cal, world_size=world, global_batch=batch, cores=cores)
+                preds = planner.rank_layouts(cal, world_size=world, global_batch=batch)
                 if not preds:
                     raise ConfigError(f"no layout of {world} ranks divides this model and batch {batch}")
             else:
                 lay = planner.resolve(spec, model=cal.model, world_size=world, global_batch=batch)
-                preds = [planner.predict(cal, lay, cores=cores)]
+                preds = [planner.predict(cal, lay)]
         except LayoutError as e:
             raise ConfigError(str(e)) from None
         if a.json:
@@ -80,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def format_text(cal, preds: list[planner.Prediction], *, ranked: bool) -> str:
     lines = [f"calibrated from {', '.join(cal.runs)} ({cal.model.name}, {cal.model.n_params:,.0f} params, "
-             f"{cal.device}" + (f", {cal.cores:.1f} cores shared" if cal.cores else "") + ")"]
+             f"{cal.device}" + (f", {cal.cores:g} cores shared" if cal.cores else "") + ")"]
     if ranked:
         lines.append(f"{'layout':<34} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'memory':>10}  fits")
         for p in preds:

@@ -33,6 +33,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 
 from meshscope.dashboard.analysis import bubble_theory, busbw_factor
@@ -226,7 +227,10 @@ class _Links:
             same = f[f["op"] == op]
             pool = same if len(same) and same["bytes_max"].max() >= 65536 else f
             row = pool.loc[pool["bytes_max"].idxmax()]
-        alpha = float(exact.iloc[0]["alpha_s"]) if len(exact) and exact.iloc[0]["bytes_min"] <= 65536 else None
+        if len(exact) and exact.iloc[0]["bytes_min"] <= 65536:
+            alpha = float(exact.iloc[0]["alpha_s"])
+        else:
+            alpha = None
         self._note(f"{op} over {n} ranks at {_mb(nbytes)}: bandwidth from {row['op']} over {int(row['group_size'])} "
                    f"ranks ({_mb(row['bytes_min'])}–{_mb(row['bytes_max'])} measured)")
         return self._t(row, op, n, nbytes, alpha=alpha)
@@ -245,17 +249,13 @@ def _mb(x: float) -> str:
     return f"{x / 2**20:.2g} MiB"
 
 
-def host_cores_of(cal: Calibration, *, k: int, cores: int | None, notes: list[str]) -> float | None:
-    """The cores ``k`` ranks share on a CPU host (``calibration``): those the calibration runs implied,
-    else ``cores`` (this machine's; noted when the ranks outnumber them); None on GPUs (no sharing)."""
-    if not cal.device.startswith("cpu"):
-        return None
-    if cal.cores is not None:
-        return cal.cores
-    c = float(cores or 1)
-    if k > c:
-        _note(notes, f"no calibration run was oversubscribed: {k} ranks share {c:g} cores (this machine's)")
-    return c
+def sharing(cal: Calibration, *, k: int, exposed_share: float, notes: list[str]) -> float:
+    """φ = max(1, k·u/C) on a CPU host, u = 1 − (1 − γ) × the step's exposed-communication share
+    (``calibration``); 1 on GPUs."""
+    if cal.cores is None:
+        return 1.0
+    u = 1.0 - (1.0 - cal.spin) * exposed_share
+    return max(1.0, k * u / cal.cores)
 
 
 def _note(notes: list[str], text: str) -> None:
@@ -263,20 +263,18 @@ def _note(notes: list[str], text: str) -> None:
         notes.append(text)
 
 
-def predict(cal: Calibration, lay: Layout, *, ranks_per_host: int | None = None, cores: int | None = None,
+def predict(cal: Calibration, lay: Layout, *, ranks_per_host: int | None = None,
             device_bytes: float | None = None) -> Prediction:
-    """The calibrated prediction of one layout (module docstring). ``ranks_per_host``: where the target
-    puts them (default: the world size up to the most a calibration host had, when the calibration ran on
-    several hosts; else the world size: one host); ``cores``: the host's cores (only for a CPU host at a
-    ranks-per-host count the calibration did not measure); ``device_bytes``: the memory one rank may use."""
+    """The calibrated prediction of one layout (module docstring). ``ranks_per_host``: how many of its
+    ranks share a host (default: all, one host; only a CPU host's sharing depends on it);
+    ``device_bytes``: the memory one rank may use (None: not judged)."""
     notes: list[str] = []
     model = scaled_model(cal.model, lay)
     if model is not cal.model:
         notes.append(f"model scaled to {lay.n_layers} layers × width {lay.d_model} (measured {cal.model.n_layers} × "
                      f"{cal.model.d_model}): compute rate assumed the measured one")
     k = ranks_per_host or lay.world_size
-    cores_eff = host_cores_of(cal, k=k, cores=cores, notes=notes)
-    phi = max(1.0, k / cores_eff) if cores_eff else 1.0
+    phi = sharing(cal, k=k, exposed_share=0.0, notes=notes)  # first: every rank busy all the step
     links = _Links(cal, notes, shared=phi > 1)
     tokens = lay.global_batch * model.seq_len
     flops = model.flops_per_token * tokens / lay.world_size
@@ -296,12 +294,17 @@ def predict(cal: Calibration, lay: Layout, *, ranks_per_host: int | None = None,
             how = "the textbook's"
         if _uses(lay, kind):
             _note(notes, f"{kind} exposure not measured: {exposure[kind]:.0%} of its modelled time exposed, {how}")
-    # Every rank busy outside the pipeline: φ = max(1, k/C); the pipeline's schedule is simulated with its
-    # ranks sharing the cores (its fill and drain leave some free).
+    # Outside the pipeline every rank is busy but where it sleeps through exposed communication; the
+    # pipeline's schedule is simulated with its ranks sharing the cores (its fill and drain leave some free).
+    cores_sim = cal.cores * lay.pp / k if cal.cores else None
     parts = _parts(cal, lay, model=model, links=links, flops=flops, held=held, tokens=tokens, exposure=exposure,
-                   phi=phi, cores=cores_eff * lay.pp / k if cores_eff else None, notes=notes)
+                   phi=phi, cores=cores_sim, notes=notes)
+    for _ in range(2):  # φ depends on the exposed share, which depends on φ: two rounds settle it
+        phi = sharing(cal, k=k, exposed_share=sum(parts["comm"].values()) / parts["step_s"], notes=notes)
+        parts = _parts(cal, lay, model=model, links=links, flops=flops, held=held, tokens=tokens,
+                       exposure=exposure, phi=phi, cores=cores_sim, notes=[])
     step = parts["step_s"]
-    peak, fits = _memory(cal, model, lay, device_bytes)
+    peak, fits = _memory(cal, model, lay, device_bytes, shared=phi > 1)
     return Prediction(
         layout=lay, step_time_s=step, tokens_per_s=tokens / step,
         mfu=flops / step / cal.peak_flops if cal.peak_flops > 0 else math.nan, peak_memory_bytes=peak, memory_fits=fits,
@@ -310,19 +313,33 @@ def predict(cal: Calibration, lay: Layout, *, ranks_per_host: int | None = None,
         extrapolated=tuple(notes))
 
 
-def rate_for(cal: Calibration, lay: Layout, *, held: float, shared: bool, notes: list[str]) -> Rate:
-    """The rates of the calibration runs most like ``lay`` (the same use of TP, FSDP and a pipeline: TP's
-    replicated work and DTensor's dispatch, FSDP's copies cost compute the FLOPs do not count); the
-    optimizer's fixed and per-parameter seconds fitted over all runs (a line in the parameters held)."""
+SAME_TIME = {"tp": 1, "fsdp": 1, "pp": 1, "shared": 1}
+SAME_MEMORY = {"tp": 1, "fsdp": 3, "pp": 1, "shared": 0}  # FSDP's buffers dominate what the model leaves out
+
+
+def most_like(cal: Calibration, lay: Layout, *, shared: bool,
+              weights: dict[str, int] = SAME_TIME) -> tuple[pd.DataFrame, list[str]]:
+    """The calibration runs most like ``lay``: the same use of TP, FSDP and a pipeline, and the same
+    sharing regime (each a feature that costs time or memory the FLOPs and the model's bytes do not count:
+    TP's replicated work and DTensor's dispatch, FSDP's copies and buffers, ranks sharing cores); and the
+    features in which they still differ. ``weights``: how much each feature counts."""
     m = cal.measured
-    feats = ("tp", "fsdp", "pp", "shared")
+    feats = tuple(f for f, w in weights.items() if w)
     want = {"tp": lay.tp > 1, "fsdp": lay.fsdp, "pp": lay.pp > 1, "shared": shared}
     have = pd.DataFrame({"tp": m["tp"] > 1, "fsdp": m["fsdp"].astype(bool) & (m["dp"] > 1), "pp": m["pp"] > 1,
                          "shared": m["sharing"] > 1})
-    score = sum((have[f] == want[f]).astype(int) for f in feats)
+    score = sum((have[f] == want[f]).astype(int) * weights[f] for f in feats)
     best = m[score == score.max()]
-    if score.max() < len(feats):
-        differ = [{"shared": "sharing cores"}.get(f, f.upper()) for f in feats if (have.loc[best.index, f] != want[f]).any()]
+    differ = [{"shared": "sharing cores"}.get(f, f.upper()) for f in feats if (have.loc[best.index, f] != want[f]).any()]
+    return best, differ
+
+
+def rate_for(cal: Calibration, lay: Layout, *, held: float, shared: bool, notes: list[str]) -> Rate:
+    """The compute rate and host time of the calibration runs most like ``lay`` (``most_like``); the
+    optimizer's fixed and per-parameter seconds fitted over all runs (a line in the parameters held)."""
+    m = cal.measured
+    best, differ = most_like(cal, lay, shared=shared)
+    if differ:
         _note(notes, f"compute rate from {', '.join(best['run'])} (which differ in {', '.join(differ)})")
     share = m.loc[m["pp"] > 1, "forward_share"].dropna()
     share = share if len(share) else m["forward_share"].dropna()
@@ -334,8 +351,6 @@ def rate_for(cal: Calibration, lay: Layout, *, held: float, shared: bool, notes:
 
 def _line(x, y) -> tuple[float, float]:
     """y = a + b·x with a, b >= 0 by least squares; through the origin with one distinct x."""
-    import numpy as np
-
     if len(set(x)) < 2:
         return 0.0, float(np.sum(y) / np.sum(x)) if np.sum(x) > 0 else 0.0
     b, a = np.polyfit(x, y, 1)
@@ -388,6 +403,7 @@ def exposure_of(cal: Calibration, kind: str, *, shared: bool) -> float | None:
     if rows.empty:
         return None
     same = rows[(rows["sharing"] > 1) == shared]
+    crossed = same.empty
     rows = same if len(same) else rows
     links = _Links(cal, [], shared=bool((rows["sharing"] > 1).all()))
     exposed = modelled = 0.0
@@ -397,7 +413,11 @@ def exposure_of(cal: Calibration, kind: str, *, shared: bool) -> float | None:
         t = transfer_times(cal, lay, model=cal.model, links=links, tokens=lay.global_batch * cal.model.seq_len,
                            held=held, notes=[])[kind] * r["sharing"]
         exposed, modelled = exposed + r["exposed_s"], modelled + t
-    return exposed / modelled if modelled > 0 else None
+    if modelled <= 0:
+        return None
+    # Exposure above 1 is waiting for peers out of step, which ranks sharing cores are and ranks with a core
+    # each are not: it does not carry from one regime to the other.
+    return min(1.0, exposed / modelled) if crossed else exposed / modelled
 
 
 def _parts(cal: Calibration, lay: Layout, *, model: ModelShape, links: "_Links", flops: float, held: float,
@@ -438,13 +458,18 @@ def _parts(cal: Calibration, lay: Layout, *, model: ModelShape, links: "_Links",
             "comm": comm, "step_s": step}
 
 
-def _memory(cal: Calibration, model: ModelShape, lay: Layout, device_bytes: float | None) -> tuple[float, bool | None]:
+def _memory(cal: Calibration, model: ModelShape, lay: Layout, device_bytes: float | None, *,
+            shared: bool) -> tuple[float, bool | None]:
+    """The memory model's bytes for the layout + the runtime share the most similar calibration runs had."""
     mesh = {"fsdp" if lay.fsdp else "dp": lay.dp, "tp": lay.tp, "pp": lay.pp}
     spec = ModelSpec(n_params=model.n_params, n_layers=model.n_layers, d_model=model.d_model, seq_len=model.seq_len,
                      global_batch=lay.global_batch, strategy="fsdp" if lay.fsdp else "ddp", mesh=mesh,
                      schedule=lay.schedule, microbatches=lay.microbatches, virtual_stages=lay.virtual_stages,
                      dtype="fp32" if model.bytes_per_param == 4 and cal.device == "cpu" else "bfloat16")
-    peak = float(memory_model(spec)["bytes"].sum()) + (cal.memory_offset_bytes or 0.0)
+    best, _ = most_like(cal, lay, shared=shared, weights=SAME_MEMORY)
+    offset = best["memory_offset_bytes"].dropna()
+    offset = offset if len(offset) else cal.measured["memory_offset_bytes"].dropna()
+    peak = float(memory_model(spec)["bytes"].sum()) + (float(offset.mean()) if len(offset) else 0.0)
     return peak, (None if not device_bytes else peak <= device_bytes)
 
 

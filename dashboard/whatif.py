@@ -47,7 +47,7 @@ def calibrate_from(load: Loader, *, runs: list[str]) -> calibration.Calibration:
             raise ConfigError(str(e)) from None
     peaks = [float(m["peak_flops"]) for m in metas if float(m.get("peak_flops") or 0) > 0]
     return calibration.calibrate(measured, model=model, device=str(metas[0].get("device") or "cpu").split(":")[0],
-                                 peak_flops=sum(peaks) / len(peaks) if peaks else 0.0)
+                                 peak_flops=sum(peaks) / len(peaks) if peaks else 0.0, cores=host_cores())
 
 
 def _flavor(meta: dict) -> dict:
@@ -62,7 +62,7 @@ def _flavor(meta: dict) -> dict:
 
 
 def host_cores() -> int:
-    """Cores this process may use (what a CPU calibration is scaled by at an unmeasured ranks-per-host)."""
+    """Cores this process may use: the CPU host's the calibration assumes its runs shared (README)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -83,10 +83,10 @@ def whatif(load: Loader, *, runs: list[str], world_size: int, global_batch: int 
     ``runs``, and the measured runs of that world size (from the store, any the user picked) overlaid."""
     cal = calibrate_from(load, runs=runs)
     batch = global_batch or int(cal.measured["global_batch"].iloc[0])
-    preds = planner.rank_layouts(cal, world_size=world_size, global_batch=batch, cores=host_cores())
+    preds = planner.rank_layouts(cal, world_size=world_size, global_batch=batch)
     table = prediction_table(preds)
     measured = cal.measured[(cal.measured["world_size"] == world_size) & (cal.measured["global_batch"] == batch)]
-    comp = planner.comparison(cal, measured, cores=host_cores()) if len(measured) else pd.DataFrame()
+    comp = planner.comparison(cal, measured) if len(measured) else pd.DataFrame()
     return WhatIf(calibration=cal, predictions=preds, table=table, measured=comp,
                   figure=figures.whatif_layouts(table, measured=comp))
 

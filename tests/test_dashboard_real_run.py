@@ -13,7 +13,7 @@ from tests.test_telemetry_e2e import run_job
 
 pytestmark = pytest.mark.gloo
 APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
-PAGES = ["runs", "overview", "pipeline", "communication", "memory", "scaling", "gpu", "live"]
+PAGES = ["runs", "overview", "pipeline", "communication", "memory", "scaling", "whatif", "gpu", "live"]
 
 
 @pytest.fixture(scope="module")

@@ -124,7 +124,7 @@ def test_planner_reproduces_the_run_it_calibrated_from(planner_store, run):
     load = views.direct_loader(Store.open(planner_store))
     cal = whatif.calibrate_from(load, runs=[run])
     row = cal.measured.iloc[0].to_dict()
-    pred = planner.predict(cal, planner.measured_layout(row, model=cal.model), cores=2)
+    pred = planner.predict(cal, planner.measured_layout(row, model=cal.model))
     measured = report.build(load, run=run)["step_time_s"]
     assert pred.step_time_s == pytest.approx(measured, rel=0.05)
     assert not pred.extrapolated, pred.extrapolated  # its own layout needs nothing it did not measure
