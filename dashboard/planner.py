@@ -517,7 +517,7 @@ def comparison(cal: Calibration, measured: pd.DataFrame, **kw) -> pd.DataFrame:
     ``memory_predicted``, ``memory_error`` (relative: predicted / measured − 1) and ``calibration`` (the
     run was one the calibration used)."""
     rows = []
-    for r in measured.to_dict("records"):
+    for r in (measured.to_dict("records") if len(measured) else []):
         lay = measured_layout(r, model=cal.model)
         p = predict(cal, lay, **kw)
         tb = textbook(cal, lay)

@@ -85,10 +85,29 @@ def whatif(load: Loader, *, runs: list[str], world_size: int, global_batch: int 
     batch = global_batch or int(cal.measured["global_batch"].iloc[0])
     preds = planner.rank_layouts(cal, world_size=world_size, global_batch=batch)
     table = prediction_table(preds)
-    measured = cal.measured[(cal.measured["world_size"] == world_size) & (cal.measured["global_batch"] == batch)]
-    comp = planner.comparison(cal, measured) if len(measured) else pd.DataFrame()
+    comp = planner.comparison(cal, measured_runs(load, cal=cal, world_size=world_size, global_batch=batch))
+    comp = comp if len(comp) else pd.DataFrame()
     return WhatIf(calibration=cal, predictions=preds, table=table, measured=comp,
                   figure=figures.whatif_layouts(table, measured=comp))
+
+
+MAX_OVERLAID = 12  # the newest measured runs of the world size drawn over the predictions
+
+
+def measured_runs(load: Loader, *, cal: calibration.Calibration, world_size: int, global_batch: int) -> pd.DataFrame:
+    """The store's runs of the calibration's model at ``world_size`` and ``global_batch`` (the newest
+    ``MAX_OVERLAID``), measured as the calibration measures its own: layout, step time, peak memory."""
+    table = load("runs_table")
+    same = table[(table["model"] == cal.model.name) & (table["n_params"] == cal.model.n_params)
+                 & (table["world_size"] == world_size) & (table["global_batch"] == global_batch)
+                 & (table["seq_len"] == cal.model.seq_len)]
+    names = list(same["run"][:MAX_OVERLAID])  # the runs table is newest first
+    if not names:
+        return pd.DataFrame()
+    try:
+        return calibrate_from(load, runs=names).measured
+    except ConfigError:  # a run without step records: nothing to overlay
+        return pd.DataFrame()
 
 
 def prediction_table(preds: list[planner.Prediction]) -> pd.DataFrame:

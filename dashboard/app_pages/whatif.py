@@ -13,7 +13,7 @@ COLUMNS = {"layout": ("layout", None), "step_time_s": ("step time (s)", "%.3f"),
            "exposed_tp_s": ("exposed TP (s)", "%.3f"), "bubble_s": ("bubble (s)", "%.3f"),
            "peak_memory_mib": ("peak memory (MiB)", "int"), "memory_fits": ("fits", None),
            "extrapolated": ("extrapolated", None)}
-MEASURED = {"run": ("run", None), "layout": ("layout", None), "measured_s": ("measured step (s)", "%.3f"),
+MEASURED = {"run": ("run", None), "calibration": ("calibrated from", None), "layout": ("layout", None), "measured_s": ("measured step (s)", "%.3f"),
             "predicted_s": ("predicted (s)", "%.3f"), "error": ("error", "percent"),
             "textbook_s": ("textbook (s)", "%.3f"), "textbook_error": ("textbook error", "percent")}
 
@@ -48,7 +48,7 @@ def main(ctx: ui.Context) -> None:
     ui.chart(view.figure)
     ui.table(view.table.assign(peak_memory_mib=view.table["peak_memory_bytes"] / 2**20), COLUMNS)
     if len(view.measured):
-        st.subheader("Measured runs of this world size")
+        st.subheader("Measured runs of this world size and batch")
         ui.table(view.measured, MEASURED)
     st.caption("Extrapolated: what the calibration runs did not measure (another group size, an op not seen, a "
                "kind of traffic whose overlap was not measured) is taken from the nearest measurement and listed "
