@@ -48,6 +48,7 @@ from meshscope.dashboard.environment import cpu_wait_share
 from meshscope.dashboard.memory_model import memory_model, spec_from_meta
 from meshscope.dashboard.pipeline_sim import replay
 from meshscope.dashboard.stragglers import first_steady_step
+from meshscope.trainer.layout import MULTI_STAGE
 
 SHARED = 1.15  # a run whose sharing φ exceeds this was oversubscribed (a rank alone on a core reads 1.01-1.09)
 SMALL_BYTES = 1024  # collectives below this size synchronise (loss, gradient norm); they carry no bulk data
@@ -189,7 +190,9 @@ def layout_of(meta: dict) -> dict:
     return {"dp": deg["dp"], "tp": deg["tp"], "pp": pp, "fsdp": "fsdp" in strategy or int(mesh.get("fsdp", 1)) > 1,
             "schedule": str(meta.get("schedule") or "1f1b") if pp > 1 else "",
             "microbatches": int(meta.get("microbatches") or 1) if pp > 1 else 1,
-            "virtual_stages": int(meta.get("virtual_stages") or 1) if pp > 1 else 1,
+            # as the trainer resolves it: several stages per rank only for the multi-stage schedules
+            "virtual_stages": int(meta.get("virtual_stages") or 1) if pp > 1 and str(meta.get("schedule") or "")
+            in MULTI_STAGE else 1,
             "world_size": world, "global_batch": int(meta.get("global_batch") or 0)}
 
 

@@ -359,12 +359,13 @@ _WHATIF_PARTS = (("compute_s", "compute", COLORS["compute_s"]), ("optimizer_s", 
 
 def whatif_layouts(table: pd.DataFrame, *, measured: pd.DataFrame) -> go.Figure:
     """Predicted step time per candidate layout, stacked by part (seconds), fastest at the top; the
-    measured runs of the same layouts as black diamonds on their bars."""
+    measured runs of the layouts drawn as black diamonds on their bars."""
     t = table.iloc[::-1]  # plotly draws the first category at the bottom
     fig = go.Figure()
     for col, name, color in _WHATIF_PARTS:
         if col in t:
             fig.add_bar(y=t["layout"], x=t[col], name=name, orientation="h", marker_color=color)
+    measured = measured[measured["layout"].isin(set(t["layout"]))] if len(measured) else measured
     if len(measured):
         fig.add_scatter(y=measured["layout"], x=measured["measured_s"], mode="markers", name="measured",
                         marker=dict(symbol="diamond", size=11, color="black"),

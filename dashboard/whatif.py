@@ -87,10 +87,13 @@ def whatif(load: Loader, *, runs: list[str], world_size: int, global_batch: int 
     table = prediction_table(preds)
     comp = planner.comparison(cal, measured_runs(load, cal=cal, world_size=world_size, global_batch=batch))
     comp = comp if len(comp) else pd.DataFrame()
+    # The chart: the fastest layouts and every layout a measured run has (the table lists them all).
+    shown = table[(table.index < CHART_LAYOUTS) | table["layout"].isin(set(comp["layout"]) if len(comp) else set())]
     return WhatIf(calibration=cal, predictions=preds, table=table, measured=comp,
-                  figure=figures.whatif_layouts(table, measured=comp))
+                  figure=figures.whatif_layouts(shown, measured=comp))
 
 
+CHART_LAYOUTS = 24  # the fastest layouts drawn (the table has every one)
 MAX_OVERLAID = 12  # the newest measured runs of the world size drawn over the predictions
 
 
