@@ -15,6 +15,7 @@ Errors are predicted / measured - 1; the summary leaves the calibration layouts 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -27,7 +28,7 @@ from pathlib import Path
 import pandas as pd
 
 from meshscope.agent.collector.reader import Store
-from meshscope.dashboard import planner, report, views, whatif
+from meshscope.dashboard import calibration, planner, report, views, whatif
 
 # name -> (ranks, trainer arguments)
 GRID: dict[str, tuple[int, list[str]]] = {
@@ -93,6 +94,32 @@ def compare(store: Path, *, calibrate: list[str], names: list[str], repeats: int
     return comp.assign(repeat_spread=comp["run"].map(spread)), cal.memory_measure
 
 
+def every_pair(store: Path, *, names: list[str], repeats: int) -> pd.DataFrame:
+    """Each pair of layouts as the calibration (their first runs), the others predicted: how much the
+    figures depend on which two runs a user measured first. Per pair: median and worst |error|, and
+    whether the calibrated model beats the textbook in every family."""
+    load = views.direct_loader(Store.open(store))
+    table = load("runs_table")
+    first = whatif.calibrate_from(load, runs=names[:1])
+    cores = whatif.host_cores()
+    measured = {n: calibration.measure(views.meta_of(table, n), load("planner_data", run=n), model=first.model)
+                for n in names}
+    runs = [run_name(n, r) for n in names for r in range(1, repeats + 1)]
+    every = whatif.calibrate_from(load, runs=runs).measured
+    every["step_time_s"] = [report.build(load, run=r)["step_time_s"] for r in every["run"]]
+    every["run"] = every["run"].str.replace(r"-r\d+$", "", regex=True)
+    layouts = every.groupby("run", as_index=False, sort=False).agg(
+        {**{c: "first" for c in every.columns if c not in ("run", "step_time_s")}, "step_time_s": "median"})
+    rows = []
+    for a, b in itertools.combinations(names, 2):
+        cal = calibration.calibrate([measured[a], measured[b]], model=first.model, device=first.device,
+                                    peak_flops=first.peak_flops, cores=cores)
+        s = summary(planner.comparison(cal, layouts))
+        rows.append({"calibration": f"{a}+{b}", "median": s["median_abs_error"], "worst": s["worst_abs_error"],
+                     "worst_run": s["worst_run"], "beats_textbook": s["beats_textbook_in_every_family"]})
+    return pd.DataFrame(rows).sort_values("median").reset_index(drop=True)
+
+
 def summary(comp: pd.DataFrame) -> dict:
     others = comp[~comp["calibration"]]
     fam = others.assign(cal=others["error"].abs(), tb=others["textbook_error"].abs()).groupby("family")[["cal", "tb"]].median()
@@ -116,6 +143,7 @@ def main() -> int:
     ap.add_argument("--calibrate", default="ddp2,fsdptp4", help="runs to calibrate from (grid names)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per layout (measured: their median)")
     ap.add_argument("--only", default="", help="grid names to run (default: all)")
+    ap.add_argument("--pairs", action="store_true", help="also: every pair of layouts as the calibration")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     store = Path(a.store or tempfile.mkdtemp(prefix="meshscope-planner-"))
@@ -160,6 +188,13 @@ def main() -> int:
           f"{s['load_average_after']:.2f} after")
     for r in comp[comp["extrapolated"] != ""].itertuples():
         print(f"  {r.run}: extrapolated: {r.extrapolated}")
+    if a.pairs:
+        pairs = every_pair(store, names=names, repeats=a.repeats)
+        ok = (pairs["median"] <= 0.10) & (pairs["worst"] <= 0.25)
+        print(f"\nevery pair as the calibration ({len(pairs)}): median of the medians {pairs['median'].median():.1%}, "
+              f"{int(ok.sum())} meet median <= 10 % and worst <= 25 %, {int(pairs['beats_textbook'].sum())} beat the "
+              f"textbook in every family; the best and the worst five:")
+        print(pd.concat([pairs.head(5), pairs.tail(5)]).to_string(index=False, float_format=lambda x: f"{x:.1%}"))
     return 0
 
 

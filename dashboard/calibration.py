@@ -16,7 +16,8 @@ mean over ranks (every rank's wall is the step's, so the means add up to the mea
   exposed communication it sleeps through (gloo spins a while before it sleeps), so φ = max(1, k·u/C)
   with k ranks on the host; each oversubscribed run gives γ = 1 − (u₀ − φ·C/k)·step / exposed, u₀ its
   share outside pipeline idle. C is the cores of the machine the planner runs on (the runs' host, as
-  the CPU path is used here); on GPUs φ = 1.
+  the CPU path is used here), or fewer where a run's sharing says it had fewer (k·u₀/φ: another load
+  on the host); on GPUs φ = 1.
 - **Links**: per (op, group size), t = α + bytes·f(op, n)/β (``fit_alpha_beta``; f the nccl-tests bus
   factor, so β is a bus bandwidth and one fit carries to other group sizes of the same op). An instance's
   time is the least over its ranks (the rank that arrived last waited for the transfer only), divided by
@@ -320,6 +321,11 @@ def calibrate(measured: list[dict], *, model: ModelShape, device: str, peak_flop
     if not measured:
         raise ValueError("no run to calibrate from")
     cpu = device.startswith("cpu")
+    if cpu and cores:
+        # A run slowed more than its ranks' count on these cores explains had fewer of them (another load
+        # on the host): the cores it had are what it says.
+        cores = min([float(cores), *(m["ranks_per_host"] * m["busy"] / m["sharing"] for m in measured
+                                     if m["sharing"] > 1)])
     spins = []
     for m in measured:  # γ from each oversubscribed run (module docstring)
         e = m["exposed_bulk_s"] / m["step_time_s"]

@@ -362,6 +362,8 @@ def whatif_layouts(table: pd.DataFrame, *, measured: pd.DataFrame) -> go.Figure:
     measured runs of the layouts drawn as black diamonds on their bars."""
     t = table.iloc[::-1]  # plotly draws the first category at the bottom
     fig = go.Figure()
+    if t.empty:
+        return _layout(fig, title="Predicted step time by layout (no valid layout)", x="seconds per step", y="")
     for col, name, color in _WHATIF_PARTS:
         if col in t:
             fig.add_bar(y=t["layout"], x=t[col], name=name, orientation="h", marker_color=color)

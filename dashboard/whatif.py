@@ -29,10 +29,11 @@ def calibrate_from(load: Loader, *, runs: list[str]) -> calibration.Calibration:
     metas = [meta_of(table, r) for r in runs]
     for meta in metas:
         absent = [k for k in ("n_params", "n_layers", "d_model", "seq_len", "flops_per_token", "world_size")
-                  if k not in meta]
+                  if not _positive(meta.get(k))]
         if absent:
-            raise ConfigError(f"run {meta['run']!r} does not describe its model ({', '.join(absent)} missing): "
-                              "the planner needs a run recorded by meshscope's instrumentation with a model")
+            raise ConfigError(f"run {meta['run']!r} does not describe its model's shape ({', '.join(absent)} unknown): "
+                              "the planner needs the layers, width, sequence length and FLOPs per token that the "
+                              "reference trainer and the framework integrations record")
     shapes = {(m.get("model"), int(m["n_params"]), int(m["seq_len"])) for m in metas}
     if len(shapes) > 1:
         raise ConfigError("runs of different models cannot calibrate one planner: "
@@ -48,6 +49,13 @@ def calibrate_from(load: Loader, *, runs: list[str]) -> calibration.Calibration:
     peaks = [float(m["peak_flops"]) for m in metas if float(m.get("peak_flops") or 0) > 0]
     return calibration.calibrate(measured, model=model, device=str(metas[0].get("device") or "cpu").split(":")[0],
                                  peak_flops=sum(peaks) / len(peaks) if peaks else 0.0, cores=host_cores())
+
+
+def _positive(v) -> bool:
+    try:
+        return float(v) > 0
+    except (TypeError, ValueError):
+        return False
 
 
 def _flavor(meta: dict) -> dict:
@@ -88,7 +96,8 @@ def whatif(load: Loader, *, runs: list[str], world_size: int, global_batch: int 
     comp = planner.comparison(cal, measured_runs(load, cal=cal, world_size=world_size, global_batch=batch))
     comp = comp if len(comp) else pd.DataFrame()
     # The chart: the fastest layouts and every layout a measured run has (the table lists them all).
-    shown = table[(table.index < CHART_LAYOUTS) | table["layout"].isin(set(comp["layout"]) if len(comp) else set())]
+    shown = table if table.empty else table[
+        (table.index < CHART_LAYOUTS) | table["layout"].isin(set(comp["layout"]) if len(comp) else set())]
     return WhatIf(calibration=cal, predictions=preds, table=table, measured=comp,
                   figure=figures.whatif_layouts(shown, measured=comp))
 

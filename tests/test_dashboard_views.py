@@ -88,7 +88,7 @@ def test_memory_gpu_scaling_views(tmp_path):
                     b=SyntheticConfig(run="b", mesh={"dp": 8}, steps=6, t0=1.8e9))
     mem = views.memory(load, run="b", steps=None)
     assert mem.label == "device allocator" and set(mem.model["component"]) == {
-        "parameters", "gradients", "optimizer state", "activations"}
+        "parameters", "gradients", "optimizer state", "DDP gradient buckets", "activations"}
     gpu = views.gpu(load, run="b")
     assert len(gpu.summary) == 8 and len(gpu.worst) == 8
     sc = views.scaling(load, selected=["b"], focus="b")  # fewer than two selected: all runs of the model

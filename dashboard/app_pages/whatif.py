@@ -34,8 +34,8 @@ def main(ctx: ui.Context) -> None:
                                   value=int(runs.loc[ctx.focus, "global_batch"] or 1)))
     try:
         view = whatif.whatif(ui.loader(ctx), runs=picked, world_size=world, global_batch=batch)
-    except ConfigError as e:
-        st.error(str(e))
+    except ConfigError as e:  # what the selected runs cannot tell (no model shape, no steps): not a fault
+        st.info(f"No prediction: {e}")
         return
     if view.table.empty:
         st.info(f"No layout of {world} ranks divides this model (heads, layers) and a global batch of {batch}.")
