@@ -164,7 +164,9 @@ def main() -> int:
     s = {**summary(comp), "calibration": calibrate, "grid_seconds": grid_s, "jobs_run": len(took),
          "load_average_before": load0[0], "load_average_after": os.getloadavg()[0]}
     if a.json:
-        print(json.dumps({"summary": s, "runs": comp.to_dict("records")}, indent=2, default=float))
+        from meshscope.dashboard.plan import clean_json
+
+        print(json.dumps(clean_json({"summary": s, "runs": comp.to_dict("records")}), indent=2, default=float))
         return 0
     show = comp.assign(
         measured=comp["measured_s"].map("{:.3f}".format), calibrated=comp["predicted_s"].map("{:.3f}".format),

@@ -107,6 +107,9 @@ class Calibration:
     pipeline: dict[str, float]  # hop_s, gap_s (measured only)
     memory_offset_bytes: float | None  # measured peak − model, mean over runs (None: not measured)
     memory_measure: str  # "allocator peak" or "host RSS peak"
+    dtype: str = "fp32"  # the runs' training dtype (the memory model's bytes per value)
+    activation_checkpoint: bool = False
+    device_bytes: float | None = None  # the smallest device capacity a run recorded (None: not recorded, CPU)
     # per run: its layout, measured step time and peak memory, and its rates (``Rate``'s fields, with
     # ``optimizer_s`` and ``held`` params for the optimizer's fit); ``planner.rate_for`` picks among them
     measured: pd.DataFrame = field(default_factory=pd.DataFrame)
@@ -255,10 +258,14 @@ def measure(meta: dict, frames: dict[str, pd.DataFrame], *, model: ModelShape) -
         counts["tp_per_layer_mb"] = float(per.loc["tp", "n"]) / (layers * lay["microbatches"])
     flops = float(means["flops"])
     fb = float(means["compute_s"] - means["optimizer_s"])
+    if not (math.isfinite(flops) and flops > 0 and math.isfinite(fb)):
+        raise ValueError(f"run {meta.get('run')!r} recorded no model FLOPs per step: the planner's compute rate is "
+                         "seconds per FLOP (the reference trainer and the framework integrations record them)")
     k = ranks_per_host(meta)
     # Busy: not idle in a bubble nor waiting for a pipeline neighbour (exposed time beyond the bulk traffic's).
     idle = float(means["bubble_s"]) + (max(0.0, float(means["exposed_comm_s"]) - exposed_bulk) if lay["pp"] > 1 else 0.0)
-    busy = max(0.0, 1.0 - idle / float(means["step_time_s"]))
+    busy = 1.0 - idle / float(means["step_time_s"]) if math.isfinite(idle) else 1.0
+    busy = min(1.0, max(busy, 0.05))  # a share of the step; NaN bubble (not recorded): none
     phi = 1.0
     if str(meta.get("device") or "").startswith("cpu"):
         shares = cpu_wait_share(frames["steps"][frames["steps"]["step"] >= first])
@@ -311,21 +318,25 @@ def _memory(meta: dict, memory: pd.DataFrame) -> dict:
         model_bytes = float(memory_model(spec_from_meta(meta))["bytes"].sum())
     except (KeyError, ValueError, TypeError):
         return {}
-    return {"measure": measure_name, "peak_bytes": float(col.max()), "model_bytes": model_bytes}
+    total = pd.to_numeric(memory["device_total_bytes"], errors="coerce")
+    total = total[total > 0]
+    return {"measure": measure_name, "peak_bytes": float(col.max()), "model_bytes": model_bytes,
+            "device_bytes": float(total.min()) if len(total) else math.nan}
 
 
 def calibrate(measured: list[dict], *, model: ModelShape, device: str, peak_flops: float,
-              cores: float | None = None) -> Calibration:
+              cores: float | None = None, dtype: str = "fp32", activation_checkpoint: bool = False) -> Calibration:
     """One calibration from ``measure``'s results of one model's runs (the runs' figures averaged where
-    several measured the same thing). ``cores``: the CPU host's (ignored on GPUs)."""
+    several measured the same thing). ``cores``: the CPU host's (ignored on GPUs); ``dtype`` and
+    ``activation_checkpoint``: the runs' (the memory model of a target layout uses them)."""
     if not measured:
         raise ValueError("no run to calibrate from")
     cpu = device.startswith("cpu")
     if cpu and cores:
         # A run slowed more than its ranks' count on these cores explains had fewer of them (another load
         # on the host): the cores it had are what it says.
-        cores = min([float(cores), *(m["ranks_per_host"] * m["busy"] / m["sharing"] for m in measured
-                                     if m["sharing"] > 1)])
+        cores = max(1.0, min([float(cores), *(m["ranks_per_host"] * m["busy"] / m["sharing"] for m in measured
+                                              if m["sharing"] > 1)]))
     spins = []
     for m in measured:  # γ from each oversubscribed run (module docstring)
         e = m["exposed_bulk_s"] / m["step_time_s"]
@@ -347,7 +358,9 @@ def calibrate(measured: list[dict], *, model: ModelShape, device: str, peak_flop
                          if any((m["sharing"] > 1) == shared for m in measured)], ignore_index=True), traffic=traffic,
         counts=counts, pipeline=pipeline,
         memory_offset_bytes=_mean(m["peak_bytes"] - m["model_bytes"] for m in mem) if mem else None,
-        memory_measure=mem[0]["measure"] if mem else "",
+        memory_measure=mem[0]["measure"] if mem else "", dtype=dtype, activation_checkpoint=activation_checkpoint,
+        device_bytes=min(dev) if (dev := [d["device_bytes"] for d in mem
+                                          if math.isfinite(d.get("device_bytes", math.nan))]) else None,
         measured=pd.DataFrame([{"run": m["run"], **m["layout"], "step_time_s": m["step_time_s"],
                                 "ranks_per_host": m["ranks_per_host"], "sharing": m["sharing"], "busy": m["busy"],
                                 "s_per_flop": m["s_per_flop"], "forward_share": m["forward_share"],

@@ -56,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         cal = whatif.calibrate_from(views.direct_loader(store), runs=list(dict.fromkeys(a.run)))
         first = cal.measured.iloc[0]
         world = a.world_size or int(first["world_size"])
-        batch = a.batch or spec.get("batch") or int(first["global_batch"])
+        if a.batch and spec.get("batch", a.batch) != a.batch:
+            raise ConfigError(f"--batch {a.batch} and --layout batch={spec['batch']} disagree: give one")
+        spec.setdefault("batch", a.batch or int(first["global_batch"]))
+        batch = spec["batch"]
         try:
             if a.rank_layouts:
                 preds = planner.rank_layouts(cal, world_size=world, global_batch=batch)
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(str(e)) from None
         if a.json:
             out = [p.as_json() for p in preds]
-            print(json.dumps(_clean(out if a.rank_layouts else out[0]), indent=2))
+            print(json.dumps(clean_json(out if a.rank_layouts else out[0]), indent=2))
         else:
             print(format_text(cal, preds, ranked=a.rank_layouts))
         return 0
@@ -107,12 +110,12 @@ def _pct(x: float) -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{x:.1%}"
 
 
-def _clean(x):
+def clean_json(x):
     """JSON without NaN (not JSON): None instead."""
     if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
+        return {k: clean_json(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
+        return [clean_json(v) for v in x]
     if isinstance(x, float) and not math.isfinite(x):
         return None
     return x

@@ -267,7 +267,8 @@ def predict(cal: Calibration, lay: Layout, *, ranks_per_host: int | None = None,
             device_bytes: float | None = None) -> Prediction:
     """The calibrated prediction of one layout (module docstring). ``ranks_per_host``: how many of its
     ranks share a host (default: all, one host; only a CPU host's sharing depends on it);
-    ``device_bytes``: the memory one rank may use (None: not judged)."""
+    ``device_bytes``: the memory one rank may use (default: the smallest device a calibration run had;
+    None there too: not judged)."""
     notes: list[str] = []
     model = scaled_model(cal.model, lay)
     if model is not cal.model:
@@ -304,7 +305,8 @@ def predict(cal: Calibration, lay: Layout, *, ranks_per_host: int | None = None,
         parts = _parts(cal, lay, model=model, links=links, flops=flops, held=held, tokens=tokens,
                        exposure=exposure, phi=phi, cores=cores_sim, notes=[])
     step = parts["step_s"]
-    peak, fits = _memory(cal, model, lay, device_bytes, shared=phi > 1)
+    peak, fits = _memory(cal, model, lay, device_bytes if device_bytes is not None else cal.device_bytes,
+                         shared=phi > 1)
     return Prediction(
         layout=lay, step_time_s=step, tokens_per_s=tokens / step,
         mfu=flops / step / cal.peak_flops if cal.peak_flops > 0 else math.nan, peak_memory_bytes=peak, memory_fits=fits,
@@ -361,6 +363,11 @@ def _line(x, y) -> tuple[float, float]:
     return float(a), float(b)
 
 
+def act_bytes(cal: Calibration) -> int:
+    """Bytes per activation value: 2 in 16-bit training, 4 in fp32."""
+    return 2 if cal.dtype.lower() in ("bfloat16", "bf16", "float16", "fp16", "torch.bfloat16", "torch.float16") else 4
+
+
 def _uses(lay: Layout, kind: str) -> bool:
     return {"dp_grads": lay.dp > 1 and not lay.fsdp, "fsdp": lay.dp > 1 and lay.fsdp, "tp": lay.tp > 1}[kind]
 
@@ -390,7 +397,7 @@ def transfer_times(cal: Calibration, lay: Layout, *, model: ModelShape, links: "
             _note(notes, f"TP all-reduces per layer and microbatch not measured: {TP_PER_LAYER:g} (Megatron)")
         mb_tokens = tokens / lay.dp / lay.microbatches
         n_ops = per_layer * model.n_layers / lay.pp * lay.microbatches
-        out["tp"] = n_ops * links.time("all_reduce", lay.tp, mb_tokens * model.d_model * 4)
+        out["tp"] = n_ops * links.time("all_reduce", lay.tp, mb_tokens * model.d_model * act_bytes(cal))
     return out
 
 
@@ -437,7 +444,7 @@ def _parts(cal: Calibration, lay: Layout, *, model: ModelShape, links: "_Links",
         share = rate.forward_share if math.isfinite(rate.forward_share) else 1 / 3
         hop = cal.pipeline.get("hop_s", math.nan)
         if not math.isfinite(hop):
-            hop = links.time("all_reduce", 2, tokens / lay.dp / m * model.d_model * 4) * phi
+            hop = links.time("all_reduce", 2, tokens / lay.dp / m * model.d_model * act_bytes(cal)) * phi
             _note(notes, "pipeline transfer per hop not measured: an all-reduce of one microbatch's activations over 2")
         gap = cal.pipeline.get("gap_s", math.nan)
         if cores is not None and normalize_schedule(lay.schedule) in ORDERED:
@@ -465,7 +472,7 @@ def _memory(cal: Calibration, model: ModelShape, lay: Layout, device_bytes: floa
     spec = ModelSpec(n_params=model.n_params, n_layers=model.n_layers, d_model=model.d_model, seq_len=model.seq_len,
                      global_batch=lay.global_batch, strategy="fsdp" if lay.fsdp else "ddp", mesh=mesh,
                      schedule=lay.schedule, microbatches=lay.microbatches, virtual_stages=lay.virtual_stages,
-                     dtype="fp32" if model.bytes_per_param == 4 and cal.device == "cpu" else "bfloat16")
+                     dtype=cal.dtype, activation_checkpoint=cal.activation_checkpoint)
     best, _ = most_like(cal, lay, shared=shared, weights=SAME_MEMORY)
     offset = best["memory_offset_bytes"].dropna()
     offset = offset if len(offset) else cal.measured["memory_offset_bytes"].dropna()
@@ -484,6 +491,8 @@ def textbook(cal: Calibration, lay: Layout) -> float:
     """The uncalibrated step time (module docstring): nominal peak and bus bandwidth, 90 % overlap, the
     closed-form bubble."""
     model = scaled_model(cal.model, lay)
+    if cal.peak_flops <= 0:  # no peak recorded: the textbook has nothing to divide by
+        return math.nan
     tokens = lay.global_batch * model.seq_len
     compute = model.flops_per_token * tokens / (cal.peak_flops * lay.world_size)
     bw = NOMINAL_BUS_BW.get(cal.device, NOMINAL_BUS_BW["cpu"])
@@ -494,10 +503,10 @@ def textbook(cal: Calibration, lay: Layout) -> float:
         grads = held * (n if lay.fsdp else 1) * model.bytes_per_param
         volume += grads * (3 * (n - 1) / n if lay.fsdp else 2 * (n - 1) / n)  # FSDP: 2 gathers + 1 reduce-scatter
     if lay.tp > 1:
-        act = tokens / lay.dp * model.d_model * 4
+        act = tokens / lay.dp * model.d_model * act_bytes(cal)
         volume += TP_PER_LAYER * model.n_layers / lay.pp * act * 2 * (lay.tp - 1) / lay.tp
     if lay.pp > 1:
-        volume += 2 * tokens / lay.dp * model.d_model * 4  # activations forward, gradients backward
+        volume += 2 * tokens / lay.dp * model.d_model * act_bytes(cal)  # activations forward, gradients backward
     exposed = (1 - TEXTBOOK_OVERLAP) * volume / bw
     frac = bubble_theory(schedule=lay.schedule, p=lay.pp, m=lay.microbatches, v=lay.virtual_stages) if lay.pp > 1 else 0.0
     return (compute + exposed) / (1 - (frac or 0.0))
@@ -519,6 +528,8 @@ def comparison(cal: Calibration, measured: pd.DataFrame, **kw) -> pd.DataFrame:
     rows = []
     for r in (measured.to_dict("records") if len(measured) else []):
         lay = measured_layout(r, model=cal.model)
+        if lay.pp > 1 and lay.schedule not in SIMULATED:
+            continue  # a schedule the planner cannot simulate (looped BFS): nothing to compare
         p = predict(cal, lay, **kw)
         tb = textbook(cal, lay)
         mem = r.get("peak_memory_bytes", math.nan)

@@ -12,6 +12,7 @@ import plotly.graph_objects as go
 
 from meshscope.dashboard import calibration, figures, planner
 from meshscope.dashboard.config import ConfigError
+from meshscope.dashboard.memory_model import spec_from_meta
 from meshscope.dashboard.views import Loader, meta_of
 from meshscope.trainer.layout import FLAVORS
 
@@ -39,6 +40,14 @@ def calibrate_from(load: Loader, *, runs: list[str]) -> calibration.Calibration:
         raise ConfigError("runs of different models cannot calibrate one planner: "
                           + ", ".join(f"{m['run']} ({m.get('model')}, {int(m['n_params']):,} params, seq {int(m['seq_len'])})"
                                       for m in metas))
+    devices = {str(m.get("device") or "").split(":")[0] for m in metas}
+    specs = [spec_from_meta(m) for m in metas]
+    kinds = {(s.dtype, s.activation_checkpoint) for s in specs}
+    if len(devices) > 1 or len(kinds) > 1:
+        raise ConfigError("runs on different devices or with different dtypes cannot calibrate one planner: "
+                          + ", ".join(f"{m['run']} ({m.get('device') or 'device unknown'}, {s.dtype}"
+                                      f"{', activation checkpointing' if s.activation_checkpoint else ''})"
+                                      for m, s in zip(metas, specs)))
     model = calibration.model_shape(metas[0], **_flavor(metas[0]))
     measured = []
     for meta in metas:
@@ -47,8 +56,10 @@ def calibrate_from(load: Loader, *, runs: list[str]) -> calibration.Calibration:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     peaks = [float(m["peak_flops"]) for m in metas if float(m.get("peak_flops") or 0) > 0]
-    return calibration.calibrate(measured, model=model, device=str(metas[0].get("device") or "cpu").split(":")[0],
-                                 peak_flops=sum(peaks) / len(peaks) if peaks else 0.0, cores=host_cores())
+    # An unknown device is not taken for a CPU host: no processor sharing is modelled for it.
+    return calibration.calibrate(measured, model=model, device=devices.pop(), cores=host_cores(),
+                                 peak_flops=sum(peaks) / len(peaks) if peaks else 0.0, dtype=specs[0].dtype,
+                                 activation_checkpoint=specs[0].activation_checkpoint)
 
 
 def _positive(v) -> bool:

@@ -62,6 +62,15 @@ def test_shared_pipeline_matches_the_plain_one_with_a_core_each_and_its_bounds_w
     assert shared > alone
 
 
+def test_shared_pipeline_finishes_on_tiny_actions_and_refuses_nonsense():
+    """Actions far shorter than the clock's resolution at the step's end still finish (no endless loop), and
+    a rate that is not a number is refused rather than simulated."""
+    span, _ = makespan_shared(schedule="gpipe", p=8, m=32, f=1e-7, b=2e-7, gap=1e-3, cores=2)
+    assert 0.03 < span < 0.1  # 63 host gaps of 1 ms on the critical path, the work negligible
+    with pytest.raises(ValueError):
+        makespan_shared(schedule="1f1b", p=2, m=4, f=float("nan"), b=1.0, cores=2)
+
+
 SHAPE = calibration.ModelShape(name="tiny-wide", n_layers=TINY_WIDE.n_layers, d_model=TINY_WIDE.d_model,
                                n_heads=TINY_WIDE.n_heads, vocab_size=TINY_WIDE.vocab_size, seq_len=64,
                                n_params=12849664, n_params_nonembedding=12718592, flops_per_token=1.0)

@@ -18,6 +18,14 @@ MEASURED = {"run": ("run", None), "calibration": ("calibrated from", None), "lay
             "textbook_s": ("textbook (s)", "%.3f"), "textbook_error": ("textbook error", "percent")}
 
 
+def _whole(v) -> int:
+    """A runs-table number as a widget's start value (1 where the run did not record it)."""
+    try:
+        return max(1, int(v))
+    except (TypeError, ValueError):
+        return 1
+
+
 def main(ctx: ui.Context) -> None:
     st.title("What-if")
     runs = ctx.runs.set_index("run")
@@ -29,9 +37,9 @@ def main(ctx: ui.Context) -> None:
                "stayed exposed, the pipeline's transfers, memory beyond the model's bytes.")
     c = st.columns(2)
     world = int(c[0].number_input("world size (ranks)", min_value=1, max_value=4096,
-                                  value=int(runs.loc[ctx.focus, "world_size"] or 1)))
+                                  value=_whole(runs.loc[ctx.focus, "world_size"] if ctx.focus in runs.index else 1)))
     batch = int(c[1].number_input("global batch (sequences)", min_value=1,
-                                  value=int(runs.loc[ctx.focus, "global_batch"] or 1)))
+                                  value=_whole(runs.loc[ctx.focus, "global_batch"] if ctx.focus in runs.index else 1)))
     try:
         view = whatif.whatif(ui.loader(ctx), runs=picked, world_size=world, global_batch=batch)
     except ConfigError as e:  # what the selected runs cannot tell (no model shape, no steps): not a fault
