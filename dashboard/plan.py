@@ -18,7 +18,7 @@ import sys
 from meshscope.agent.cliargs import ArgParser, run_command
 from meshscope.agent.collector.catchup import catch_up
 from meshscope.agent.collector.reader import Store, StoreError
-from meshscope.dashboard import planner, views, whatif
+from meshscope.dashboard import layouts, planner, views, whatif
 from meshscope.dashboard.config import ConfigError
 from meshscope.trainer.layout import LayoutError
 
@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--run", action="append", required=True, metavar="NAME",
                    help="a measured run to calibrate from (repeatable; runs of one model)")
     p.add_argument("--layout", default=None, metavar="K=V,...",
-                   help=f"the layout to predict; keys: {', '.join(planner.KEYS)} (layers / width: a scaled model)")
+                   help=f"the layout to predict; keys: {', '.join(layouts.KEYS)} (layers / width: a scaled model)")
     p.add_argument("--rank-layouts", action="store_true", help="every valid layout of --world-size, fastest first")
     p.add_argument("--world-size", type=int, default=None, metavar="N", help="ranks (default: the first run's)")
     p.add_argument("--batch", type=int, default=None, metavar="B", help="global batch (default: the first run's)")
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.batch is not None and a.batch < 1:
             raise ConfigError(f"--batch {a.batch} must be >= 1")
         try:
-            spec = planner.parse_layout(a.layout) if a.layout is not None else {}
+            spec = layouts.parse_layout(a.layout) if a.layout is not None else {}
             store = Store.open_many(a.store)
         except (LayoutError, StoreError) as e:
             raise ConfigError(str(e)) from None
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not preds:
                     raise ConfigError(f"no layout of {world} ranks divides this model and batch {batch}")
             else:
-                lay = planner.resolve(spec, model=cal.model, world_size=world, global_batch=batch)
+                lay = layouts.resolve(spec, model=cal.model, world_size=world, global_batch=batch)
                 preds = [planner.predict(cal, lay)]
         except LayoutError as e:
             raise ConfigError(str(e)) from None

@@ -2,26 +2,30 @@
 layouts not yet run (README, Formulas, "What-if planner"). Pure functions; ``meshscope plan``, the
 What-if page and ``bench/planner_grid.py`` call them.
 
-Per rank and step (FLOPs per rank F = flops_per_token × global tokens / world):
+Per rank and step (FLOPs per rank F = flops_per_token × global tokens / world; φ the processor sharing
+of a CPU host, ``calibration``):
 
-- compute = F × s_per_flop (the calibration's, at the target's ranks per host); optimizer = the
-  parameters the rank holds × s_per_param;
-- exposed communication = Σ over its traffic of exposure × time, each op's time from the fitted link
-  (α + bytes·f(op, n)/β): DDP's gradient buckets (all-reduce over dp), FSDP's gathers (two per block per
-  step, one under PP, which keeps blocks gathered across microbatches) and reduce-scatters (one per
+- compute = F × s_per_flop × φ, the rate of the calibration runs most like the layout (``most_like``: the
+  same use of TP, FSDP and a pipeline, the same sharing regime); optimizer = (a + b × the parameters the
+  rank holds) × φ, the line fitted over all runs;
+- exposed communication per kind of traffic = exposure × its transfer time on the fitted links
+  (α + bytes·f(op, n)/β) × φ: DDP's gradient buckets (all-reduce over dp), FSDP's gathers (two per block
+  per step, one under PP, which keeps blocks gathered across microbatches) and reduce-scatters (one per
   block), TP's all-reduces of a microbatch's activations (the measured count per layer and microbatch);
-- pipeline: the schedule simulator (``pipeline_sim.simulate``) with per chunk and microbatch forward and
-  backward = compute × the forward share / (m·v) (TP's exposed all-reduces inside them), the measured
-  transfer per hop and host gap per action; the makespan replaces compute, its idle is the bubble;
-- step = compute (or makespan) + optimizer + exposed communication + other (the calibrated host work
-  between phases); tokens/s = global tokens / step; MFU = F / step / peak; peak memory = the memory
-  model's bytes for the layout + the calibrated runtime share.
+  exposure = the calibration runs' exposed seconds / the same model's transfer time for their layouts;
+- pipeline: the schedule simulator with per chunk and microbatch forward and backward = (compute + TP's
+  exposed all-reduces) × the forward share / (m·v), the measured transfer per hop and host gap per
+  action; on a CPU host its ranks share the cores (``pipeline_sim.makespan_shared``); the makespan
+  replaces compute, its idle is the bubble;
+- step = compute (or makespan) + optimizer + exposed DDP and FSDP communication + other (the measured host
+  time between phases); tokens/s = global tokens / step; MFU = F / step / peak; peak memory = the memory
+  model's bytes for the layout + the runtime share of the runs most like it.
 
 What the calibration did not measure is taken from the nearest thing it did, and listed in
-``extrapolated``: an op at a group size not measured (its fitted bus bandwidth and latency at another
-size), an op not measured (another op's link), message sizes far outside the measured ones, traffic
-whose exposure was not measured (the textbook share), ranks per host not measured (the rate scaled by
-CPU oversubscription), a scaled model.
+``extrapolated``: an op at a group size or sharing regime not measured, an op not measured (another op's
+link), message sizes far outside the measured ones, traffic whose exposure was not measured (that of the
+traffic measured, at most all of it; the textbook's where none was), a compute rate from runs that differ,
+a scaled model.
 
 ``textbook`` is the uncalibrated model people use before they measure: compute = FLOPs / (peak × ranks),
 communication = volume / nominal bus bandwidth with a fixed 90 % overlap, bubble by the closed form.
@@ -36,12 +40,11 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from meshscope.dashboard.analysis import bubble_theory, busbw_factor
+from meshscope.dashboard.analysis import bubble_theory, busbw_factor, normalize_schedule
 from meshscope.dashboard.calibration import Calibration, ModelShape, Rate, local_params
+from meshscope.dashboard.layouts import SIMULATED, Layout, candidates, family, measured_layout
 from meshscope.dashboard.memory_model import ModelSpec, memory_model
-from meshscope.dashboard.analysis import normalize_schedule
 from meshscope.dashboard.pipeline_sim import ORDERED, makespan_shared, simulate
-from meshscope.trainer import layout as rules
 
 # Nominal bus bandwidths of the textbook model (bytes/s): NVLink 4 per direction on an H100 SXM; on CPU a
 # loopback figure for gloo's TCP transport. Nothing here is measured: that is the point of the comparison.
@@ -52,38 +55,6 @@ TEXTBOOK_OVERLAP = 0.9
 DEFAULT_EXPOSURE = {"dp_grads": 1 - TEXTBOOK_OVERLAP, "fsdp": 1 - TEXTBOOK_OVERLAP, "tp": 1.0}
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default
 TP_PER_LAYER = 4.0  # Megatron: two all-reduces forward, two backward per block
-SIMULATED = ("gpipe", "1f1b", "interleaved", "interleaved-zb")
-KEYS = ("dp", "tp", "pp", "fsdp", "schedule", "microbatches", "virtual_stages", "batch", "layers", "width")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Layout:
-    """A resolved, checked layout (``resolve``)."""
-
-    dp: int
-    tp: int
-    pp: int
-    fsdp: bool
-    schedule: str  # "" without a pipeline
-    microbatches: int  # 1 without a pipeline
-    virtual_stages: int
-    world_size: int
-    global_batch: int
-    n_layers: int
-    d_model: int
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @property
-    def label(self) -> str:
-        parts = [f"dp{self.dp}{'-fsdp' if self.fsdp and self.dp > 1 else ''}"]
-        if self.tp > 1:
-            parts.append(f"tp{self.tp}")
-        if self.pp > 1:
-            v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
-            parts.append(f"pp{self.pp} {self.schedule} m{self.microbatches}{v}")
-        return " · ".join(parts)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,84 +72,6 @@ class Prediction:
         return {"layout": self.layout.as_dict(), "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
                 "mfu": self.mfu, "peak_memory_bytes": self.peak_memory_bytes, "memory_fits": self.memory_fits,
                 "breakdown": self.breakdown, "extrapolated": list(self.extrapolated)}
-
-
-# ---------------------------------------------------------------------------------------------- layouts
-def parse_layout(text: str) -> dict:
-    """``dp=2,tp=1,pp=1,fsdp=0,schedule=1f1b,microbatches=4`` → {key: value}; a bad key or value raises
-    ``rules.LayoutError`` naming it."""
-    out: dict = {}
-    for item in (p.strip() for p in text.split(",")):
-        if not item:
-            continue
-        key, sep, value = item.partition("=")
-        key, value = key.strip(), value.strip()
-        if not sep or key not in KEYS:
-            raise rules.LayoutError(f"--layout item {item!r} must be KEY=VALUE with KEY one of {', '.join(KEYS)}")
-        if key == "schedule":
-            out[key] = value
-        elif key == "fsdp":
-            if value.lower() not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
-                raise rules.LayoutError(f"fsdp={value!r} must be 0 or 1")
-            out[key] = value.lower() in ("1", "true", "yes", "on")
-        else:
-            try:
-                out[key] = int(value)
-            except ValueError:
-                raise rules.LayoutError(f"{key}={value!r} must be a whole number") from None
-    return out
-
-
-def resolve(spec: dict, *, model: ModelShape, world_size: int, global_batch: int) -> Layout:
-    """A layout from ``parse_layout``'s dict, with the trainer's defaults (dp auto, microbatches = pp,
-    two virtual stages for the multi-stage schedules) and checked by the trainer's own rules."""
-    tp, pp = spec.get("tp", 1), spec.get("pp", 1)
-    schedule = spec.get("schedule", "1f1b")
-    m, v = spec.get("microbatches", 0), spec.get("virtual_stages", 2)
-    rules.check_degrees(dp=spec.get("dp", 0), tp=tp, pp=pp, microbatches=m, virtual_stages=v, schedule=schedule)
-    if pp > 1 and schedule not in SIMULATED:
-        raise rules.LayoutError(f"the planner cannot simulate the {schedule} schedule (choose from {', '.join(SIMULATED)})")
-    m = m or pp
-    v = v if pp > 1 and schedule in rules.MULTI_STAGE else 1
-    layers, width = spec.get("layers", model.n_layers), spec.get("width", model.d_model)
-    if layers < 1 or width < 1:
-        raise rules.LayoutError(f"layers={layers} and width={width} must be positive")
-    heads = model.n_heads
-    if heads and width != model.d_model:  # a wider model keeps its head size
-        heads = max(1, heads * width // model.d_model)
-    rules.check_model_fit(tp=tp, n_stages=pp * v, n_heads=heads or tp, n_layers=layers)
-    dp = rules.resolve_dp(world_size=world_size, dp=spec.get("dp", 0), tp=tp, pp=pp)
-    batch = spec.get("batch", global_batch)
-    if batch < 1:
-        raise rules.LayoutError(f"batch={batch} must be >= 1")
-    fsdp = bool(spec.get("fsdp", False))
-    rules.check_batch(dp=dp, tp=tp, pp=pp, fsdp=fsdp, batch_size=batch, grad_accum=1, microbatches=m, schedule=schedule)
-    return Layout(dp=dp, tp=tp, pp=pp, fsdp=fsdp and dp > 1, schedule=schedule if pp > 1 else "",
-                  microbatches=m if pp > 1 else 1, virtual_stages=v, world_size=world_size, global_batch=batch,
-                  n_layers=layers, d_model=width)
-
-
-def candidates(*, model: ModelShape, world_size: int, global_batch: int) -> list[Layout]:
-    """Every layout of ``world_size`` ranks the trainer can run with this model and batch: tp and pp over
-    the divisors, DDP or FSDP for the rest, for a pipeline GPipe / 1F1B / interleaved (2 virtual stages)
-    with pp, 2·pp or 4·pp microbatches."""
-    out = []
-    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-    for tp in divisors:
-        for pp in (d for d in divisors if (world_size // tp) % d == 0):
-            dp = world_size // (tp * pp)
-            for fsdp in ((False, True) if dp > 1 and tp == 1 and pp == 1 else (dp > 1,)):
-                pipes = [("", 1, 1)] if pp == 1 else [
-                    (s, m * pp, 2 if s == "interleaved" else 1) for s in ("gpipe", "1f1b", "interleaved") for m in (1, 2, 4)]
-                for schedule, m, v in pipes:
-                    spec = {"dp": dp, "tp": tp, "pp": pp, "fsdp": fsdp, "microbatches": m, "virtual_stages": v}
-                    if schedule:
-                        spec["schedule"] = schedule
-                    try:
-                        out.append(resolve(spec, model=model, world_size=world_size, global_batch=global_batch))
-                    except rules.LayoutError:
-                        continue
-    return out
 
 
 # -------------------------------------------------------------------------------------------- predict
@@ -512,14 +405,6 @@ def textbook(cal: Calibration, lay: Layout) -> float:
     return (compute + exposed) / (1 - (frac or 0.0))
 
 
-def measured_layout(row: dict, *, model: ModelShape) -> Layout:
-    """A measured run's layout (``calibration.layout_of``) as a ``Layout``."""
-    return Layout(dp=row["dp"], tp=row["tp"], pp=row["pp"], fsdp=bool(row["fsdp"]) and row["dp"] > 1,
-                  schedule=row["schedule"], microbatches=row["microbatches"], virtual_stages=row["virtual_stages"],
-                  world_size=row["world_size"], global_batch=row["global_batch"], n_layers=model.n_layers,
-                  d_model=model.d_model)
-
-
 def comparison(cal: Calibration, measured: pd.DataFrame, **kw) -> pd.DataFrame:
     """Measured runs (``run``, the layout columns, ``step_time_s``, ``peak_memory_bytes``) against the
     calibrated and the textbook predictions: ``predicted_s``, ``error``, ``textbook_s``, ``textbook_error``,
@@ -541,15 +426,3 @@ def comparison(cal: Calibration, measured: pd.DataFrame, **kw) -> pd.DataFrame:
                      "memory_error": p.peak_memory_bytes / mem - 1 if mem and mem == mem else math.nan,
                      "calibration": r["run"] in cal.runs, "extrapolated": "; ".join(p.extrapolated)})
     return pd.DataFrame(rows)
-
-
-def family(lay: Layout) -> str:
-    """The layout family a comparison groups by: DDP, FSDP, TP, PP-<schedule>, or their combination."""
-    parts = []
-    if lay.pp > 1:
-        parts.append(f"PP-{lay.schedule}")
-    if lay.tp > 1:
-        parts.append("TP")
-    if lay.dp > 1:
-        parts.append("FSDP" if lay.fsdp else "DDP")
-    return "+".join(parts) or "single"

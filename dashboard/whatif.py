@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pandas as pd
 import plotly.graph_objects as go
 
-from meshscope.dashboard import calibration, figures, planner
+from meshscope.dashboard import calibration, figures, layouts, planner
 from meshscope.dashboard.config import ConfigError
 from meshscope.dashboard.memory_model import spec_from_meta
 from meshscope.dashboard.views import Loader, meta_of
@@ -138,7 +138,7 @@ def prediction_table(preds: list[planner.Prediction]) -> pd.DataFrame:
     rows = []
     for p in preds:
         b = p.breakdown
-        rows.append({"layout": p.layout.label, "family": planner.family(p.layout), "step_time_s": p.step_time_s,
+        rows.append({"layout": p.layout.label, "family": layouts.family(p.layout), "step_time_s": p.step_time_s,
                      "tokens_per_s": p.tokens_per_s, "mfu": p.mfu, "compute_s": b["compute_s"],
                      "optimizer_s": b["optimizer_s"], "bubble_s": b["bubble_s"], "other_s": b["other_s"],
                      **{f"exposed_{k}_s": v for k, v in b["exposed_comm_s"].items()},

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from meshscope.dashboard import calibration, planner, views, whatif
+from meshscope.dashboard import calibration, layouts, planner, views, whatif
 from meshscope.dashboard.analysis import busbw_factor
 from meshscope.dashboard.pipeline_sim import makespan_shared, simulate
 from meshscope.trainer import config as trainer_config
@@ -89,7 +89,7 @@ SHAPE = calibration.ModelShape(name="tiny-wide", n_layers=TINY_WIDE.n_layers, d_
 ])
 def test_invalid_layouts_get_the_trainers_message(spec, world, batch):
     with pytest.raises(LayoutError) as planned:
-        planner.resolve(spec, model=SHAPE, world_size=world, global_batch=batch)
+        layouts.resolve(spec, model=SHAPE, world_size=world, global_batch=batch)
     flags = {"parallel": {k: v for k, v in spec.items() if k in ("dp", "tp", "pp", "microbatches", "schedule")}}
     with pytest.raises(trainer_config.ConfigError) as trained:
         trainer_config.load(None, {"model.flavor": "tiny-wide", "data.batch_size": batch,
@@ -98,7 +98,7 @@ def test_invalid_layouts_get_the_trainers_message(spec, world, batch):
 
 
 def test_every_candidate_layout_is_one_the_trainer_accepts():
-    lays = planner.candidates(model=SHAPE, world_size=8, global_batch=16)
+    lays = layouts.candidates(model=SHAPE, world_size=8, global_batch=16)
     assert {(x.dp, x.tp, x.pp) for x in lays} >= {(8, 1, 1), (4, 2, 1), (2, 2, 2), (1, 8, 1), (2, 1, 4)}
     for x in lays:
         cfg = trainer_config.load(None, {"model.flavor": "tiny-wide", "data.batch_size": 16, "parallel.dp": x.dp,
@@ -133,7 +133,7 @@ def test_planner_reproduces_the_run_it_calibrated_from(planner_store, run):
     load = views.direct_loader(Store.open(planner_store))
     cal = whatif.calibrate_from(load, runs=[run])
     row = cal.measured.iloc[0].to_dict()
-    pred = planner.predict(cal, planner.measured_layout(row, model=cal.model))
+    pred = planner.predict(cal, layouts.measured_layout(row, model=cal.model))
     measured = report.build(load, run=run)["step_time_s"]
     assert pred.step_time_s == pytest.approx(measured, rel=0.05)
     assert not pred.extrapolated, pred.extrapolated  # its own layout needs nothing it did not measure
