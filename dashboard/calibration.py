@@ -45,7 +45,7 @@ import pandas as pd
 
 from meshscope.dashboard.analysis import busbw_factor, parallel_degrees
 from meshscope.dashboard.data import parse_mesh
-from meshscope.dashboard.environment import cpu_wait_share
+from meshscope.dashboard.environment import MIN_STEADY_STEPS, cpu_wait_share
 from meshscope.dashboard.memory_model import memory_model, spec_from_meta
 from meshscope.dashboard.pipeline_sim import replay
 from meshscope.dashboard.stragglers import first_steady_step
@@ -110,6 +110,7 @@ class Calibration:
     dtype: str = "fp32"  # the runs' training dtype (the memory model's bytes per value)
     activation_checkpoint: bool = False
     device_bytes: float | None = None  # the smallest device capacity a run recorded (None: not recorded, CPU)
+    warnings: tuple[str, ...] = ()  # what makes the calibration itself doubtful (too few steps)
     # per run: its layout, measured step time and peak memory, and its rates (``Rate``'s fields, with
     # ``optimizer_s`` and ``held`` params for the optimizer's fit); ``planner.rate_for`` picks among them
     measured: pd.DataFrame = field(default_factory=pd.DataFrame)
@@ -274,7 +275,7 @@ def measure(meta: dict, frames: dict[str, pd.DataFrame], *, model: ModelShape) -
         # A rank alone on a core still waits a little for one (the agent, the kernel): that belongs to the
         # rate of a rank with a core to itself, not to sharing.
         phi = phi if phi > SHARED else 1.0
-    out = {"run": meta.get("run"), "layout": lay, "ranks_per_host": k, "first_step": first,
+    out = {"run": meta.get("run"), "layout": lay, "ranks_per_host": k, "first_step": first, "steady_steps": n_steps,
            "step_time_s": float(means["step_time_s"]), "s_per_flop": fb / flops / phi if flops > 0 else math.nan,
            "optimizer_s": float(means["optimizer_s"]) / phi, "held": local_params(model, lay), "sharing": phi, "busy": busy,
            "exposed_bulk_s": exposed_bulk,
@@ -358,6 +359,9 @@ def calibrate(measured: list[dict], *, model: ModelShape, device: str, peak_flop
                          if any((m["sharing"] > 1) == shared for m in measured)], ignore_index=True), traffic=traffic,
         counts=counts, pipeline=pipeline,
         memory_offset_bytes=_mean(m["peak_bytes"] - m["model_bytes"] for m in mem) if mem else None,
+        warnings=tuple(f"run {m['run']} has only {m['steady_steps']} step{'s' if m['steady_steps'] != 1 else ''} "
+                       f"after warm-up: too few to calibrate from (at least {MIN_STEADY_STEPS})"
+                       for m in measured if m["steady_steps"] < MIN_STEADY_STEPS),
         memory_measure=mem[0]["measure"] if mem else "", dtype=dtype, activation_checkpoint=activation_checkpoint,
         device_bytes=min(dev) if (dev := [d["device_bytes"] for d in mem
                                           if math.isfinite(d.get("device_bytes", math.nan))]) else None,

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         except LayoutError as e:
             raise ConfigError(str(e)) from None
         if a.json:
-            out = [p.as_json() for p in preds]
+            out = [{**p.as_json(), "warnings": list(cal.warnings)} for p in preds]
             print(json.dumps(clean_json(out if a.rank_layouts else out[0]), indent=2))
         else:
             print(format_text(cal, preds, ranked=a.rank_layouts))
@@ -103,6 +103,7 @@ def format_text(cal, preds: list[planner.Prediction], *, ranked: bool) -> str:
     if notes:
         lines.append("extrapolated (not measured by the calibration runs):")
         lines += [f"  - {n}" for n in notes]
+    lines += [f"WARNING {w}" for w in cal.warnings]
     return "\n".join(lines)
 
 

@@ -168,6 +168,16 @@ def test_plan_cli_predicts_a_layout_and_ranks_every_layout(planner_store):
     assert any("tp" in " ".join(r["extrapolated"]).lower() for r in rows if r["layout"]["tp"] > 1)
     text = _plan(planner_store, "--run", "ddp", "--layout", "tp=2")
     assert text.returncode == 0 and "step time" in text.stdout and "extrapolated" in text.stdout
+    assert out["warnings"] == [] and "WARNING" not in text.stdout  # 10 steps: enough after warm-up
+
+
+@pytest.mark.gloo
+def test_plan_warns_when_a_run_is_too_short_to_calibrate_from(tmp_path):
+    run_job(tmp_path, "short", 2, "--model", "tiny-wide", "--steps", "3")
+    proc = _plan(tmp_path, "--run", "short", "--layout", "dp=2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    (warning,) = json.loads(proc.stdout)["warnings"]
+    assert warning.startswith("run short has only") and "too few to calibrate from" in warning
 
 
 @pytest.mark.gloo

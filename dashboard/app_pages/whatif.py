@@ -45,6 +45,8 @@ def main(ctx: ui.Context) -> None:
     except ConfigError as e:  # what the selected runs cannot tell (no model shape, no steps): not a fault
         st.info(f"No prediction: {e}")
         return
+    for w in view.calibration.warnings:
+        st.warning(w)
     if view.table.empty:
         st.info(f"No layout of {world} ranks divides this model (heads, layers) and a global batch of {batch}.")
         return
