@@ -7,6 +7,7 @@ import streamlit as st
 from meshscope.dashboard import ui, whatif
 from meshscope.dashboard.config import ConfigError
 
+MAX_RUNS = 8  # runs calibrated from when the user selected fewer than two
 COLUMNS = {"layout": ("layout", None), "step_time_s": ("step time (s)", "%.3f"), "tokens_per_s": ("tokens/s", "int"),
            "mfu": ("MFU", "percent"), "compute_s": ("compute (s)", "%.3f"), "optimizer_s": ("optimizer (s)", "%.3f"),
            "exposed_dp_s": ("exposed DDP (s)", "%.3f"), "exposed_fsdp_s": ("exposed FSDP (s)", "%.3f"),
@@ -30,11 +31,17 @@ def main(ctx: ui.Context) -> None:
     st.title("What-if")
     runs = ctx.runs.set_index("run")
     model = runs.loc[ctx.focus, "model"] if ctx.focus in runs.index else None
-    picked = [r for r in ctx.selected if r in runs.index and runs.loc[r, "model"] == model] or [ctx.focus]
-    st.caption(f"Calibrated from {', '.join(f'`{r}`' for r in picked)} (the selected runs of the focus run's model; "
-               "pick runs on the Runs page). Each layout's step time is predicted from what those runs measured "
-               "on this machine: compute rate, links (α + bytes/β per op and group size), how much communication "
-               "stayed exposed, the pipeline's transfers, memory beyond the model's bytes.")
+    same = [r for r in runs.index if runs.loc[r, "model"] == model and r is not None]
+    picked = [r for r in ctx.selected if r in same]
+    if len(picked) < 2:  # as the Scaling page: fewer than two selected, the model's runs (the newest)
+        picked = list(dict.fromkeys([ctx.focus, *same]))[:MAX_RUNS]
+        how = f"the newest runs of the focus run's model (at most {MAX_RUNS}); select runs on the Runs page to choose"
+    else:
+        how = "the selected runs of the focus run's model"
+    st.caption(f"Calibrated from {', '.join(f'`{r}`' for r in picked)} ({how}). Each layout's step time is "
+               "predicted from what those runs measured on this machine: compute rate, links (α + bytes/β per op "
+               "and group size), how much communication stayed exposed, the pipeline's transfers, memory beyond "
+               "the model's bytes.")
     c = st.columns(2)
     world = int(c[0].number_input("world size (ranks)", min_value=1, max_value=4096,
                                   value=_whole(runs.loc[ctx.focus, "world_size"] if ctx.focus in runs.index else 1)))
