@@ -7,7 +7,8 @@ mean over ranks (every rank's wall is the step's, so the means add up to the mea
 
 - **Compute rate**: seconds per model FLOP of the forward and backward work,
   (``compute_s`` − ``optimizer_s``) / ``flops`` (the rank's attributed FLOPs), and the forward's share of
-  it; seconds per parameter of the optimizer step (``optimizer_s`` / the parameters the rank holds).
+  it; the optimizer's seconds and the parameters the rank holds (``planner.rate_for`` fits a line in
+  them over the runs).
 - **Processor sharing** (CPU hosts): ranks on one host share its C cores, so the same work takes longer
   with more ranks busy at once. A run's *sharing* φ = 1 / (1 − w), w its CPU wait share (the run-queue
   delay over the time the training thread was not blocked, ``environment.cpu_wait_share``): the factor
@@ -18,20 +19,21 @@ mean over ranks (every rank's wall is the step's, so the means add up to the mea
   share outside pipeline idle. C is the cores of the machine the planner runs on (the runs' host, as
   the CPU path is used here), or fewer where a run's sharing says it had fewer (k·u₀/φ: another load
   on the host); on GPUs φ = 1.
-- **Links**: per (op, group size), t = α + bytes·f(op, n)/β (``fit_alpha_beta``; f the nccl-tests bus
-  factor, so β is a bus bandwidth and one fit carries to other group sizes of the same op). An instance's
-  time is the least over its ranks (the rank that arrived last waited for the transfer only), divided by
-  its run's φ like the compute (gloo's transfers run on the same cores).
+- **Links**: per (op, group size) and sharing regime (runs with φ > 1 or not), t = α + bytes·f(op, n)/β
+  (``fit_alpha_beta``; f the nccl-tests bus factor, so β is a bus bandwidth and one fit carries to other
+  group sizes of the same op). An instance's time is the least over its ranks (the rank that arrived
+  last waited for the transfer only), divided by its run's φ like the compute (gloo's transfers run on
+  the same cores); collectives under ``SMALL_BYTES`` are left out (they time the peers' arrival).
 - **Exposure**: per kind of traffic (DDP gradient buckets, FSDP gathers and reduce-scatters, TP
   activations, pipeline P2P), the seconds per step the training thread was blocked on it. Waits the ops
   do not carry (DDP waits for its buckets at the end of backward, outside any op) count for the gradient
-  buckets. ``planner.exposure`` divides them by the model's transfer time for the run's own layout.
-- **Counts**: the DDP bucket size, the TP all-reduces per layer and microbatch, the small synchronising
-  collectives per step (loss, gradient norm), as the run issued them.
+  buckets. ``planner.exposure_of`` divides them by the model's transfer time for the run's own layout.
+- **Counts**: the DDP bucket size and the TP all-reduces per layer and microbatch, as the run issued them.
 - **Pipeline**: the measured transfer time per hop and host gap per action (``pipeline_sim.replay``).
-- **Memory**: per run, the measured peak minus the analytic model's bytes (``memory_model``): the runtime's own
-  share (the planner takes it from the runs most like the target: FSDP's buffers are not in the model) (on CPU the host RSS holds the Python and torch runtime; on GPU the allocator's peak holds
-  workspaces and communication buffers), added to the model's bytes of a target layout.
+- **Memory**: per run, the measured peak minus the analytic model's bytes (``memory_model``): the
+  runtime's own share (on CPU the host RSS holds the Python and torch runtime; on GPU the allocator's
+  peak holds workspaces and communication buffers). The planner adds that of the runs most like a target
+  layout (FSDP's buffers are not in the model) to the model's bytes for it.
 """
 
 from __future__ import annotations
@@ -105,7 +107,6 @@ class Calibration:
     traffic: pd.DataFrame  # per run and kind of traffic: exposed_s (per rank and step), sharing, the run's layout
     counts: dict[str, float]  # ddp_bucket_bytes, tp_per_layer_mb, sync_per_step (measured only)
     pipeline: dict[str, float]  # hop_s, gap_s (measured only)
-    memory_offset_bytes: float | None  # measured peak − model, mean over runs (None: not measured)
     memory_measure: str  # "allocator peak" or "host RSS peak"
     dtype: str = "fp32"  # the runs' training dtype (the memory model's bytes per value)
     activation_checkpoint: bool = False
@@ -358,7 +359,6 @@ def calibrate(measured: list[dict], *, model: ModelShape, device: str, peak_flop
                          .assign(shared=shared) for shared in (False, True)
                          if any((m["sharing"] > 1) == shared for m in measured)], ignore_index=True), traffic=traffic,
         counts=counts, pipeline=pipeline,
-        memory_offset_bytes=_mean(m["peak_bytes"] - m["model_bytes"] for m in mem) if mem else None,
         warnings=tuple(f"run {m['run']} has only {m['steady_steps']} step{'s' if m['steady_steps'] != 1 else ''} "
                        f"after warm-up: too few to calibrate from (at least {MIN_STEADY_STEPS})"
                        for m in measured if m["steady_steps"] < MIN_STEADY_STEPS),
