@@ -140,7 +140,7 @@ def fit_alpha_beta(instances: pd.DataFrame) -> pd.DataFrame:
         # Relative residuals (timing noise is proportional to the time): a 64 MiB transfer's noise must not
         # swamp a 1 KiB one's latency.
         w = np.sqrt(med["size"].to_numpy(float)) / np.maximum(y, 1e-12)
-        alpha, inv_beta = _nonneg_line(x, y, w)
+        alpha, inv_beta = nonneg_line(x, y, w)
         pred = alpha + g["bytes"].to_numpy(float) * f * inv_beta
         rel = (g["duration_s"].to_numpy(float) - pred) / np.maximum(pred, 1e-12)
         rows.append((op, int(n), alpha, 1.0 / inv_beta if inv_beta > 0 else math.inf, len(g), len(med),
@@ -148,7 +148,7 @@ def fit_alpha_beta(instances: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=cols)
 
 
-def _nonneg_line(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, float]:
+def nonneg_line(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, float]:
     """Weighted least squares y = a + b·x with a, b ≥ 0."""
     if len(x) == 1 or np.ptp(x) == 0:
         return 0.0, float(np.sum(w * y) / np.sum(w * x)) if np.sum(w * x) > 0 else 0.0

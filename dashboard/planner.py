@@ -41,7 +41,7 @@ import numpy as np
 import pandas as pd
 
 from meshscope.dashboard.analysis import bubble_theory, busbw_factor, normalize_schedule
-from meshscope.dashboard.calibration import Calibration, ModelShape, Rate, local_params
+from meshscope.dashboard.calibration import Calibration, ModelShape, Rate, local_params, nonneg_line
 from meshscope.dashboard.layouts import SIMULATED, Layout, candidates, family, measured_layout
 from meshscope.dashboard.memory_model import ModelSpec, memory_model
 from meshscope.dashboard.pipeline_sim import ORDERED, makespan_shared, simulate
@@ -239,21 +239,9 @@ def rate_for(cal: Calibration, lay: Layout, *, held: float, shared: bool, notes:
     share = m.loc[m["pp"] > 1, "forward_share"].dropna()
     share = share if len(share) else m["forward_share"].dropna()
     x, y = m["held"].to_numpy(float), m["optimizer_s"].to_numpy(float)
-    fixed, per_param = _line(x, y)
+    fixed, per_param = nonneg_line(x, y, np.ones_like(x))
     return Rate(s_per_flop=float(best["s_per_flop"].mean()), forward_share=float(share.mean()) if len(share) else math.nan,
                 optimizer_s=fixed, s_per_param=per_param, other_s=float(best["other_s"].mean()))
-
-
-def _line(x, y) -> tuple[float, float]:
-    """y = a + b·x with a, b >= 0 by least squares; through the origin with one distinct x."""
-    if len(set(x)) < 2:
-        return 0.0, float(np.sum(y) / np.sum(x)) if np.sum(x) > 0 else 0.0
-    b, a = np.polyfit(x, y, 1)
-    if b < 0:
-        return float(np.mean(y)), 0.0
-    if a < 0:
-        return 0.0, float(np.dot(x, y) / np.dot(x, x))
-    return float(a), float(b)
 
 
 def act_bytes(cal: Calibration) -> int:
