@@ -30,6 +30,7 @@ from pathlib import Path
 
 from meshscope.agent.cliargs import ArgParser
 from meshscope.agent.cliargs import UsageError as TraceError  # a user's mistake: unknown run, empty range
+from meshscope.agent.collector.objectstore import is_remote
 from meshscope.agent.collector.reader import Store, StoreError, read_table
 from meshscope.agent.contract import DIMS
 
@@ -79,7 +80,7 @@ def build_trace(store: Store | str | os.PathLike, *, run: str,
         store = Store.open(store)
     runs = store.runs()
     if run not in runs:
-        where = ", ".join(repr(str(root)) for root in store.roots)
+        where = ", ".join(repr(source) for source in store.sources)
         raise TraceError(f"unknown run {run!r} in store {where} (known: {', '.join(runs) or 'none'})")
     step_df = read_table(store, "step", run=run, steps=steps)
     if step_df.empty:
@@ -174,17 +175,19 @@ def build_trace(store: Store | str | os.PathLike, *, run: str,
 def main(argv: list[str] | None = None) -> int:
     prog = "meshscope export-trace"
     parser = ArgParser(prog=prog, description="Write a Perfetto / Chrome-trace JSON of a step range.")
-    parser.add_argument("--store", required=True, type=Path)
+    parser.add_argument("--store", required=True, action="append",
+                        help="run store directory or s3://bucket/prefix; repeat for several nodes' stores")
     parser.add_argument("--run", required=True)
     parser.add_argument("--steps", default=None, help="A:B (half-open), A:, :B or A")
     parser.add_argument("--out", required=True, type=Path)
     try:
         args = parser.parse_args(argv)
-        if not args.store.is_dir():
-            raise TraceError(f"store directory {str(args.store)!r} does not exist")
         if not args.out.parent.is_dir():  # checked before the work; a typo'd path creates no directories
             raise TraceError(f"--out {str(args.out)!r}: directory {str(args.out.parent)!r} does not exist")
-        trace = build_trace(args.store, run=args.run, steps=parse_steps(args.steps))
+        for store in args.store:
+            if not is_remote(store) and not Path(store).is_dir():
+                raise TraceError(f"store directory {store!r} does not exist")
+        trace = build_trace(Store.open_many(args.store), run=args.run, steps=parse_steps(args.steps))
         args.out.write_text(json.dumps(trace, separators=(",", ":")))
     except (TraceError, StoreError, ValueError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)

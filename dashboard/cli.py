@@ -22,7 +22,8 @@ APP = Path(__file__).resolve().parent / "app.py"
 def _parser() -> argparse.ArgumentParser:
     p = ArgParser(prog="meshscope dashboard", description=__doc__.split("\n")[0])
     p.add_argument("--store", action="append", required=True, metavar="DIR",
-                   help="run store directory (the agent's --store); repeat for the stores of several nodes")
+                   help="run store directory (the agent's --store) or s3://bucket/prefix (the agent's --upload); "
+                        "repeat for the stores of several nodes")
     p.add_argument("--prometheus", default=None, help="Prometheus base URL for the Live page")
     p.add_argument("--port", default="8501", help="port to serve on (default 8501)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: local only)")
@@ -34,7 +35,7 @@ def build_command(argv: list[str]) -> list[str]:
     """Validate the flags and return the ``streamlit run`` command line. Raises ConfigError."""
     a = _parser().parse_args(argv)
     try:  # the reader's own checks (missing directory, stores that cannot be read together)
-        stores = Store.open_many(a.store).roots
+        stores = Store.open_many(a.store).sources
     except StoreError as e:
         raise ConfigError(str(e)) from None
     if not a.port.isdigit() or not 1 <= int(a.port) <= 65535:

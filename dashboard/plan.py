@@ -25,7 +25,8 @@ from meshscope.trainer.layout import LayoutError
 
 def _parser() -> argparse.ArgumentParser:
     p = ArgParser(prog="meshscope plan", description=__doc__.split("\n")[0])
-    p.add_argument("--store", action="append", required=True, metavar="DIR", help="run store (repeatable)")
+    p.add_argument("--store", action="append", required=True, metavar="DIR",
+                   help="run store directory or s3://bucket/prefix (the agent's --upload); repeatable")
     p.add_argument("--run", action="append", required=True, metavar="NAME",
                    help="a measured run to calibrate from (repeatable; runs of one model)")
     p.add_argument("--layout", default=None, metavar="K=V,...",
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             store = Store.open_many(a.store)
         except (LayoutError, StoreError) as e:
             raise ConfigError(str(e)) from None
-        for root in store.roots:  # records still only in spools (no agent ran) count too
+        for root in store.local_roots():  # records still only in spools (no agent ran) count too
             if note := catch_up(root).message():
                 print(f"meshscope plan: {note}", file=sys.stderr)
         cal = whatif.calibrate_from(views.direct_loader(store), runs=list(dict.fromkeys(a.run)))

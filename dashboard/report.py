@@ -1,4 +1,4 @@
-"""``meshscope report --store DIR [--store DIR ...] --run NAME [--steps A:B] [--json]``: a run's verdicts
+"""``meshscope report --store DIR|s3://BUCKET/PREFIX [--store ...] --run NAME [--steps A:B] [--json]``: a run's verdicts
 in the terminal, computed by the same views the dashboard's pages render (one computation: what the
 Overview and Pipeline pages say, ``report`` says). ``--json`` prints one object for scripts and CI."""
 
@@ -122,7 +122,8 @@ def format_text(rep: dict[str, Any]) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = ArgParser(prog="meshscope report", description=__doc__.split("\n")[0])
-    p.add_argument("--store", action="append", required=True, metavar="DIR", help="run store (repeatable)")
+    p.add_argument("--store", action="append", required=True, metavar="DIR",
+                   help="run store directory or s3://bucket/prefix (the agent's --upload); repeatable")
     p.add_argument("--run", required=True, help="run name")
     p.add_argument("--steps", default=None, metavar="A:B", help="step range, inclusive (default: the whole run)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             store = Store.open_many(a.store)
         except StoreError as e:
             raise ConfigError(str(e)) from None
-        for root in store.roots:  # records still only in spools (no agent ran) count too
+        for root in store.local_roots():  # records still only in spools (no agent ran) count too
             if note := catch_up(root).message():
                 print(f"meshscope report: {note}", file=sys.stderr)
         rep = build(views.direct_loader(store), run=a.run, steps=steps)

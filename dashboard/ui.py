@@ -64,7 +64,7 @@ def load(name: str, store: Store, **kwargs):
     """``data.<name>(store, **kwargs)`` through a bounded, short-lived cache. Lists become tuples so
     the arguments hash."""
     frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kwargs.items()))
-    return _cached(name, tuple(map(str, store.roots)), frozen)
+    return _cached(name, store.sources, frozen)
 
 
 class _Loader:
@@ -114,7 +114,7 @@ def sidebar() -> None:
         return
     try:
         store = Store.open_many(config.stores)
-        for note in _catch_up(tuple(map(str, store.roots))):
+        for note in _catch_up(tuple(map(str, store.local_roots()))):
             st.sidebar.caption(note)
         runs = load("runs_table", store)
     except StoreError as e:

@@ -2,6 +2,8 @@
 
     meshscope agent --store DIR [--port 9477] [--host 127.0.0.1] [--poll-interval 1] [--once]
                     [--tls-cert PEM --tls-key PEM] [--basic-auth-file FILE]
+                    [--upload s3://BUCKET/PREFIX [--keep-local S]]
+                    [--otlp-endpoint URL [--otlp-interval S]]
     meshscope ingest --store DIR
 
 Bad input (missing or unwritable store, bad port, unparsable numbers, unusable TLS or basic-auth files)
@@ -30,7 +32,9 @@ from meshscope.agent.collector.agent import Agent, AgentConfig
 from meshscope.agent.collector.catchup import lock_store
 from meshscope.agent.collector.gpu import load_nvml
 from meshscope.agent.collector.ingest import IngestConfig
+from meshscope.agent.collector.otlp import INTERVAL_S as OTLP_INTERVAL_S, OtlpConfig
 from meshscope.agent.collector.server import WebConfig, serve_metrics
+from meshscope.agent.collector.upload import UploadConfig
 from meshscope.agent.contract import AnchoredClock
 from meshscope.agent.security import Credentials
 
@@ -55,11 +59,22 @@ def _build_parser(prog: str, *, agent: bool) -> argparse.ArgumentParser:
                        help="write buffered records to the store at least this often")
         p.add_argument("--part-bytes", type=int, default=IngestConfig().part_target_bytes, metavar="N",
                        help="spool bytes per Parquet part")
+        p.add_argument("--upload", default=None, metavar="s3://BUCKET/PREFIX",
+                       help="also upload every sealed part to this S3-compatible bucket, exactly once (endpoint and "
+                            "credentials: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws)")
+        p.add_argument("--keep-local", type=float, default=UploadConfig(url="s3://bucket").keep_local_s, metavar="S",
+                       help="with --upload: keep parts on local disk this long after the bucket acknowledged them")
         p.add_argument("--tls-cert", type=Path, default=None, metavar="PEM",
                        help="serve /metrics over HTTPS with this certificate (chain); needs --tls-key")
         p.add_argument("--tls-key", type=Path, default=None, metavar="PEM", help="the certificate's private key")
         p.add_argument("--basic-auth-file", type=Path, default=None, metavar="FILE",
                        help="require HTTP basic auth: user:hash lines ($pbkdf2-sha256$ or bcrypt)")
+        p.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                       help="also push the metrics over OTLP/HTTP (protobuf) to this http(s) URL; without a path "
+                            "/v1/metrics is appended. Headers (e.g. auth) from OTEL_EXPORTER_OTLP_HEADERS, TLS and "
+                            "timeout from the other standard OTEL_EXPORTER_OTLP_* variables")
+        p.add_argument("--otlp-interval", type=float, default=None, metavar="S",
+                       help=f"with --otlp-endpoint: seconds between pushes (default {OTLP_INTERVAL_S:g})")
     return p
 
 
@@ -98,9 +113,20 @@ def _config(args: argparse.Namespace, *, agent: bool) -> AgentConfig:
             store=args.store, host=args.host, port=args.port, poll_interval_s=args.poll_interval,
             gpu_interval_s=args.gpu_interval, run_ttl_s=args.run_ttl,
             ingest=IngestConfig(max_part_age_s=args.part_age, part_target_bytes=args.part_bytes),
+            upload=UploadConfig(url=args.upload, keep_local_s=args.keep_local) if args.upload else None,
+            otlp=_otlp(args),
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _otlp(args: argparse.Namespace) -> OtlpConfig | None:
+    if args.otlp_endpoint is None:
+        if args.otlp_interval is not None:  # an option that would be silently ignored
+            raise UsageError(f"--otlp-interval {args.otlp_interval:g} needs --otlp-endpoint")
+        return None
+    interval = OTLP_INTERVAL_S if args.otlp_interval is None else args.otlp_interval
+    return OtlpConfig(endpoint=args.otlp_endpoint, interval_s=interval)
 
 
 def _main(argv: list[str] | None, *, prog: str, agent: bool) -> int:
@@ -173,6 +199,8 @@ def _run(args: argparse.Namespace, config: AgentConfig, *, prog: str, once: bool
             return 2
         print(f"{prog}: serving {app.server.scheme}://{config.host}:{app.server.port}/metrics, store {args.store}",
               flush=True)
+        if config.otlp is not None:
+            print(f"{prog}: pushing OTLP to {config.otlp.url} every {config.otlp.interval_s:g} s", flush=True)
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())

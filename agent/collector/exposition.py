@@ -155,6 +155,12 @@ def _collect_agent(f: Families, st: MetricsState) -> None:
     f.add("agent_runs", [], len(st.runs))
     f.add("agent_store_parts_written_total", [], st.parts_written)
     f.add("agent_store_write_errors_total", [], st.store_write_errors)
+    f.add("agent_upload_parts_total", [], st.upload_parts)
+    f.add("agent_upload_bytes_total", [], st.upload_bytes)
+    f.add("agent_upload_errors_total", [], st.upload_errors)
+    f.add("agent_upload_pending_parts", [], st.upload_pending_parts)
+    if st.upload_last_success is not None:
+        f.add("agent_upload_last_success_timestamp_seconds", [], st.upload_last_success)
     f.add("agent_metric_errors_total", [], st.metric_errors)
     f.add("agent_gpu_sample_errors_total", [], st.gpu_errors)
     if st.lag_s is not None:

@@ -390,7 +390,8 @@ class Ingestor:
 
     # -- maintenance -----------------------------------------------------------------------------------
 
-    def _durable(self, stream: str) -> float:
+    def durable(self, stream: str) -> float:
+        """The spool offset below which ``stream``'s parts are final (inf for GPU parts). Ingest thread only."""
         if stream.startswith("gpu"):
             return math.inf  # GPU parts are final when written
         return max((c.durable for c in self.cursors.values() if c.stream == stream), default=0)
@@ -401,7 +402,7 @@ class Ingestor:
         for kind, directory in touched:
             try:
                 written, _ = partio.compact_partition(
-                    directory, kind=kind, durable=self._durable, small_bytes=cfg.compact_small_bytes,
+                    directory, kind=kind, durable=self.durable, small_bytes=cfg.compact_small_bytes,
                     target_bytes=cfg.part_target_bytes, min_parts=cfg.compact_min_parts)
             except OSError:
                 with self.state.lock:

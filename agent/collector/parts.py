@@ -23,7 +23,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from collections.abc import Hashable, Iterable
+from typing import Callable, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -32,6 +33,7 @@ from meshscope.agent.collector.store import PARTITION_KEYS
 from meshscope.agent.contract import PART_RE, SCHEMA_VERSION, part_name
 
 META_PREFIX = "meshscope."
+K = TypeVar("K")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,14 +118,27 @@ def cleanup_partition(directory: Path) -> int:
     for entry in entries:
         if entry.name.startswith(".part-") and entry.name.endswith(".tmp"):
             removed += _unlink(Path(entry.path))
-    parts = list_parts(directory)
-    for p in parts:
-        for q in parts:
-            if q is not p and q.stream == p.stream and q.start <= p.start and p.end <= q.end and (
-                    q.start, q.end) != (p.start, p.end):
-                removed += _unlink(p.path)
-                break
+    for path in contained((p.path, p.stream, p.start, p.end) for p in list_parts(directory)):
+        removed += _unlink(path)
     return removed
+
+
+def contained(ranges: Iterable[tuple[K, Hashable, int, int]]) -> set[K]:
+    """Keys of the ``(key, stream, start, end)`` ranges contained in another range of the same stream:
+    the sources of a compaction whose merged part exists. The one rule for the local store's cleanup and
+    for the bucket's readers and uploader (``agent.collector.objectstore``)."""
+    by_stream: dict[Hashable, list[tuple[int, int, K]]] = {}
+    for key, stream, start, end in ranges:
+        by_stream.setdefault(stream, []).append((start, -end, key))
+    out: set[K] = set()
+    for group in by_stream.values():
+        group.sort(key=lambda r: (r[0], r[1]))  # by start, the widest first at a tie
+        reach = -1  # the furthest end among the ranges before, all of which start at or before this one
+        for start, neg_end, key in group:
+            if -neg_end <= reach:
+                out.add(key)
+            reach = max(reach, -neg_end)
+    return out
 
 
 def compact_partition(

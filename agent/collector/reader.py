@@ -46,6 +46,7 @@ import duckdb
 import pandas as pd
 
 from meshscope.agent.collector import tableview
+from meshscope.agent.collector.objectstore import is_remote
 from meshscope.agent.collector.store import PARTITION_KEYS, stored_schema
 from meshscope.agent.contract import KINDS, SCHEMAS, check_run_name, is_run_name
 
@@ -69,6 +70,9 @@ class Store:
     ``Store.open_many`` (the stores of several nodes)."""
 
     roots: tuple[Path, ...]
+    # What each root was opened as: its directory, or the s3:// URL whose local cache it is. Re-opening a
+    # Store from its sources syncs the caches again (``agent.collector.remote``).
+    sources: tuple[str, ...] = ()
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> Store:
@@ -76,21 +80,33 @@ class Store:
 
     @classmethod
     def open_many(cls, paths: Iterable[str | os.PathLike]) -> Store:
-        """The union of the stores at ``paths`` (order kept; the same directory twice counts once)."""
+        """The union of the stores at ``paths`` (order kept; the same directory twice counts once). A path
+        may be an ``s3://bucket/prefix`` URL: its parts are synced into a local cache first."""
         roots: list[Path] = []
+        sources: list[str] = []
         seen: set[tuple[int, int]] = set()
         for path in paths:
-            root = Path(path).expanduser().resolve()
-            if not root.is_dir():
-                raise StoreError(f"store directory not found: {path}")
+            if is_remote(path):
+                root, source = _synced(str(path)), str(path)
+            else:
+                root = Path(path).expanduser().resolve()
+                source = str(root)
+                if not root.is_dir():
+                    raise StoreError(f"store directory not found: {path}")
             st = root.stat()  # (device, inode): one directory reached by two names is read once
             if (st.st_dev, st.st_ino) not in seen:
                 seen.add((st.st_dev, st.st_ino))
                 roots.append(root)
+                sources.append(source)
         if not roots:
             raise StoreError("no store directory given")
         _check_hive_keys(roots)
-        return cls(roots=tuple(roots))
+        return cls(roots=tuple(roots), sources=tuple(sources))
+
+    def local_roots(self) -> tuple[Path, ...]:
+        """The roots that are store directories (not caches of a bucket): where spools may wait for a
+        catch-up (``agent.collector.catchup``)."""
+        return tuple(r for r, s in zip(self.roots, self.sources or map(str, self.roots)) if not is_remote(s))
 
     @property
     def root(self) -> Path:
@@ -101,7 +117,7 @@ class Store:
 
     def describe(self) -> str:
         """The roots for messages, each as a Markdown code span, comma-separated."""
-        return ", ".join(f"`{r}`" for r in self.roots)
+        return ", ".join(f"`{r}`" for r in (self.sources or self.roots))
 
     # ---------------------------------------------------------------- listing
     def runs(self) -> list[str]:
@@ -239,7 +255,7 @@ class Store:
 def list_runs(store: Store | str | os.PathLike) -> list[str]:
     """Runs that have records in the store (any kind), sorted; [] when the directory does not exist."""
     if not isinstance(store, Store):
-        if not Path(store).is_dir():
+        if not is_remote(store) and not Path(store).is_dir():
             return []
         store = Store.open(store)
     return store.runs()
@@ -290,7 +306,7 @@ def read_table(
     if order_by:
         sql += f' ORDER BY "{order_by}"'
     if not isinstance(store, Store):
-        if not Path(store).is_dir():
+        if not is_remote(store) and not Path(store).is_dir():
             return _empty(kind, select=select)
         store = Store.open(store)
     return store.query(sql, kinds=[kind], runs=[run] if run is not None else store.runs(), params=params,
@@ -303,6 +319,20 @@ def _empty(kind: str, *, select: str) -> pd.DataFrame:
         df = con.execute(f"SELECT {select} FROM ({tableview.select_sql(con, kind=kind, paths=[], union=False)})").df()
     df.attrs[SKIPPED] = []
     return df
+
+
+def _synced(url: str) -> Path:
+    """The local cache of a bucket's store, synced now (at most every few seconds per process)."""
+    from meshscope.agent.collector import objectstore, remote
+
+    try:
+        parsed = objectstore.parse_url(url)
+    except ValueError as e:
+        raise StoreError(str(e)) from None
+    try:
+        return remote.sync(parsed).root
+    except OSError as e:
+        raise StoreError(f"cannot read the store: {objectstore.describe_error(e, url=parsed)}") from None
 
 
 def _check_hive_keys(roots: Sequence[Path]) -> None:

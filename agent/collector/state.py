@@ -131,6 +131,11 @@ class MetricsState:
         self.overflow_records = 0
         self.parts_written = 0
         self.store_write_errors = 0
+        self.upload_parts = 0  # agent.collector.upload (all stay 0 without --upload)
+        self.upload_bytes = 0
+        self.upload_errors = 0
+        self.upload_pending_parts = 0
+        self.upload_last_success: float | None = None
         self.metric_errors = 0
         self.gpu_errors = 0
         self.lag_s: float | None = None

@@ -1,0 +1,112 @@
+"""Readers over a bucket: ``--store s3://bucket/prefix`` reads through a local cache of the bucket's parts.
+
+Parts are immutable under their names (``agent.collector.objectstore``), so a cache never goes stale: a
+sync lists the prefix once (one flat listing), downloads the parts the cache lacks, and removes those the
+bucket no longer has or that a compacted part supersedes. The cache is then an ordinary local store root,
+read by the one reader (``agent.collector.reader.Store``) with DuckDB's own Parquet scan. So the first read
+of a run costs its download, and every later read one listing plus what is new: cheaper than fetching
+every file from the bucket on every page load (DuckDB's httpfs extension cannot be installed here, and
+an Arrow dataset over S3 would re-read each part each time).
+
+Cache: ``$MESHSCOPE_CACHE_DIR`` (default ``~/.cache/meshscope``) ``/s3/<hash of the URL>``. Nothing from a
+key becomes a path unless it matches the store's layout (``objectstore.table_part``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshscope.agent.collector import objectstore
+from meshscope.agent.collector.objectstore import S3Url
+
+MIN_SYNC_INTERVAL_S = 2.0  # several reads within this share one listing (a dashboard page runs many)
+WORKERS = 16  # concurrent GETs: small objects, latency-bound
+
+_locks: dict[str, threading.Lock] = {}
+_last_sync: dict[str, float] = {}
+_guard = threading.Lock()
+
+
+@dataclass(frozen=True, slots=True)
+class SyncResult:
+    root: Path
+    listed: int
+    downloaded: int
+    removed: int
+    bytes: int
+
+
+def cache_root(url: S3Url) -> Path:
+    base = Path(os.environ.get("MESHSCOPE_CACHE_DIR") or Path.home() / ".cache" / "meshscope")
+    # A hash, not the bucket and prefix: a "key=value" in a prefix would read as a partition key, and two
+    # endpoints may hold the same bucket name.
+    digest = hashlib.sha256(f"{objectstore.endpoint_from_env()}|{url}".encode()).hexdigest()[:16]
+    return base / "s3" / digest
+
+
+def sync(url: S3Url, *, filesystem=None, min_interval_s: float = MIN_SYNC_INTERVAL_S) -> SyncResult:
+    """Bring the cache of ``url`` up to the bucket. Raises OSError (pyarrow's S3 errors included)."""
+    root = cache_root(url)
+    key = str(root)
+    with _guard:
+        lock = _locks.setdefault(key, threading.Lock())
+    with lock:
+        if time.monotonic() - _last_sync.get(key, -1e9) < min_interval_s and root.is_dir():
+            return SyncResult(root, 0, 0, 0, 0)
+        s3 = filesystem if filesystem is not None else objectstore.filesystem()
+        parts = objectstore.list_parts(s3, url)
+        drop = objectstore.superseded(list(parts.values()))
+        wanted = {rel: p for rel, p in parts.items() if rel not in drop}
+        (root / "tables").mkdir(parents=True, exist_ok=True)
+        have = _cached_files(root)
+        missing = [p for rel, p in wanted.items() if have.get(rel) != p.size]
+        with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+            sizes = list(pool.map(lambda p: _download(s3, url, p, root), missing))
+        removed = 0
+        for rel in set(have) - set(wanted):
+            try:
+                (root / rel).unlink()
+                removed += 1
+            except FileNotFoundError:
+                pass
+        _last_sync[key] = time.monotonic()
+        return SyncResult(root, len(wanted), len(missing), removed, sum(sizes))
+
+
+def _download(s3, url: S3Url, part: objectstore.RemotePart, root: Path) -> int:
+    final = root / part.rel
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        with s3.open_input_stream(url.path(part.rel)) as src:
+            data = src.read()
+        tmp.write_bytes(data)
+        os.replace(tmp, final)  # whole or absent: a reader scanning the cache never sees half a file
+    except FileNotFoundError:
+        return 0  # deleted since the listing (a compaction's sources): the next sync drops it
+    finally:
+        tmp.unlink(missing_ok=True)
+    return len(data)
+
+
+def _cached_files(root: Path) -> dict[str, int]:
+    """Parts in the cache by key below the prefix (temporary files of a download in flight excluded)."""
+    out = {}
+    base = root / "tables"
+    for dirpath, _dirs, files in os.walk(base):
+        rel_dir = os.path.relpath(dirpath, root)
+        for name in files:
+            if name.startswith("."):
+                continue
+            rel = f"{rel_dir}/{name}"
+            try:
+                out[rel] = os.stat(os.path.join(dirpath, name)).st_size
+            except FileNotFoundError:
+                continue
+    return out
