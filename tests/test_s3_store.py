@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+from streamlit.testing.v1 import AppTest
 
 from meshscope.agent.collector import objectstore
 from meshscope.agent.collector.reader import Store, StoreError, read_table
@@ -26,6 +27,7 @@ from meshscope.testing.s3 import Proxy, moto_server, s3_env
 pytestmark = [pytest.mark.server, pytest.mark.gloo]
 
 BUCKET = "runs"
+APP = ROOT / "dashboard" / "app.py"
 
 
 @pytest.fixture(scope="module")
@@ -103,37 +105,73 @@ def test_keys_outside_the_layout_are_ignored_and_superseded_parts_found():
 
 
 # ------------------------------------------------------------------------------ agent and bucket
-def test_agent_killed_mid_upload_three_times_bucket_holds_every_record_once(s3, work):
-    """Small parts every poll (``--part-age 0``) keep uploads in flight all the time, so each SIGKILL lands
-    in a list / PUT / delete cycle; the restarted agent lists the bucket and uploads what is missing. Then
-    ``report`` over the bucket says what it says over the local store."""
+@pytest.fixture(scope="module")
+def killed_run(s3):
+    """A 2-rank run (rank 1 a straggler) whose agent is SIGKILLed three times while uploading. Small parts
+    every poll (``--part-age 0``) keep uploads in flight all the time, so each kill lands in a list / PUT /
+    delete cycle; the restarted agent lists the bucket and uploads what is missing."""
+    _, proxy = s3
     world, steps, run = 2, 160, "s3kill"
     url = f"s3://{BUCKET}/kill"
     rnd = random.Random(20261125)
     args = ("--part-age", "0", "--part-bytes", "16000", "--upload", url)
-    job = Job(world, "--steps", steps, "--log-every", 1, "--store", work, "--run-name", run,
-              "--straggler-ranks", "1", "--straggler-seconds", "0.03", log=work / "job.log")
-    agent = AgentProcess(work, *args, poll_interval=0.05)
-    try:
-        for _ in range(3):
-            before = _uploaded(agent)
-            poll_until(lambda: _uploaded(agent) >= before + 10, timeout_s=120, interval_s=0.05,
-                       what="the agent uploads new parts")
-            assert job.running(), "the run ended before the third kill: raise steps"
-            time.sleep(rnd.uniform(0.0, 0.2))
+    with private_dir("meshscope-s3-") as work, pytest.MonkeyPatch.context() as mp:
+        for k, v in s3_env(proxy.endpoint).items():
+            mp.setenv(k, v)
+        mp.setenv("MESHSCOPE_CACHE_DIR", str(work / "cache"))
+        job = Job(world, "--steps", steps, "--log-every", 1, "--store", work, "--run-name", run,
+                  "--straggler-ranks", "1", "--straggler-seconds", "0.03", log=work / "job.log")
+        agent = AgentProcess(work, *args, poll_interval=0.05)
+        try:
+            for _ in range(3):
+                before = _uploaded(agent)
+                poll_until(lambda: _uploaded(agent) >= before + 10, timeout_s=120, interval_s=0.05,
+                           what="the agent uploads new parts")
+                assert job.running(), "the run ended before the third kill: raise steps"
+                time.sleep(rnd.uniform(0.0, 0.2))
+                agent.kill()
+                with job.paused():
+                    agent = AgentProcess(work, *args, poll_interval=0.05)
+            assert job.wait(timeout_s=240) == 0, job.tail()
+            poll_until(lambda: _drained(agent, run, steps - 1, world), timeout_s=90,
+                       what="the last agent uploads all")
+            assert agent.stop() == 0, agent.stderr
+        finally:
+            job.kill()
             agent.kill()
-            with job.paused():
-                agent = AgentProcess(work, *args, poll_interval=0.05)
-        assert job.wait(timeout_s=240) == 0, job.tail()
-        poll_until(lambda: _drained(agent, run, steps - 1, world), timeout_s=90, what="the last agent uploads all")
-        assert agent.stop() == 0, agent.stderr
-    finally:
-        job.kill()
-        agent.kill()
+        yield work, url, run, world, steps
+
+
+def test_agent_killed_mid_upload_three_times_bucket_holds_every_record_once(killed_run):
+    work, url, run, world, steps = killed_run
     _exactly_once(work, url, run, world, steps)
+
+
+def test_report_over_the_bucket_says_what_it_says_over_the_local_store(killed_run):
+    work, url, run, _, _ = killed_run
     local, remote = _report(str(work), run), _report(url, run)
     assert remote == local
     assert [s["rank"] for s in remote["stragglers"]] == [1], remote["stragglers"]
+
+
+def test_dashboard_over_the_bucket_shows_what_it_shows_over_the_local_store(killed_run, monkeypatch):
+    work, url, run, _, _ = killed_run
+
+    def pages(store: str) -> dict[str, list[str]]:
+        monkeypatch.setattr(sys, "argv", ["app.py", "--store", store])
+        at = AppTest.from_file(str(APP), default_timeout=60).run()
+        out = {}
+        for page in ("overview", "communication", "pipeline", "memory"):
+            at.switch_page(f"app_pages/{page}.py")
+            at.run()
+            assert not at.exception and not at.error, (store, page, at.exception, at.error)
+            out[page] = [str(e.value) for kind in ("markdown", "metric", "warning", "info", "success")
+                         for e in at.get(kind)]
+        return out
+
+    local, remote = pages(str(work)), pages(url)
+    assert remote == local
+    assert any("rank 1" in text.lower() for text in remote["overview"]), remote["overview"]
 
 
 def test_endpoint_down_30s_training_unaffected_uploads_catch_up(s3, work):

@@ -299,6 +299,7 @@ def _histogram_points(family: Metric, *, entry: MetricSpec, now_ns: int, starts:
             attributes=dict(key), start_time_unix_nano=starts.start((entry.name, *key), value=float(one["count"])),
             time_unix_nano=now_ns, count=int(one["count"]), sum=float(one["sum"]),
             bucket_counts=[t - p for t, p in zip(totals, [0, *totals[:-1]])],
+            # Prometheus buckets keep no min or max: left unset rather than guessed from the bounds.
             explicit_bounds=[b[0] for b in buckets[:-1]], min=None, max=None, exemplars=exemplars))
     return points
 
