@@ -8,6 +8,7 @@ row with what the bucket holds, and the same run's local store read by the same 
 from __future__ import annotations
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -16,7 +17,11 @@ import time
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from meshscope.agent.collector import objectstore
+import pyarrow as pa
+
+from meshscope.agent.collector import objectstore, parts
+from meshscope.agent.collector.state import MetricsState
+from meshscope.agent.collector.upload import Uploader, UploadConfig
 from meshscope.agent.collector.reader import Store, StoreError, read_table
 from meshscope.agent.contract import part_name
 from meshscope.testing.harness import (
@@ -257,3 +262,70 @@ def test_reader_on_a_missing_bucket_is_one_line(s3, work):
                            "--json"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "absent-bucket" in proc.stderr, proc.stderr
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 1_000.0
+
+    def now(self) -> float:
+        return self.t
+
+
+def test_uploader_compaction_retention_and_restart(s3, work):
+    """In process, one pass at a time: a compacted part replaces its sources in the bucket; local parts go
+    only once acknowledged, past --keep-local and below the durable offset; a restarted uploader lists
+    the bucket and uploads nothing twice."""
+    moto, proxy = s3
+    url = f"s3://{BUCKET}/unit"
+    rank_dir = work / "tables" / "step" / "run=u1" / "rank=0"
+    for start, end in ((0, 10), (10, 20)):
+        parts.write_part(rank_dir, pa.table({"step": [start]}), kind="step", stream="s1", start=start, end=end,
+                         source="test")
+    clock, state = _Clock(), MetricsState()
+    config = UploadConfig(url=url, keep_local_s=100)
+    up = Uploader(store=work, config=config, state=state, clock=clock)
+    s3fs = objectstore.filesystem()
+
+    def bucket() -> list[str]:
+        return sorted(rel.rsplit("/", 1)[1] for rel in objectstore.list_parts(s3fs, objectstore.parse_url(url)))
+
+    assert up.run_pass() == 2 and bucket() == [part_name("s1", 0, 10), part_name("s1", 10, 20)]
+    assert (state.upload_parts, state.upload_pending_parts) == (2, 0) and state.upload_bytes > 0
+    written, _ = parts.compact_partition(rank_dir, kind="step", durable=lambda s: math.inf, small_bytes=1 << 20,
+                                         target_bytes=1 << 20, min_parts=2)
+    assert written == 1
+    assert up.run_pass() == 1 and bucket() == [part_name("s1", 0, 20)]  # the sources' objects are gone
+
+    clock.t += 50
+    assert up.retain(durable=lambda s: math.inf) == 0  # acknowledged, but not for --keep-local yet
+    clock.t += 100
+    assert up.retain(durable=lambda s: 10) == 0  # the part reaches past the durable offset
+    assert up.retain(durable=lambda s: 20) == 1 and not any(rank_dir.iterdir())
+    assert bucket() == [part_name("s1", 0, 20)]
+
+    parts.write_part(rank_dir, pa.table({"step": [20]}), kind="step", stream="s1", start=20, end=30, source="test")
+    again = Uploader(store=work, config=config, state=MetricsState(), clock=clock)  # an agent restart
+    assert again.run_pass() == 1 and again.run_pass() == 0
+    assert bucket() == [part_name("s1", 0, 20), part_name("s1", 20, 30)]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["agent", "--store", "s3://b-1/x"], "the agent writes a local store directory; give the bucket as --upload"),
+    (["agent", "--store", "DIR", "--upload", "s3://B/x"], "'B' is not a valid S3 bucket name"),
+    (["sweep", "--store", "s3://b-1/x"], "the sweep's jobs write a local store directory"),
+    (["export-trace", "--store", "s3://B/x", "--run", "r", "--out", "t.json"], "'B' is not a valid S3 bucket name"),
+])
+def test_urls_where_a_directory_is_written_are_one_line(argv, message, tmp_path):
+    argv = [str(tmp_path / "store") if a == "DIR" else a for a in argv]
+    proc = subprocess.run([sys.executable, "-m", "meshscope", *argv], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert not (tmp_path / "s3:").exists()
+
+
+def test_telemetry_refuses_a_url_as_its_store():
+    from meshscope.agent.instrument.config import TelemetryConfig
+
+    with pytest.raises(ValueError, match="store='s3://b-1/x' is a URL"):
+        TelemetryConfig(store="s3://b-1/x", run="r")

@@ -129,6 +129,9 @@ def _validate(ns) -> tuple[list[int], list[str], list[int], list[str]]:
         except ValueError:
             raise ConfigError(f"--name {ns.name!r} cannot start a run name: use letters, digits, '.', '_' or '-', "
                               "starting with a letter or digit") from None
+    if ns.store.startswith("s3://"):
+        raise ConfigError(f"--store {ns.store!r}: the sweep's jobs write a local store directory; to put it in a "
+                          "bucket, run `meshscope agent --store DIR --upload s3://...` beside the sweep")
     store = Path(ns.store)
     if store.exists() and not store.is_dir():
         raise ConfigError(f"store {ns.store!r} is not a directory")

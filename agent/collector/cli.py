@@ -79,6 +79,9 @@ def _build_parser(prog: str, *, agent: bool) -> argparse.ArgumentParser:
 
 
 def _check_store(store: Path, *, create: bool) -> None:
+    if str(store).startswith(("s3:/", "http:/", "https:/")):  # Path() made "s3://b" into "s3:/b"
+        raise UsageError(f"--store {str(store)!r} is a URL: the agent writes a local store directory; give the "
+                         "bucket as --upload s3://BUCKET/PREFIX")
     if not store.exists() and not create:
         raise UsageError(f"store directory {str(store)!r} does not exist")
     if not store.exists():  # the live flow starts the agent before the job that fills its store

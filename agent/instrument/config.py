@@ -27,6 +27,9 @@ class TelemetryConfig:
         bad = []
         if not self.store:
             bad.append(f"store={self.store!r}")
+        elif "://" in str(self.store):  # ranks write spools to a local directory; the agent uploads them
+            bad.append(f"store={self.store!r} is a URL: ranks write a local store directory (upload it with "
+                       "`meshscope agent --store DIR --upload s3://...`)")
         try:
             check_run_name(self.run)  # the contract's one rule: a run name is a directory name
         except ValueError as e:
