@@ -103,7 +103,7 @@ def _issue(op: str, *, x, out, async_op: bool):
     if op == "all_reduce_avg":  # NCCL runs AVG of floats as a pre-multiplied sum: a kernel even on one rank
         return dist.all_reduce(x, op=dist.ReduceOp.AVG, async_op=async_op)
     if op == "all_gather_single":
-        return dist.all_gather_single(out, x, async_op=async_op)
+        return dist.all_gather_into_tensor(out, x, async_op=async_op)
     return dist.all_gather([out], x, async_op=async_op)
 
 

@@ -115,7 +115,7 @@ def test_many_small_frames_make_few_parts(tmp_path):
     for i in range(200):
         w.submit("collective", coll_rows(0, 5, start=5 * i))
         w.flush()  # 200 separate frames
-    ingestor(tmp_path).ingest_all()
+    ingestor(tmp_path, pack=False).ingest_all()
     assert len(all_parts(tmp_path)) == 1
     assert len(read_table(tmp_path, "collective")) == 1000
 
@@ -123,7 +123,7 @@ def test_many_small_frames_make_few_parts(tmp_path):
 def test_size_and_age_bound_parts_and_offsets_advance(tmp_path):
     clock = Clock()
     w = writer(tmp_path)
-    ing = ingestor(tmp_path, clock, part_target_bytes=20_000, max_part_age_s=10, read_chunk_bytes=8_000)
+    ing = ingestor(tmp_path, clock, part_target_bytes=20_000, max_part_age_s=10, read_chunk_bytes=8_000, pack=False)
     for i in range(20):
         w.submit("collective", coll_rows(0, 50, start=50 * i))
         w.flush()
@@ -210,7 +210,7 @@ def test_crash_inside_a_part_write_leaves_no_trace(tmp_path, monkeypatch):
 def test_compaction_merges_small_parts_and_survives_a_crash(tmp_path, monkeypatch):
     clock = Clock()
     w = writer(tmp_path)
-    ing = ingestor(tmp_path, clock, max_part_age_s=0, compact_min_parts=4, compact_interval_s=1e9)
+    ing = ingestor(tmp_path, clock, max_part_age_s=0, compact_min_parts=4, compact_interval_s=1e9, pack=False)
     for i in range(12):
         w.submit("collective", coll_rows(0, 10, start=10 * i))
         w.flush()
@@ -236,7 +236,7 @@ def test_store_write_failure_is_counted_and_retried_on_the_same_range(tmp_path):
     w.flush()
     (tmp_path / "tables").mkdir()
     (tmp_path / "tables" / "step").write_text("in the way")  # the step part fails, the collective one not
-    ing = ingestor(tmp_path, clock, retry_first_s=5, retry_max_s=5)
+    ing = ingestor(tmp_path, clock, retry_first_s=5, retry_max_s=5, pack=False)
     ing.poll(final=True)
     assert ing.state.store_write_errors == 1 and ing.state.ingested["collective"] == 10
     w.submit("collective", coll_rows(0, 10, start=10))

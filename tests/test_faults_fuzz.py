@@ -303,8 +303,8 @@ def test_ingest_stores_exactly_the_records_of_intact_frames(files, junk_file):
         ingest.ingest_all()
         for kind, n in want.items():
             assert state.ingested[kind] == n, kind
-            parts = list((store / "tables" / kind).glob(f"run={RUN}/rank=*/part-*.parquet"))
-            assert sum(pq.read_metadata(p).num_rows for p in parts) == n, kind
+            files = list((store / "tables" / kind).glob(f"run={RUN}/*/*.parquet"))  # parts and packs
+            assert sum(pq.read_metadata(p).num_rows for p in files) == n, kind
         assert set(state.rejected) <= set(REJECT_REASONS)
         assert sum(state.rejected.values()) - state.rejected["bad_file_header"] >= damaged
         assert state.rejected["bad_file_header"] <= 1  # the junk file, once (none if it may be a header)

@@ -23,7 +23,7 @@ from meshscope.agent.collector import objectstore, parts
 from meshscope.agent.collector.state import MetricsState
 from meshscope.agent.collector.upload import Uploader, UploadConfig
 from meshscope.agent.collector.reader import Store, StoreError, read_table
-from meshscope.agent.contract import part_name
+from meshscope.agent.contract import pack_name, part_name
 from meshscope.testing.harness import (
     ROOT, AgentProcess, Job, compare_store_to_truth, poll_until, private_dir, spool_truth,
 )
@@ -106,7 +106,14 @@ def test_keys_outside_the_layout_are_ignored_and_superseded_parts_found():
         assert objectstore.table_part(bad, 5) is None, bad
     parts = [objectstore.table_part(f"tables/step/run=r1/rank=0/{part_name(s, a, b)}", 1)
              for s, a, b in (("s1", 0, 10), ("s1", 10, 20), ("s1", 0, 20), ("s1", 20, 30), ("s2", 0, 10))]
-    assert objectstore.superseded(parts) == {parts[0].rel, parts[1].rel}
+    assert objectstore.superseded(parts, {}) == {parts[0].rel, parts[1].rel}
+    # a pack (agent.collector.packs) supersedes the parts its manifest holds; unknown manifests nothing
+    pack = objectstore.table_part(f"tables/step/run=r1/packs/{pack_name('a' * 24)}", 7)
+    assert pack.pack and pack.run_dir == "tables/step/run=r1" and pack.size == 7
+    assert objectstore.table_part("tables/step/run=r1/packs/part-s1-0-1.parquet", 1) is None
+    assert objectstore.superseded([*parts, pack], {pack.rel: ((0, "s1", 20, 30), (0, "s2", 0, 10))}) == {
+        parts[0].rel, parts[1].rel, parts[3].rel, parts[4].rel}
+    assert objectstore.superseded([*parts, pack], {pack.rel: None}) == {parts[0].rel, parts[1].rel}
 
 
 # ------------------------------------------------------------------------------ agent and bucket

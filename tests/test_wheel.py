@@ -25,7 +25,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("agent", "trainer", "dashboard", "grafana", "meshscope")
 # import name -> distribution, where they differ
-DIST_OF = {"yaml": "PyYAML", "pynvml": "nvidia-ml-py", "prometheus_client": "prometheus-client"}
+DIST_OF = {"yaml": "PyYAML", "pynvml": "nvidia-ml-py", "prometheus_client": "prometheus-client",
+           "opentelemetry": "opentelemetry-sdk"}
 
 
 def _third_party_imports() -> set[str]:

@@ -59,6 +59,9 @@ class GpuSampler:
         ]
         self._xid = [0] * count
         self._events = self._register_xid_events()
+        # NVML's v1 memory struct counts the driver's reserved memory as used (615 MiB on an H200, measured
+        # by bench/gpu_check.py); v2 does not, which is what nvidia-smi shows. v1 where v2 is unknown.
+        self._mem_v2 = getattr(nvml, "nvmlMemory_v2", None)
 
     def _q(self, fn, *args, default):
         """One NVML query: NotSupported gives ``default`` quietly, other NVML errors are counted."""
@@ -113,7 +116,7 @@ class GpuSampler:
         rows = []
         for i, h in enumerate(self._handles):
             util = self._q(nvml.nvmlDeviceGetUtilizationRates, h, default=None)
-            mem = self._q(nvml.nvmlDeviceGetMemoryInfo, h, default=None)
+            mem = self._memory(h)
             power_mw = self._q(nvml.nvmlDeviceGetPowerUsage, h, default=None)
             temp = self._q(nvml.nvmlDeviceGetTemperature, h, nvml.NVML_TEMPERATURE_GPU, default=None)
             sm = self._q(nvml.nvmlDeviceGetClockInfo, h, nvml.NVML_CLOCK_SM, default=None)
@@ -133,6 +136,14 @@ class GpuSampler:
                 ecc_errors_total=int(ecc),
             ))
         return rows
+
+    def _memory(self, h):
+        if self._mem_v2 is not None:
+            try:
+                return self._nvml.nvmlDeviceGetMemoryInfo(h, version=self._mem_v2)
+            except Exception:  # noqa: BLE001 - an older driver or binding: v1 from now on
+                self._mem_v2 = None
+        return self._q(self._nvml.nvmlDeviceGetMemoryInfo, h, default=None)
 
     def close(self) -> None:
         nvml = self._nvml

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from meshscope.agent.collector import packs
 from meshscope.agent.collector import parts as partio
 from meshscope.agent.collector.offsets import OffsetStore
 from meshscope.agent.collector.state import MetricsState
@@ -45,6 +46,11 @@ class IngestConfig:
     compact_interval_s: float = 60.0
     compact_min_parts: int = 16
     compact_small_bytes: int = 4 * 1024 * 1024
+    # Node packs (agent.collector.packs): final parts of a run go into one file per kind, small packs are
+    # merged once pack_merge_min of them gather. Off: the parts stay (and are compacted per rank).
+    pack: bool = True
+    pack_merge_min: int = 8
+    pack_small_bytes: int = 16 * 1024 * 1024
     # After a failed store write: retry after retry_first_s, doubling to retry_max_s (agent.transport.backoff).
     retry_first_s: float = 0.1
     retry_max_s: float = 5.0
@@ -53,7 +59,7 @@ class IngestConfig:
 
     def __post_init__(self) -> None:
         for name in ("part_target_bytes", "max_buffer_bytes", "read_chunk_bytes", "compact_min_parts",
-                     "compact_small_bytes", "max_gpu_rows"):
+                     "compact_small_bytes", "max_gpu_rows", "pack_merge_min", "pack_small_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be >= 1")
         for name in ("max_part_age_s", "compact_interval_s", "gpu_active_window_s"):
@@ -126,7 +132,9 @@ class Ingestor:
         self._flush_due(now, final=final)
         self._flush_gpu(now, final=final)
         self._save_offsets()
-        if final or now >= self._next_compact:
+        if self.config.pack:
+            self._pack()
+        elif final or now >= self._next_compact:
             self._compact()
             self._next_compact = now + self.config.compact_interval_s
         st = self.state
@@ -208,8 +216,10 @@ class Ingestor:
         saved = self._saved.get(cursor.key)
         if saved is not None and saved["stream"] == cursor.stream:
             cursor.committed = cursor.durable = saved["offset"]
-        else:
-            cursor.committed, cursor.durable = first.end, 0
+        else:  # no saved offset (a new spool, or offsets.json lost): what packs hold was already final
+            run_dirs = [tables_dir(self.store, kind) / f"run={cursor.run}" for kind in KINDS]
+            start = packs.covered_end(run_dirs, rank=cursor.rank, stream=cursor.stream, start=first.end)
+            cursor.committed, cursor.durable = start, 0
             self._dirty_offsets = True
         cursor.read_pos = cursor.committed
         self._recover(cursor)
@@ -412,9 +422,29 @@ class Ingestor:
             with self.state.lock:
                 self.state.parts_written += written
 
+    def _pack(self) -> None:
+        """Pack the runs written to since the last pass (their new parts are durable by now: offsets were
+        just saved). A failure leaves the parts where they are, for the next pass."""
+        touched, self._touched = self._touched, set()
+        runs = {(kind, directory.parent) for kind, directory in touched}
+        cfg = self.config
+        for kind, run_dir in sorted(runs):
+            try:
+                written, _ = packs.pack_run(run_dir, kind=kind, final=lambda stream, end: end <= self.durable(stream),
+                                            merge_min=cfg.pack_merge_min, small_bytes=cfg.pack_small_bytes)
+            except OSError:
+                with self.state.lock:
+                    self.state.store_write_errors += 1
+                self._touched.update((k, d) for k, d in touched if k == kind and d.parent == run_dir)
+                continue
+            with self.state.lock:
+                self.state.parts_written += written
+
     def _cleanup(self) -> None:
         for kind in KINDS:
             base = tables_dir(self.store, kind)
-            for directory in base.glob("run=*/rank=*") if base.is_dir() else ():
-                partio.cleanup_partition(directory)
-                self._touched.add((kind, directory))  # compact what earlier runs left small
+            for run_dir in base.glob("run=*") if base.is_dir() else ():
+                packs.cleanup_run(run_dir)  # first: a pack's sources must not go into a second pack
+                for directory in run_dir.glob("rank=*"):
+                    partio.cleanup_partition(directory)
+                    self._touched.add((kind, directory))  # compact or pack what earlier runs left

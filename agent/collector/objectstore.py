@@ -3,11 +3,13 @@
 The bucket mirrors the local store's tables (``agent.collector.store``) under a prefix::
 
     s3://<bucket>/<prefix>/tables/<kind>/run=<run>/rank=<rank>/part-<stream>-<start>-<end>.parquet
+    s3://<bucket>/<prefix>/tables/<kind>/run=<run>/packs/pack-<id>.parquet        (agent.collector.packs)
 
 Part names are idempotent (a part is one byte range of one spool stream, ``agent.collector.parts``), so an
 upload repeated after a crash writes the same object again, and "exactly once" in the bucket is the same
-rule as on disk: one object per (stream, range), and a part contained in another part of its stream (the
-sources of a compaction whose merged part is already up) is ignored by readers and deleted by the agent.
+rule as on disk: one object per (stream, range), and what a compaction or a pack replaced (a part inside
+another part of its stream or inside a pack's ranges, a pack inside another pack) is ignored by readers
+and deleted by the agent once its replacement is up.
 
 The client is pyarrow's S3 filesystem (the AWS SDK's credential chain: environment, ``~/.aws``
 config and credentials files, instance roles). The endpoint comes from ``AWS_ENDPOINT_URL_S3`` or
@@ -20,11 +22,13 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from meshscope.agent.collector.parts import contained
-from meshscope.agent.contract import KINDS, PART_RE, is_run_name
+from meshscope.agent.collector.packs import PartRef
+from meshscope.agent.collector.packs import superseded as packs_superseded
+from meshscope.agent.contract import KINDS, PACK_RE, PART_RE, is_run_name
 
 if TYPE_CHECKING:
     from pyarrow.fs import S3FileSystem
@@ -35,7 +39,8 @@ _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _PREFIX_PART = re.compile(r"^[A-Za-z0-9._=+-]+$")
 # A stored part's key below the prefix: the local layout, nothing else (anything else in the bucket is
 # ignored, so no key can name a path outside a reader's cache).
-_TABLE_KEY = re.compile(r"^tables/(?P<kind>[a-z_]+)/run=(?P<run>[^/]+)/rank=(?P<rank>-?\d+)/(?P<name>[^/]+)$")
+_TABLE_KEY = re.compile(r"^tables/(?P<kind>[a-z_]+)/run=(?P<run>[^/]+)/(?:rank=(?P<rank>-?\d+)|(?P<packs>packs))/"
+                        r"(?P<name>[^/]+)$")
 
 
 def is_remote(location: object) -> bool:
@@ -90,23 +95,34 @@ def filesystem(*, connect_timeout_s: float = 3.0, request_timeout_s: float = 30.
 
 @dataclass(frozen=True, slots=True)
 class RemotePart:
-    rel: str  # key below the prefix: tables/<kind>/run=<run>/rank=<rank>/<name>
-    directory: str  # tables/<kind>/run=<run>/rank=<rank>
+    """A part (``tables/<kind>/run=<run>/rank=<rank>/part-*``) or a pack (``.../run=<run>/packs/pack-*``,
+    ``rank`` None: its ranges are in its manifest, ``agent.collector.packs``)."""
+
+    rel: str  # key below the prefix
+    run_dir: str  # tables/<kind>/run=<run>
+    rank: int | None
     stream: str
     start: int
     end: int
     size: int
 
+    @property
+    def pack(self) -> bool:
+        return self.rank is None
+
 
 def table_part(rel: str, size: int) -> RemotePart | None:
-    """The part a key below the prefix names, or None when it is not a part of the store's layout."""
+    """The part or pack a key below the prefix names, or None when it is not one of the store's layout."""
     m = _TABLE_KEY.match(rel)
     if not m or m["kind"] not in KINDS or not is_run_name(m["run"]):
         return None
+    run_dir = f"tables/{m['kind']}/run={m['run']}"
+    if m["packs"]:
+        return RemotePart(rel, run_dir, None, "", 0, 0, size) if PACK_RE.match(m["name"]) else None
     name = PART_RE.match(m["name"])
     if not name:
         return None
-    return RemotePart(rel=rel, directory=rel.rsplit("/", 1)[0], stream=name["stream"], start=int(name["start"]),
+    return RemotePart(rel=rel, run_dir=run_dir, rank=int(m["rank"]), stream=name["stream"], start=int(name["start"]),
                       end=int(name["end"]), size=size)
 
 
@@ -122,13 +138,31 @@ def list_parts(s3: S3FileSystem, url: S3Url) -> dict[str, RemotePart]:
             part = table_part(info.path[cut:], int(info.size or 0))
             if part is not None:
                 out[part.rel] = part
+    if not out:
+        _bucket_exists(s3, url)
     return out
 
 
-def superseded(parts: list[RemotePart]) -> set[str]:
-    """Keys of parts contained in another part of the same directory and stream (compaction sources
-    whose merged part is up): readers ignore them, the uploader deletes them."""
-    return contained((p.rel, (p.directory, p.stream), p.start, p.end) for p in parts)
+def _bucket_exists(s3: S3FileSystem, url: S3Url) -> None:
+    """Raises OSError when the bucket is missing: an empty listing with ``allow_not_found`` does not tell
+    a missing bucket from an empty prefix (pyarrow 26 against moto 5 lists nothing and raises nothing)."""
+    from pyarrow import fs
+
+    if s3.get_file_info(url.bucket).type == fs.FileType.NotFound:
+        raise FileNotFoundError(f"NO_SUCH_BUCKET: bucket {url.bucket!r} not found")
+
+
+def superseded(parts: Iterable[RemotePart], manifests: Mapping[str, tuple | None]) -> set[str]:
+    """Keys of what a compaction or a packing replaced (``agent.collector.packs.superseded``, per run
+    directory): readers ignore them, the uploader deletes them. ``manifests``: pack key -> its manifest."""
+    by_run: dict[str, list[RemotePart]] = {}
+    for p in parts:
+        by_run.setdefault(p.run_dir, []).append(p)
+    out: set[str] = set()
+    for group in by_run.values():
+        refs = [PartRef(p.rel, p.rank, p.stream, p.start, p.end) for p in group if not p.pack]
+        out |= packs_superseded(refs, [(p.rel, manifests.get(p.rel)) for p in group if p.pack])
+    return out
 
 
 def check_bucket(s3: S3FileSystem, url: S3Url) -> None:
@@ -137,6 +171,7 @@ def check_bucket(s3: S3FileSystem, url: S3Url) -> None:
     from pyarrow import fs
 
     s3.get_file_info(fs.FileSelector(url.path(), recursive=False, allow_not_found=True))
+    _bucket_exists(s3, url)
 
 
 def describe_error(exc: BaseException, *, url: S3Url) -> str:

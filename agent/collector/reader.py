@@ -45,10 +45,10 @@ from pathlib import Path
 import duckdb
 import pandas as pd
 
-from meshscope.agent.collector import tableview
+from meshscope.agent.collector import packs, tableview
 from meshscope.agent.collector.objectstore import is_remote
 from meshscope.agent.collector.store import PARTITION_KEYS, stored_schema
-from meshscope.agent.contract import KINDS, SCHEMAS, check_run_name, is_run_name
+from meshscope.agent.contract import KINDS, PACK_RE, PART_RE, SCHEMAS, check_run_name, is_run_name
 
 SKIPPED = "skipped_files"  # key in DataFrame.attrs
 
@@ -149,10 +149,24 @@ class Store:
         dirs = self._run_dirs(kind)
         out: set[Path] = set()
         for run in runs:
+            parts: list[packs.PartRef] = []
+            found: list[tuple[Path, tuple | None]] = []
             for run_dir in dirs.get(run, ()):
-                for _, rank_dir in _entries(run_dir, prefix="rank=", want_dir=True):
-                    out.update(path for name, path in _entries(rank_dir, prefix="", want_dir=False)
-                               if name.endswith(".parquet"))
+                for name, rank_dir in _entries(run_dir, prefix="rank=", want_dir=True):
+                    for file, path in _entries(rank_dir, prefix="", want_dir=False):
+                        if file.endswith(".parquet"):
+                            out.add(path)
+                            m = PART_RE.match(file)
+                            if m and name[len("rank="):].lstrip("-").isdigit():
+                                parts.append(packs.PartRef(path, int(name[len("rank="):]), m["stream"],
+                                                           int(m["start"]), int(m["end"])))
+                for name, pack_dir in _entries(run_dir, prefix=packs.PACKS_DIR, want_dir=True):
+                    if name == packs.PACKS_DIR:
+                        found += [(path, packs.manifest(path)) for file, path in
+                                  _entries(pack_dir, prefix="pack-", want_dir=False) if PACK_RE.match(file)]
+            if found:  # what a crash or a cleanup in progress left beside the packs is read once
+                out.update(path for path, _ in found)
+                out -= packs.superseded(parts, found)
         return sorted(out)
 
     def _display(self, path: Path) -> str:

@@ -2,7 +2,8 @@
 
 Parts are immutable under their names (``agent.collector.objectstore``), so a cache never goes stale: a
 sync lists the prefix once (one flat listing), downloads the parts the cache lacks, and removes those the
-bucket no longer has or that a compacted part supersedes. The cache is then an ordinary local store root,
+bucket no longer has or that a compacted part or a pack supersedes (packs are fetched first: their
+manifests say which). The cache is then an ordinary local store root,
 read by the one reader (``agent.collector.reader.Store``) with DuckDB's own Parquet scan. So the first read
 of a run costs its download, and every later read one listing plus what is new: cheaper than fetching
 every file from the bucket on every page load (DuckDB's httpfs extension cannot be installed here, and
@@ -22,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshscope.agent.collector import objectstore
+from meshscope.agent.collector import objectstore, packs
 from meshscope.agent.collector.objectstore import S3Url
 
 MIN_SYNC_INTERVAL_S = 2.0  # several reads within this share one listing (a dashboard page runs many)
@@ -61,13 +62,19 @@ def sync(url: S3Url, *, filesystem=None, min_interval_s: float = MIN_SYNC_INTERV
             return SyncResult(root, 0, 0, 0, 0)
         s3 = filesystem if filesystem is not None else objectstore.filesystem()
         parts = objectstore.list_parts(s3, url)
-        drop = objectstore.superseded(list(parts.values()))
-        wanted = {rel: p for rel, p in parts.items() if rel not in drop}
         (root / "tables").mkdir(parents=True, exist_ok=True)
         have = _cached_files(root)
-        missing = [p for rel, p in wanted.items() if have.get(rel) != p.size]
         with ThreadPoolExecutor(max_workers=WORKERS) as pool:
-            sizes = list(pool.map(lambda p: _download(s3, url, p, root), missing))
+            # Packs first: their manifests (footers, read from the cache) say which parts and packs are
+            # superseded, and those are neither downloaded nor kept.
+            new_packs = [p for p in parts.values() if p.pack and have.get(p.rel) != p.size]
+            sizes = list(pool.map(lambda p: _download(s3, url, p, root), new_packs))
+            manifests = {p.rel: packs.manifest(root / p.rel) for p in parts.values() if p.pack}
+            drop = objectstore.superseded(list(parts.values()), manifests)
+            wanted = {rel: p for rel, p in parts.items() if rel not in drop}
+            missing = [p for p in wanted.values() if not p.pack and have.get(p.rel) != p.size]
+            sizes += pool.map(lambda p: _download(s3, url, p, root), missing)
+        missing += new_packs
         removed = 0
         for rel in set(have) - set(wanted):
             try:

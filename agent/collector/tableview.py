@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from meshscope.agent.contract import PART_RE, SCHEMAS
+from meshscope.agent.collector import packs
+from meshscope.agent.contract import PACK_RE, PART_RE, SCHEMAS
 from meshscope.agent.collector.store import stored_schema
 
 if TYPE_CHECKING:  # the connection is the caller's; this module never opens one
@@ -24,6 +25,7 @@ DUCK_TYPES = {pa.int64(): "BIGINT", pa.int32(): "INTEGER", pa.float64(): "DOUBLE
               pa.bool_(): "BOOLEAN"}
 # Partition keys come from the path; fixing their types stops DuckDB from turning run "0042" into 42.
 HIVE_TYPES = "{'run': VARCHAR, 'rank': INTEGER}"
+PACK_HIVE_TYPES = "{'run': VARCHAR}"  # packs (agent.collector.packs) hold many ranks: rank is a column
 # Kinds whose rows belong to a step, and the column that orders a rank's records in time.
 STEP_KINDS = {"step": "t_start", "collective": "t_start", "span": "t_start", "memory": "t"}
 # The stream of a row's part file, from the agent's own part-name pattern (DuckDB's RE2 reads the same
@@ -41,11 +43,15 @@ def restarted(paths: list[Path], *, kind: str) -> bool:
     streams: dict[tuple[str, str], str] = {}
     for p in paths:
         m = PART_RE.match(p.name)
-        if m is None:
+        if m is not None:
+            pairs = [(p.parent.parent.name, p.parent.name, m["stream"])]  # (run=<run>, rank=<rank>), across roots
+        elif PACK_RE.match(p.name):  # a pack's manifest lists its ranks' streams
+            pairs = [(p.parent.parent.name, f"rank={r}", stream) for r, stream, _, _ in packs.manifest(p) or ()]
+        else:
             continue
-        key = (p.parent.parent.name, p.parent.name)  # (run=<run>, rank=<rank>), across roots
-        if streams.setdefault(key, m["stream"]) != m["stream"]:
-            return True
+        for run, rank, stream in pairs:
+            if streams.setdefault((run, rank), stream) != stream:
+                return True
     return False
 
 
@@ -71,18 +77,33 @@ def select_sql(con: duckdb.DuckDBPyConnection, *, kind: str, paths: list[Path], 
 
 def _plain_sql(con: duckdb.DuckDBPyConnection, *, kind: str, paths: list[Path], union: bool,
                filename: bool) -> str:
-    # ``run`` and ``rank`` come from the path (the agent drops them from the files, e.g. the run kind's
-    # ``rank``), so they are appended once at the end.
     schema = stored_schema(kind)
     if not paths:
         cols = ", ".join(f'CAST(NULL AS {DUCK_TYPES[f.type]}) AS "{f.name}"' for f in schema)
         return f"SELECT {cols}, CAST(NULL AS VARCHAR) AS run, CAST(NULL AS INTEGER) AS rank WHERE false"
+    # Parts (one rank each: rank from the path) and packs (many ranks: rank a column) have different
+    # hive keys, which one read_parquet refuses: one read each.
+    part_paths = [p for p in paths if not PACK_RE.match(p.name)]
+    pack_paths = [p for p in paths if PACK_RE.match(p.name)]
+    selects = []
+    if part_paths:
+        selects.append(_group_sql(con, schema=schema, paths=part_paths, union=union, filename=filename, pack=False))
+    if pack_paths:
+        selects.append(_group_sql(con, schema=schema, paths=pack_paths, union=union, filename=filename, pack=True))
+    return selects[0] if len(selects) == 1 else " UNION ALL ".join(f"({s})" for s in selects)
+
+
+def _group_sql(con: duckdb.DuckDBPyConnection, *, schema: pa.Schema, paths: list[Path], union: bool,
+               filename: bool, pack: bool) -> str:
+    # ``run`` (and, for parts, ``rank``) come from the path (the agent drops them from part files, e.g.
+    # the run kind's ``rank``), so they are appended once at the end.
     # Paths come from the reader's own listing (confined to its roots); quote them as SQL literals.
     listing = ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths)
+    hive = PACK_HIVE_TYPES if pack else HIVE_TYPES
 
     def source(by_name: bool) -> str:
         return (f"read_parquet([{listing}], hive_partitioning = true, union_by_name = {str(by_name).lower()}, "
-                f"hive_types = {HIVE_TYPES}, filename = {str(filename).lower()})")
+                f"hive_types = {hive}, filename = {str(filename and not pack).lower()})")
 
     # Without union_by_name DuckDB binds to the first file's schema (cheap: one footer); union_by_name
     # reads every footer first, which costs ~0.2 s at 1,024 files, so it is the fallback. The first
@@ -100,8 +121,9 @@ def _plain_sql(con: duckdb.DuckDBPyConnection, *, kind: str, paths: list[Path], 
         # Quoted: "group" is a column name and an SQL keyword. A column no file has becomes a typed NULL.
         cols.append(f'CAST("{f.name}" AS {duck}) AS "{f.name}"' if f.name in present
                     else f'CAST(NULL AS {duck}) AS "{f.name}"')
-    stream = f", {_STREAM_SQL} AS _stream" if filename else ""
-    return f"SELECT {', '.join(cols)}, run, rank{stream} FROM {source(union)}"
+    stream = (f", {packs.STREAM_COLUMN} AS _stream" if pack else f", {_STREAM_SQL} AS _stream") if filename else ""
+    rank = "CAST(rank AS INTEGER) AS rank" if pack else "rank"
+    return f"SELECT {', '.join(cols)}, run, {rank}{stream} FROM {source(union)}"
 
 
 def _columns(path: Path) -> set[str] | None:

@@ -21,11 +21,11 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshscope.agent.collector import objectstore
+from meshscope.agent.collector import objectstore, packs
 from meshscope.agent.collector.parts import list_parts
 from meshscope.agent.collector.state import MetricsState
 from meshscope.agent.collector.store import tables_dir
@@ -77,6 +77,10 @@ class Uploader:
         self._backoff = Backoff(first_s=config.retry_first_s, max_s=config.retry_max_s)
         self._said: str | None = None  # the failure last said, so an outage is one line, not one per retry
         self._stop = threading.Event()
+        self._abort = threading.Event()  # set by stop() once its wait is over: start nothing more
+        # pack key -> manifest, for the packs this agent has seen on disk: kept after local retention
+        # deletes the file, so a merged pack's sources can still be recognised (and deleted) in the bucket.
+        self._manifests: dict[str, tuple | None] = {}
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
 
@@ -88,12 +92,16 @@ class Uploader:
 
     def stop(self, *, timeout_s: float = 30.0) -> None:
         """One last pass for what the agent's final flush wrote, bounded by ``timeout_s``; what is not up
-        by then is uploaded by the next agent on this store."""
+        by then is uploaded by the next agent on this store. Returns with no request of this uploader in
+        flight (the interpreter's exit must not find the S3 client in use)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._abort.set()
+        if self._pool is not None:  # queued PUTs cancelled; those in flight end within the client's timeouts
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._thread is not None:
+            self._thread.join()
 
     def _run(self) -> None:
         while True:
@@ -101,6 +109,8 @@ class Uploader:
             try:
                 self.run_pass()
             except OSError as exc:
+                self._failed(exc)
+            except Exception as exc:  # noqa: BLE001 - a bug here must not end uploads silently: counted, said
                 self._failed(exc)
             else:
                 self._backoff.succeeded()
@@ -113,9 +123,10 @@ class Uploader:
             wait = max(self._backoff.next_at - now, 0.0) if self._backoff.failures else self.config.interval_s
             self._stop.wait(wait)
 
-    def _failed(self, exc: OSError) -> None:
+    def _failed(self, exc: Exception) -> None:
         self._backoff.failed(self.clock.now())
-        line = objectstore.describe_error(exc, url=self.url)
+        line = (objectstore.describe_error(exc, url=self.url) if isinstance(exc, OSError)
+                else f"internal error {type(exc).__name__}: {exc}")
         with self.state.lock:
             self.state.upload_errors += 1
         if line != self._said:
@@ -139,7 +150,15 @@ class Uploader:
         self._set_pending(len(todo))
         uploaded = 0
         pool = self._pool or ThreadPoolExecutor(max_workers=1)
-        for part, result in zip(todo, pool.map(self._put_quietly, todo)):
+        try:
+            futures = [pool.submit(self._put_quietly, p) for p in todo]
+        except RuntimeError:  # the pool is shut down: stop() is over
+            return 0
+        for part, future in zip(todo, futures):
+            try:
+                result = future.result()
+            except CancelledError:
+                return uploaded
             if isinstance(result, FileNotFoundError):
                 continue  # compacted away since the scan: its merged part comes next pass
             if isinstance(result, OSError):
@@ -153,10 +172,13 @@ class Uploader:
                 self.state.upload_bytes += part.size
                 self.state.upload_pending_parts = max(0, self.state.upload_pending_parts - 1)
                 self.state.upload_last_success = self.clock.now()
-        self._drop_superseded(fs)
+        if not self._stop.is_set():  # deletes can wait for the next agent; the final pass is for uploads
+            self._drop_superseded(fs)
         return uploaded
 
     def _put_quietly(self, part: _Local) -> OSError | None:
+        if self._abort.is_set():
+            raise CancelledError  # not uploaded: the caller stops here
         try:
             data = part.path.read_bytes()
             with self._filesystem().open_output_stream(self.url.path(part.rel)) as out:
@@ -166,8 +188,12 @@ class Uploader:
         return None
 
     def _drop_superseded(self, fs) -> None:
+        """Delete what a compaction or a packing replaced. Only packs whose manifest this agent read can
+        supersede (another node's packs are left to it: reading their footers would cost a GET each)."""
         parts = [p for rel, size in self._remote.items() if (p := objectstore.table_part(rel, size)) is not None]
-        for rel in objectstore.superseded(parts):
+        for rel in objectstore.superseded(parts, self._manifests):
+            if self._abort.is_set():
+                return
             try:
                 fs.delete_file(self.url.path(rel))
             except FileNotFoundError:
@@ -186,6 +212,13 @@ class Uploader:
                     rel_dir = f"tables/{kind}/{run_dir.name}/{rank_dir.name}"
                     for p in list_parts(rank_dir):
                         out.append(_Local(f"{rel_dir}/{p.path.name}", p.path, p.stream, p.end, p.size))
+                for path in packs.list_packs(packs.packs_dir(run_dir)):
+                    rel = f"tables/{kind}/{run_dir.name}/{packs.PACKS_DIR}/{path.name}"
+                    if rel not in self._manifests:
+                        self._manifests[rel] = packs.manifest(path)
+                    size = _size(path)
+                    if size is not None:  # packs are final when they appear: no durable offset to wait for
+                        out.append(_Local(rel, path, "", 0, size))
         return out
 
     def _set_pending(self, n: int) -> None:
@@ -207,7 +240,7 @@ class Uploader:
         removed = 0
         for rel in due:
             part = objectstore.table_part(rel, 0)
-            if part is None or part.end > durable(part.stream):
+            if part is None or (not part.pack and part.end > durable(part.stream)):
                 continue
             try:
                 (self.store / rel).unlink()
@@ -219,6 +252,13 @@ class Uploader:
             with self._lock:
                 self._acked.pop(rel, None)
         return removed
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None  # merged away since the listing
 
 
 def _subdirs(directory: Path, prefix: str) -> list[Path]:

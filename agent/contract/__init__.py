@@ -17,7 +17,9 @@ lives in ``agent.collector.store``.
 
 from meshscope.agent.contract.bandwidth import algbw, busbw, busbw_factor
 from meshscope.agent.contract.clock import AnchoredClock, Clock
-from meshscope.agent.contract.names import PART_RE, SPOOL_NAME, check_run_name, is_run_name, part_name, spool_path
+from meshscope.agent.contract.names import (
+    PACK_RE, PART_RE, SPOOL_NAME, check_run_name, is_run_name, pack_name, part_name, spool_path,
+)
 from meshscope.agent.contract.records import (
     FACTORIES, RECORDS, TAGS, CollectiveRecord, EventRecord, GpuRecord, MemoryRecord, RunRecord, SpanRecord, StepRecord,
     collective_record, event_record, gpu_record, memory_record, record_types, run_record, span_record, step_record,
@@ -27,9 +29,9 @@ from meshscope.agent.contract.schema import (
 )
 
 __all__ = [
-    "DIMS", "EVENT_KINDS", "KINDS", "OPS", "PART_RE", "RECORDS", "SCHEMAS", "SCHEMAS_BY_VERSION", "SCHEMA_VERSION",
+    "DIMS", "EVENT_KINDS", "KINDS", "OPS", "PACK_RE", "PART_RE", "RECORDS", "SCHEMAS", "SCHEMAS_BY_VERSION", "SCHEMA_VERSION",
     "SPAN_KINDS", "SPOOL_NAME", "AnchoredClock", "Clock", "CollectiveRecord", "EventRecord", "GpuRecord",
     "MemoryRecord", "RunRecord", "SpanRecord", "StepRecord", "algbw", "busbw", "busbw_factor", "check_run_name", "is_run_name",
-    "part_name", "record_types", "spool_path", "FACTORIES", "TAGS", "collective_record", "event_record", "gpu_record",
+    "pack_name", "part_name", "record_types", "spool_path", "FACTORIES", "TAGS", "collective_record", "event_record", "gpu_record",
     "memory_record", "run_record", "span_record", "step_record",
 ]

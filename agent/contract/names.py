@@ -18,6 +18,9 @@ SPOOL_NAME = re.compile(r"^rank-(\d+)\.a(\d+)\.spool$")
 # ``part-<stream>-<start>-<end>.parquet``: a spool stream's byte range [start, end), zero-padded so names
 # sort in range order. Group names are part of the contract (the dashboard extracts ``stream`` in SQL).
 PART_RE = re.compile(r"^part-(?P<stream>[0-9a-z]+)-(?P<start>\d{16})-(?P<end>\d{16})\.parquet$")
+# A node pack (agent.collector.packs): many ranks' parts of one run and kind, named by a digest of its
+# manifest (the spool ranges it holds).
+PACK_RE = re.compile(r"^pack-(?P<id>[0-9a-f]{24})\.parquet$")
 
 
 def check_run_name(run: str) -> str:
@@ -41,6 +44,11 @@ def spool_path(store: str | Path, *, run: str, rank: int, attempt: int) -> Path:
     if int(rank) < 0 or int(attempt) < 0:
         raise ValueError(f"rank ({rank}) and attempt ({attempt}) must be >= 0")
     return Path(store) / "spool" / run / f"rank-{int(rank)}.a{int(attempt)}.spool"
+
+
+def pack_name(digest: str) -> str:
+    """The file name of the pack whose manifest digest is ``digest`` (24 hex digits; matches PACK_RE)."""
+    return f"pack-{digest}.parquet"
 
 
 def part_name(stream: str, start: int, end: int) -> str:

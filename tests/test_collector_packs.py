@@ -1,0 +1,142 @@
+"""Node packs (``agent.collector.packs``): a run's final parts merged across ranks into one file per kind,
+exactly once across crashes at every point of a pass, read back as the parts were."""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+
+from meshscope.agent.collector import packs
+from meshscope.agent.collector.ingest import IngestConfig, Ingestor
+from meshscope.agent.collector.reader import read_table
+from meshscope.agent.collector.state import MetricsState
+from meshscope.agent.contract import StepRecord
+from test_collector_ingest import Clock, Crash, coll_rows, step_rows, writer
+
+RANKS = 4
+
+
+def ingestor(store, clock, **cfg) -> Ingestor:
+    return Ingestor(store=store, state=MetricsState(), clock=clock, config=IngestConfig(max_part_age_s=0, **cfg))
+
+
+def files(store, pattern: str, kind: str = "") -> list:
+    return sorted((store / "tables" / kind).rglob(pattern))
+
+
+def feed(store, ing, *, rounds: int, first: int = 0, writers=None):
+    """``rounds`` polls, each after every rank wrote 10 collectives and one step."""
+    writers = writers or [writer(store, rank=r) for r in range(RANKS)]
+    for i in range(first, first + rounds):
+        for r, w in enumerate(writers):
+            w.submit("collective", coll_rows(r, 10, start=10 * i))
+            w.submit("step", [step_rows(i + 1)[i]])
+            w.flush()
+        ing.poll()
+    return writers
+
+
+def check_once(store, *, rounds: int) -> None:
+    coll = read_table(store, "collective", all_attempts=True)
+    assert len(coll) == RANKS * 10 * rounds and not coll.duplicated(["rank", "seq"]).any()
+    step = read_table(store, "step", all_attempts=True)
+    assert sorted(zip(step["rank"], step["step"])) == [(r, s) for r in range(RANKS) for s in range(rounds)]
+
+
+def test_final_parts_become_one_pack_per_kind_sorted_by_step(tmp_path):
+    clock = Clock()
+    ing = ingestor(tmp_path, clock)
+    feed(tmp_path, ing, rounds=3)
+    assert files(tmp_path, "part-*.parquet") == []
+    for kind in ("collective", "step"):
+        pack_files = files(tmp_path, "pack-*.parquet", kind)
+        assert len(pack_files) == 3  # one per pass (merged once 8 gather)
+        table = pq.read_table(pack_files[-1], partitioning=None)
+        assert {"rank", packs.STREAM_COLUMN} <= set(table.column_names)
+        steps = table.column("step").to_pylist()
+        assert steps == sorted(steps)
+        ranges = packs.manifest(pack_files[-1])
+        assert {r for r, *_ in ranges} == set(range(RANKS))
+    check_once(tmp_path, rounds=3)
+
+
+def test_small_packs_merge_and_the_run_reads_the_same(tmp_path):
+    clock = Clock()
+    ing = ingestor(tmp_path, clock, pack_merge_min=4)
+    feed(tmp_path, ing, rounds=10)
+    pack_files = files(tmp_path, "pack-*.parquet", "collective")
+    assert len(pack_files) < 4  # merged as they gathered
+    merged = max(pack_files, key=lambda p: p.stat().st_size)
+    assert len(packs.manifest(merged)) == RANKS  # each rank's ranges joined into one
+    check_once(tmp_path, rounds=10)
+
+
+@pytest.mark.parametrize("crash_on", [1, 3])
+def test_crash_between_pack_and_source_deletion_reads_once_and_cleans_up(tmp_path, monkeypatch, crash_on):
+    """crash_on=1: after a new pack is written, before its parts are deleted; 3: after a merged pack is
+    written, before the small packs it merged are deleted (pack_merge_min=2: the second pass merges)."""
+    clock = Clock()
+    ing = ingestor(tmp_path, clock, pack_merge_min=2)
+    writers = feed(tmp_path, ing, rounds=1)
+    real_unlink, calls = packs.Path.unlink, []
+
+    def unlink(self, missing_ok=False):
+        calls.append(self)
+        if len(calls) >= crash_on and (crash_on == 1) == self.name.startswith("part-"):
+            raise Crash()
+        return real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(packs.Path, "unlink", unlink)
+    with pytest.raises(Crash):
+        feed(tmp_path, ing, rounds=1, first=1, writers=writers)
+    monkeypatch.undo()
+    check_once(tmp_path, rounds=2)  # the leftovers are superseded: every record once
+    restarted = ingestor(tmp_path, clock, pack_merge_min=2)  # start-up cleanup deletes them
+    if crash_on == 1:  # the crash came packing "collective" (kinds go in order): its parts were in a pack
+        assert files(tmp_path, "part-*.parquet", "collective") == []
+    else:
+        assert len(files(tmp_path, "pack-*.parquet", "collective")) == 1
+    feed(tmp_path, restarted, rounds=2, first=2, writers=writers)
+    check_once(tmp_path, rounds=4)
+
+
+def test_lost_offsets_resume_after_what_packs_hold(tmp_path):
+    clock = Clock()
+    ing = ingestor(tmp_path, clock)
+    writers = feed(tmp_path, ing, rounds=3)
+    (tmp_path / "agent" / "offsets.json").unlink()
+    restarted = ingestor(tmp_path, clock)
+    feed(tmp_path, restarted, rounds=2, first=3, writers=writers)
+    check_once(tmp_path, rounds=5)
+
+
+def test_restarted_rank_in_packs_keeps_the_newest_attempt(tmp_path):
+    """Attempt 1 re-executes steps 2..4 after a restart from a step-2 checkpoint: the reader keeps the
+    newest attempt's rows of those steps, from packs as from parts."""
+    clock = Clock()
+    ing = ingestor(tmp_path, clock)
+    old, new = writer(tmp_path, attempt=0), writer(tmp_path, attempt=1)
+    old.submit("step", step_rows(5))
+    old.flush()
+    ing.poll()
+    rows = [r._replace(t_start=r.t_start + 100, t_end=r.t_end + 100, loss=9.0) for r in step_rows(5)[2:]]
+    new.submit("step", [StepRecord(*r) for r in rows])
+    new.flush()
+    ing.poll()
+    assert files(tmp_path, "part-*.parquet") == []
+    step = read_table(tmp_path, "step", run="r1").sort_values("step")
+    assert step["step"].tolist() == [0, 1, 2, 3, 4]
+    assert step["loss"].tolist()[2:] == [9.0, 9.0, 9.0] and step["loss"].tolist()[0] != 9.0
+    assert len(read_table(tmp_path, "step", run="r1", all_attempts=True)) == 8
+
+
+def test_superseded_rule():
+    P = packs.PartRef
+    a = ("A", ((0, "s", 0, 100), (1, "t", 0, 50)))
+    b = ("B", ((0, "s", 0, 200), (1, "t", 0, 80)))  # a merge that holds all of A
+    c = ("C", ((0, "s", 200, 300),))
+    parts = [P("p1", 0, "s", 100, 150), P("p2", 0, "s", 250, 300), P("p3", 0, "s", 300, 310), P("p4", 2, "s", 0, 9)]
+    assert packs.superseded(parts, [a, b, c]) == {"A", "p1", "p2"}
+    same = ("A2", a[1])  # the same pack in two stores: one is read
+    assert packs.superseded([], [a, same]) == {"A2"}
+    assert packs.superseded([], [a, ("X", None)]) == set()
