@@ -20,16 +20,27 @@ Method
 - Peak memory: the highest RSS sampled every 2 ms during the call, minus RSS before it (DuckDB's native
   memory included, which tracemalloc would miss).
 
-Run: ``python bench/dashboard_pages.py [--ranks 64,256,1024] [--steps 1000] [--repeat 3]``.
+- ``--layout packs`` (default): the store as packing agents leave it, one pack per host (8 ranks) and kind
+  (``agent.collector.packs``); ``--layout parts``: one file per rank and kind (the agent with packing off).
+- ``--s3``: the generated runs are uploaded to a bucket on a moto S3 server on 127.0.0.1 and every page
+  reads ``Store.open("s3://...")``; each page call starts with a sync of the bucket into the reader's
+  cache (one listing: what a page load over a bucket adds; the first, cold sync downloads everything and
+  is reported on its own), included in the page's time and shown as "sync s".
+
+Run: ``python bench/dashboard_pages.py [--ranks 64,256,1024] [--steps 1000] [--repeat 3] [--layout packs|parts]
+[--s3]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -46,12 +57,14 @@ from meshscope.testing.store import Straggler, SyntheticConfig, write_store  # n
 GENERATOR = "v6"  # bump when the synthetic model changes, to regenerate the cached store
 
 
-def config_for(ranks: int, steps: int) -> SyntheticConfig:
+def config_for(ranks: int, steps: int, *, layout: str = "parts") -> SyntheticConfig:
     if ranks % 4:
         raise ValueError(f"ranks ({ranks}) must be a multiple of pp = 4")
-    return SyntheticConfig(run=f"bench-{ranks}", mesh={"pp": 4, "fsdp": ranks // 4}, steps=steps, model="llama-8b",
+    return SyntheticConfig(run=f"bench-{ranks}" + ("-packs" if layout == "packs" else ""),
+                           mesh={"pp": 4, "fsdp": ranks // 4}, steps=steps, model="llama-8b",
                            schedule="1F1B", microbatches=4, max_ops_per_group=4, t0=1.8e9 + ranks,
-                           straggler=Straggler(rank=ranks // 3, factor=1.25, cause="throttle"), seed=ranks)
+                           straggler=Straggler(rank=ranks // 3, factor=1.25, cause="throttle"), seed=ranks,
+                           layout=layout)
 
 
 def ensure_run(root: Path, cfg: SyntheticConfig) -> tuple[float | None, int]:
@@ -67,8 +80,33 @@ def ensure_run(root: Path, cfg: SyntheticConfig) -> tuple[float | None, int]:
         took = time.perf_counter() - t
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(want)
-    size = sum(p.stat().st_size for p in (root / "tables").glob(f"*/run={cfg.run}/*/*.parquet"))
+    size = sum(p.stat().st_size for p in run_files(root, cfg.run))
     return took, size
+
+
+def run_files(root: Path, run: str) -> list[Path]:
+    return sorted((root / "tables").glob(f"*/run={run}/*/*.parquet"))
+
+
+def upload(root: Path, runs: list[str], *, url) -> tuple[int, int, float]:
+    """PUT every file of ``runs`` to the bucket under the same keys. Returns (objects, bytes, seconds)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from meshscope.agent.collector import objectstore
+
+    s3 = objectstore.filesystem()
+    files = [p for run in runs for p in run_files(root, run)]
+    t = time.perf_counter()
+
+    def put(p: Path) -> int:
+        body = p.read_bytes()
+        with s3.open_output_stream(url.path(p.relative_to(root).as_posix())) as out:
+            out.write(body)
+        return len(body)
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        total = sum(pool.map(put, files))
+    return len(files), total, time.perf_counter() - t
 
 
 class PeakRss:
@@ -138,12 +176,16 @@ def pages(run: str, runs: list[str]) -> dict:
     }
 
 
-def bench_page(store: Store, fn, *, repeat: int, shared: dict) -> dict:
-    totals, datas, peaks, cpus = [], [], [], []
+def bench_page(store: Store, fn, *, repeat: int, shared: dict, before=None) -> dict:
+    """``before``: called first inside each timed call (over a bucket: the sync a page load starts with)."""
+    totals, datas, peaks, cpus, syncs = [], [], [], [], []
     for _ in range(repeat):
         spent: list[tuple[float, float]] = []
         with PeakRss() as mem:
             t, c = time.perf_counter(), time.process_time()
+            if before is not None:
+                before()
+            syncs.append(time.perf_counter() - t)
             result = fn(timed_loader(store, spent, shared=shared))
             figs = result if isinstance(result, list) else _figures_of(result)
             for fig in figs:
@@ -154,8 +196,8 @@ def bench_page(store: Store, fn, *, repeat: int, shared: dict) -> dict:
         datas.append(busy(spent))
         peaks.append((mem.peak - mem.base) / 2**20)
     return {"first_s": totals[0], "median_s": statistics.median(totals), "data_s": statistics.median(datas),
-            "rest_s": statistics.median(totals) - statistics.median(datas), "peak_mib": max(peaks),
-            "cpu_s": statistics.median(cpus)}
+            "rest_s": statistics.median(totals) - statistics.median(datas) - statistics.median(syncs),
+            "peak_mib": max(peaks), "cpu_s": statistics.median(cpus), "sync_s": statistics.median(syncs)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,33 +207,63 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--store", default=str(ROOT / ".runs" / "bench_dashboard"))
     ap.add_argument("--budget", type=float, default=2.0, help="seconds per page (goal)")
+    ap.add_argument("--layout", choices=("packs", "parts"), default="packs")
+    ap.add_argument("--s3", action="store_true", help="read the runs from a moto S3 bucket on 127.0.0.1")
     a = ap.parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        return _main(a, stack)
+
+
+def _main(a: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     scales = [int(x) for x in a.ranks.split(",")]
     root = Path(a.store)
     print(__doc__.split("Run:")[0].strip(), "\n")
     print(f"machine: {psutil.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB RAM; python "
           f"{sys.version.split()[0]}; store {root}\n")
-    cfgs = [config_for(n, a.steps) for n in scales]
+    cfgs = [config_for(n, a.steps, layout=a.layout) for n in scales]
     for cfg in cfgs:
         took, size = ensure_run(root, cfg)
         how = f"generated in {took:.1f} s" if took is not None else "cached"
-        print(f"run {cfg.run}: {cfg.world_size} ranks x {cfg.steps} steps, {size / 2**20:.0f} MiB on disk ({how})")
-    store = Store.open(root)
+        print(f"run {cfg.run}: {cfg.world_size} ranks x {cfg.steps} steps, {len(run_files(root, cfg.run)):,} files "
+              f"({a.layout}), {size / 2**20:.0f} MiB on disk ({how})")
     runs = [c.run for c in cfgs]
+    before = None
+    if a.s3:
+        from meshscope.agent.collector import objectstore, remote
+        from meshscope.testing.s3 import moto_server, s3_env
+
+        moto = stack.enter_context(moto_server())
+        moto.create_bucket("bench")
+        os.environ.update(s3_env(moto.endpoint))
+        os.environ["MESHSCOPE_CACHE_DIR"] = str(stack.enter_context(tempfile.TemporaryDirectory()))
+        url = objectstore.parse_url("s3://bench/dashboard")
+        n, nbytes, took = upload(root, runs, url=url)
+        print(f"uploaded {n:,} objects, {nbytes / 2**20:.0f} MiB to {url} (moto) in {took:.1f} s")
+        t = time.perf_counter()
+        cold = remote.sync(url, min_interval_s=0)
+        print(f"cold sync: {cold.listed:,} listed, {cold.downloaded:,} downloaded ({cold.bytes / 2**20:.0f} MiB) "
+              f"in {time.perf_counter() - t:.1f} s")
+        t = time.perf_counter()
+        remote.sync(url, min_interval_s=0)
+        print(f"warm sync (one listing): {time.perf_counter() - t:.2f} s")
+        before = lambda: remote.sync(url, min_interval_s=0)  # noqa: E731
+        store = Store.open(str(url))
+    else:
+        store = Store.open(root)
     rows = []
     shared = {"runs_table": data.runs_table(store)}
     for cfg in cfgs:
         for name, fn in pages(cfg.run, runs).items():
-            r = bench_page(store, fn, repeat=a.repeat, shared={} if name == "runs" else shared)
+            r = bench_page(store, fn, repeat=a.repeat, shared={} if name == "runs" else shared, before=before)
             rows.append({"ranks": cfg.world_size, "page": name, **r})
     print(f"\nload average during the run: {' '.join(f'{x:.1f}' for x in psutil.getloadavg())} "
           f"(other users' work on the same {psutil.cpu_count()} CPUs inflates wall times)")
-    print(f"\n{'page':<14}{'ranks':>6}{'first s':>9}{'median s':>10}{'data s':>8}{'rest s':>8}{'cpu s':>7}"
-          f"{'peak MiB':>10}  goal")
+    print(f"\n{'page':<14}{'ranks':>6}{'first s':>9}{'median s':>10}{'sync s':>8}{'data s':>8}{'rest s':>8}"
+          f"{'cpu s':>7}{'peak MiB':>10}  goal")
     for r in rows:
         ok = "ok" if r["median_s"] <= a.budget else f"OVER {a.budget:.0f} s"
-        print(f"{r['page']:<14}{r['ranks']:>6}{r['first_s']:>9.2f}{r['median_s']:>10.2f}{r['data_s']:>8.2f}"
-              f"{r['rest_s']:>8.2f}{r['cpu_s']:>7.2f}{r['peak_mib']:>10.0f}  {ok}")
+        print(f"{r['page']:<14}{r['ranks']:>6}{r['first_s']:>9.2f}{r['median_s']:>10.2f}{r['sync_s']:>8.2f}"
+              f"{r['data_s']:>8.2f}{r['rest_s']:>8.2f}{r['cpu_s']:>7.2f}{r['peak_mib']:>10.0f}  {ok}")
     if len(scales) > 1:
         print("\nscaling with ranks (median s):")
         for name in pages(runs[0], runs):

@@ -140,3 +140,52 @@ def test_superseded_rule():
     same = ("A2", a[1])  # the same pack in two stores: one is read
     assert packs.superseded([], [a, same]) == {"A2"}
     assert packs.superseded([], [a, ("X", None)]) == set()
+
+
+def _close(a, b, path=""):
+    """Equal JSON, floats within 1e-9 relative (a pack sums rows in another order than the parts)."""
+    if isinstance(a, dict):
+        assert set(a) == set(b), path
+        for k in a:
+            _close(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _close(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and isinstance(b, float):
+        assert a == pytest.approx(b, rel=1e-9, nan_ok=True), path
+    else:
+        assert a == b, path
+
+
+def test_the_report_reads_a_store_of_packs_as_the_same_store_of_parts(tmp_path):
+    # What the user reads (``meshscope report``: straggler, bubble, breakdown, MFU) must not depend on the
+    # layout: the same synthetic job (a throttled straggler, pp=2 x fsdp=8, 2 hosts) written as per-rank
+    # parts and as one pack per host and kind.
+    from meshscope.agent.collector.reader import Store
+    from meshscope.dashboard import report, views
+    from meshscope.testing.store import Straggler, SyntheticConfig, write_store
+
+    reports = {}
+    for layout in ("parts", "packs"):
+        cfg = SyntheticConfig(run="r1", mesh={"pp": 2, "fsdp": 8}, steps=30, layout=layout,
+                              straggler=Straggler(rank=11, factor=1.3, cause="throttle"))
+        write_store(tmp_path / layout, config=cfg)
+        reports[layout] = report.build(views.direct_loader(Store.open(tmp_path / layout)), run="r1")
+    assert len(files(tmp_path / "packs", "pack-*.parquet")) == 7 * 2  # 7 kinds x 2 hosts
+    assert not files(tmp_path / "packs", "part-*.parquet")
+    assert [s["rank"] for s in reports["parts"]["stragglers"]] == [11], reports["parts"]["stragglers"]
+    assert "throttling" in reports["parts"]["stragglers"][0]["cause"]
+    _close(reports["parts"], reports["packs"])
+
+
+def test_the_agent_packs_by_default_and_no_pack_keeps_parts(tmp_path):
+    from meshscope.agent.collector import cli
+
+    def ingest_config(*extra):
+        args = cli._build_parser("meshscope agent", agent=True).parse_args(["--store", str(tmp_path), *extra])
+        return cli._config(args, agent=True).ingest
+
+    assert ingest_config().pack and not ingest_config("--no-pack").pack
+    assert cli._config(cli._build_parser("meshscope ingest", agent=False).parse_args(["--store", str(tmp_path)]),
+                       agent=False).ingest.pack

@@ -2,7 +2,7 @@
 
     meshscope agent --store DIR [--port 9477] [--host 127.0.0.1] [--poll-interval 1] [--once]
                     [--tls-cert PEM --tls-key PEM] [--basic-auth-file FILE]
-                    [--upload s3://BUCKET/PREFIX [--keep-local S]]
+                    [--no-pack] [--upload s3://BUCKET/PREFIX [--keep-local S]]
                     [--otlp-endpoint URL [--otlp-interval S]]
     meshscope ingest --store DIR
 
@@ -59,6 +59,9 @@ def _build_parser(prog: str, *, agent: bool) -> argparse.ArgumentParser:
                        help="write buffered records to the store at least this often")
         p.add_argument("--part-bytes", type=int, default=IngestConfig().part_target_bytes, metavar="N",
                        help="spool bytes per Parquet part")
+        p.add_argument("--no-pack", action="store_true",
+                       help="keep one part file per rank instead of merging a run's final parts into one pack per "
+                            "kind (agent/collector/packs.py)")
         p.add_argument("--upload", default=None, metavar="s3://BUCKET/PREFIX",
                        help="also upload every sealed part to this S3-compatible bucket, exactly once (endpoint and "
                             "credentials: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws)")
@@ -115,7 +118,8 @@ def _config(args: argparse.Namespace, *, agent: bool) -> AgentConfig:
         return AgentConfig(
             store=args.store, host=args.host, port=args.port, poll_interval_s=args.poll_interval,
             gpu_interval_s=args.gpu_interval, run_ttl_s=args.run_ttl,
-            ingest=IngestConfig(max_part_age_s=args.part_age, part_target_bytes=args.part_bytes),
+            ingest=IngestConfig(max_part_age_s=args.part_age, part_target_bytes=args.part_bytes,
+                                pack=not args.no_pack),
             upload=UploadConfig(url=args.upload, keep_local_s=args.keep_local) if args.upload else None,
             otlp=_otlp(args),
         )

@@ -137,6 +137,12 @@ def superseded(parts: Sequence[PartRef], packs: Sequence[tuple[object, tuple[Ran
     return out
 
 
+def ranked(table: pa.Table, *, rank: int, stream: str) -> pa.Table:
+    """A part's rows as a pack holds them: with their ``rank`` and ``_stream`` columns."""
+    table = table.append_column("rank", pa.array([rank] * len(table), pa.int32()))
+    return table.append_column(STREAM_COLUMN, pa.array([stream] * len(table), pa.string()))
+
+
 def write_pack(directory: Path, *, kind: str, parts: Sequence[tuple[int, Part]], packs: Sequence[Path]) -> tuple[Path, int]:
     """Merge ``parts`` ((rank, part) of one run and kind) and ``packs`` into one pack in ``directory``;
     returns (its path, bytes written: 0 when it already existed). The caller deletes the sources after.
@@ -144,13 +150,20 @@ def write_pack(directory: Path, *, kind: str, parts: Sequence[tuple[int, Part]],
     tables, ranges = [], []
     for rank, part in parts:
         t = pq.read_table(part.path, partitioning=None).replace_schema_metadata(None)
-        t = t.append_column("rank", pa.array([rank] * len(t), pa.int32()))
-        tables.append(t.append_column(STREAM_COLUMN, pa.array([part.stream] * len(t), pa.string())))
+        tables.append(ranked(t, rank=rank, stream=part.stream))
         ranges.append((rank, part.stream, part.start, part.end))
     for path in packs:
         f = pq.ParquetFile(path)
         ranges.extend(manifest_of(f.metadata.metadata) or ())
         tables.append(f.read().replace_schema_metadata(None))
+    return write_tables(directory, kind=kind, tables=tables, ranges=ranges)
+
+
+def write_tables(directory: Path, *, kind: str, tables: Sequence[pa.Table], ranges: Iterable[Range]
+                 ) -> tuple[Path, int]:
+    """Write one pack of ``tables`` (``ranked`` rows) holding the spool ``ranges``: its name from the
+    merged ranges, rows sorted by step and rank, the manifest in its footer. Returns (path, bytes written:
+    0 when the same pack was already there)."""
     merged = merge_ranges(ranges)
     text = json.dumps([list(r) for r in merged], separators=(",", ":"))
     final = directory / pack_name(hashlib.sha256(f"{kind}|{text}".encode()).hexdigest()[:24])

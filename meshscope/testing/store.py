@@ -34,6 +34,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from meshscope.agent.collector import packs
 from meshscope.agent.collector.store import stored_schema
 from meshscope.agent.contract import DIMS, SCHEMAS
 from meshscope.dashboard import pipeline_sim
@@ -82,8 +83,13 @@ class SyntheticConfig:
     t0: float = 1_767_225_600.0  # 2026-01-01T00:00:00Z
     seed: int = 0
     warmup: float = 1.0  # step 0 takes about this many steady steps (host time: allocations, first calls)
+    # "parts": one file per (kind, rank), as the agent writes before packing; "packs": one pack per (kind,
+    # host) of gpus_per_host ranks (agent.collector.packs), as packing agents on each host leave it.
+    layout: str = "parts"
 
     def __post_init__(self) -> None:
+        if self.layout not in ("parts", "packs"):
+            raise ValueError(f"layout must be parts or packs, not {self.layout!r}")
         unknown = set(self.mesh) - set(MESH_ORDER)
         if unknown:
             raise ValueError(f"mesh dims {sorted(unknown)} not among {MESH_ORDER} (schema dims: {DIMS})")
@@ -183,6 +189,7 @@ def write_store(root: str | Path, *, config: SyntheticConfig) -> dict[str, int]:
     rows = dict.fromkeys(SCHEMAS, 0)
     base = root / "tables"
     part = "part-00000.parquet"
+    sink = _Sink(base, run=cfg.run, packs=cfg.layout == "packs")
     steps = np.arange(K)
     dp_total = cfg.degree("dp") * cfg.degree("fsdp")
     loss_curve = 2.2 + 8.0 * np.exp(-steps / (0.3 * K + 1))
@@ -198,7 +205,9 @@ def write_store(root: str | Path, *, config: SyntheticConfig) -> dict[str, int]:
         loss = loss_curve * (1 + 0.01 * rr.standard_normal(K))
         if pp > 1 and stage != pp - 1:
             loss = np.full(K, np.nan)  # only the last stage computes the loss
-        rows["step"] += _put(base, "step", cfg.run, r, part, table={
+        if r % cfg.gpus_per_host == 0:
+            sink.flush()  # one pack per host and kind
+        rows["step"] += sink.put("step", r, part, table={
             "step": steps, "t_start": t_step, "t_end": t_step + wall, "wall_s": wall,
             "compute_s": compute[r], "exposed_comm_s": exposed, "bubble_s": bubble, "other_s": oth,
             "data_s": data[r], "forward_s": compute[r] / 3, "backward_s": compute[r] * 2 / 3,
@@ -209,14 +218,14 @@ def write_store(root: str | Path, *, config: SyntheticConfig) -> dict[str, int]:
             "dropped_records_total": np.zeros(K, np.int64),
             "cpu_s": compute[r] + oth, "cpu_wait_s": np.zeros(K)})
         if has_ops:
-            rows["collective"] += _put(base, "collective", cfg.run, r, part, table=_collectives(
+            rows["collective"] += sink.put("collective", r, part, table=_collectives(
                 ops[r], timing=timing(r), K=K, t_step=t_step, extra=extra[r]))
         if template is not None:
-            rows["span"] += _put(base, "span", cfg.run, r, part, table=_spans(
+            rows["span"] += sink.put("span", r, part, table=_spans(
                 template[template["rank"] == stage], t_step=t_step, t_offset=data[r], scale=compute[r]))
         peak = (mem_static + mem_act) * 1.04 * (1 + 0.005 * np.abs(rr.standard_normal(K)))
         reserved = peak * 1.08
-        rows["memory"] += _put(base, "memory", cfg.run, r, part, table={
+        rows["memory"] += sink.put("memory", r, part, table={
             "step": steps, "t": t_step + wall, "rss_bytes": np.full(K, 6 * 2**30), "rss_peak_bytes": np.full(
                 K, 7 * 2**30), "allocated_bytes": np.full(K, mem_static * 1.01, dtype=np.int64),
             "allocated_peak_bytes": peak.astype(np.int64), "reserved_bytes": reserved.astype(np.int64),
@@ -226,14 +235,40 @@ def write_store(root: str | Path, *, config: SyntheticConfig) -> dict[str, int]:
             "ooms": np.zeros(K, np.int64), "device_total_bytes": np.full(K, GPU_MEMORY),
             "device_free_bytes": (GPU_MEMORY - reserved - 600 * 2**20).clip(0).astype(np.int64),
             **{c: np.full(K, -1, np.int64) for c in ("param_bytes", "grad_bytes", "optimizer_bytes")}})
-        rows["run"] += _put(base, "run", cfg.run, r, part, table=_run_row(cfg, rank=r, coord=coords[r], model=model,
+        rows["run"] += sink.put("run", r, part, table=_run_row(cfg, rank=r, coord=coords[r], model=model,
                                                                       flops_per_token=flops_per_token))
-        rows["event"] += _put(base, "event", cfg.run, r, part, table={
+        rows["event"] += sink.put("event", r, part, table={
             "t": [cfg.t0, t_end_run], "step": [0, K - 1], "kind": ["start", "end"],
             "message": ["synthetic run started", "synthetic run finished"]})
-    rows["gpu"] = _gpu_samples(cfg, base, t0=cfg.t0, t1=t_end_run, busy=float(np.median(compute / wall)),
+    sink.flush()
+    rows["gpu"] = _gpu_samples(cfg, sink, t0=cfg.t0, t1=t_end_run, busy=float(np.median(compute / wall)),
                                mem_used=(mem_static + mem_act) * 1.12)
     return rows
+
+
+class _Sink:
+    """Where the generator's tables go: a part file each, or (``packs``) gathered per kind until ``flush``
+    writes one pack of them (``agent.collector.packs.write_tables``, the agent's own pack writer)."""
+
+    def __init__(self, base: Path, *, run: str, packs: bool) -> None:
+        self.base, self.run, self.packs = base, run, packs
+        self._held: dict[str, list[tuple[int, str, pa.Table]]] = {}
+
+    def put(self, kind: str, rank: int, part: str, *, table: dict, stream: str = "") -> int:
+        """``stream``: the spool stream the rows came from (default: the rank's own, ``syn<rank>``)."""
+        if not self.packs:
+            return _put(self.base, kind, self.run, rank, part, table)
+        schema = stored_schema(kind)
+        t = pa.Table.from_pydict({f.name: table[f.name] for f in schema}, schema=schema)
+        self._held.setdefault(kind, []).append((rank, stream or f"syn{rank}", t))
+        return len(t)
+
+    def flush(self) -> None:
+        for kind, held in self._held.items():
+            packs.write_tables(self.base / kind / f"run={self.run}" / packs.PACKS_DIR, kind=kind,
+                               tables=[packs.ranked(t, rank=r, stream=st) for r, st, t in held],
+                               ranges=[(r, st, 0, max(len(t), 1)) for r, st, t in held])
+        self._held.clear()
 
 
 def _put(base: Path, kind: str, run: str, rank: int, part: str, table: dict) -> int:
@@ -312,7 +347,7 @@ def _run_row(cfg: SyntheticConfig, *, rank: int, coord, model: dict, flops_per_t
     }.items()}
 
 
-def _gpu_samples(cfg: SyntheticConfig, base: Path, *, t0: float, t1: float, busy: float, mem_used: float) -> int:
+def _gpu_samples(cfg: SyntheticConfig, sink: _Sink, *, t0: float, t1: float, busy: float, mem_used: float) -> int:
     """NVML-like samples, one file per host (as one agent per host would write), every ~2 steps."""
     n_samples = max(2, cfg.steps // 2)
     t = np.linspace(t0, t1, n_samples)
@@ -347,7 +382,8 @@ def _gpu_samples(cfg: SyntheticConfig, base: Path, *, t0: float, t1: float, busy
             cols["throttle_reasons"] += reasons.tolist()
             cols["xid_errors_total"] += [0] * n_samples
             cols["ecc_errors_total"] += [0] * n_samples
-        total += _put(base, "gpu", cfg.run, -1, f"part-{host}.parquet", table=cols)
+        total += sink.put("gpu", -1, f"part-{host}.parquet", table=cols, stream=f"gpu-{host}")
+        sink.flush()
     return total
 
 
