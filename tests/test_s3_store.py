@@ -317,6 +317,43 @@ def test_uploader_compaction_retention_and_restart(s3, work):
     assert bucket() == [part_name("s1", 0, 20), part_name("s1", 20, 30)]
 
 
+def test_uploader_and_reader_cache_with_packs(s3, work):
+    """Packs (agent.collector.packs) in the bucket: a pack replaces the parts it holds, a merged pack the
+    packs it merged (their objects deleted once it is up); the reader's cache holds each row once; an
+    object deleted between a reader's listing and its GET (a merge's source) is skipped, not an error."""
+    from meshscope.agent.collector import packs, remote
+
+    url = f"s3://{BUCKET}/packed"
+    run_dir = work / "tables" / "step" / "run=p1"
+    clock, state = _Clock(), MetricsState()
+    up = Uploader(store=work, config=UploadConfig(url=url, keep_local_s=100), state=state, clock=clock)
+    s3fs, parsed = objectstore.filesystem(), objectstore.parse_url(url)
+
+    def bucket() -> list[str]:
+        return sorted(rel.split("/", 3)[3] for rel in objectstore.list_parts(s3fs, parsed))
+
+    def write(i: int) -> None:
+        for rank in (0, 1):
+            parts.write_part(run_dir / f"rank={rank}", pa.table({"step": [i]}), kind="step", stream=f"s{rank}",
+                             start=10 * i, end=10 * i + 10, source="test")
+
+    write(0)
+    assert up.run_pass() == 2 and len(bucket()) == 2  # the parts, before packing
+    packs.pack_run(run_dir, kind="step", final=lambda s, e: True, merge_min=2, small_bytes=1 << 20)
+    assert up.run_pass() == 1 and [b.split("/")[0] for b in bucket()] == ["packs"]  # the parts' objects gone
+    write(1)
+    packs.pack_run(run_dir, kind="step", final=lambda s, e: True, merge_min=2, small_bytes=1 << 20)  # + merge
+    assert len(packs.list_packs(packs.packs_dir(run_dir))) == 1
+    assert up.run_pass() == 1 and len(bucket()) == 1  # the merged pack; both sources deleted
+    step = read_table(url, "step", run="p1")
+    assert sorted(zip(step["rank"], step["step"])) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+    listed = objectstore.list_parts(s3fs, parsed)
+    (only,) = listed.values()
+    s3fs.delete_file(parsed.path(only.rel))  # gone after the listing
+    assert remote._download(s3fs, parsed, only, work / "cache-x") == 0
+
+
 @pytest.mark.parametrize("argv, message", [
     (["agent", "--store", "s3://b-1/x"], "the agent writes a local store directory; give the bucket as --upload"),
     (["agent", "--store", "DIR", "--upload", "s3://B/x"], "'B' is not a valid S3 bucket name"),

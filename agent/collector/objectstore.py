@@ -174,6 +174,13 @@ def check_bucket(s3: S3FileSystem, url: S3Url) -> None:
     _bucket_exists(s3, url)
 
 
+def gone(exc: BaseException) -> bool:
+    """Whether an S3 error says the object is not there (deleted since a listing: a pack merged away).
+    pyarrow raises FileNotFoundError for some calls and a plain OSError naming the AWS error for GETs."""
+    text = str(exc)
+    return isinstance(exc, FileNotFoundError) or "RESOURCE_NOT_FOUND" in text or "NoSuchKey" in text
+
+
 def describe_error(exc: BaseException, *, url: S3Url) -> str:
     """One line for the user from a pyarrow S3 error (its text names the AWS error code)."""
     text = str(exc)

@@ -95,8 +95,10 @@ def _download(s3, url: S3Url, part: objectstore.RemotePart, root: Path) -> int:
             data = src.read()
         tmp.write_bytes(data)
         os.replace(tmp, final)  # whole or absent: a reader scanning the cache never sees half a file
-    except FileNotFoundError:
-        return 0  # deleted since the listing (a compaction's sources): the next sync drops it
+    except OSError as exc:
+        if not objectstore.gone(exc):
+            raise
+        return 0  # deleted since the listing (a merge's or a compaction's sources): the next sync drops it
     finally:
         tmp.unlink(missing_ok=True)
     return len(data)
