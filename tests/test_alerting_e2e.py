@@ -23,6 +23,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+from contextlib import ExitStack
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from meshscope.testing.harness import poll_until
+from meshscope.testing.harness import agent_thread, poll_until
 import yaml
 
 from meshscope.agent import stack
@@ -203,10 +204,8 @@ def e2e(tmp_path_factory):
     webhook = Webhook()
     gpu_agent = Agent(AgentConfig(store=gpu_store, port=0, gpu_interval_s=1.0), clock=AnchoredClock(),
                       nvml=fake_nvml())
-    gpu_port = gpu_agent.serve()
-    gpu_stop = threading.Event()
-    gpu_thread = threading.Thread(target=gpu_agent.run, args=(gpu_stop,), daemon=True)
-    gpu_thread.start()
+    agents = ExitStack()
+    gpu_port = agents.enter_context(agent_thread(gpu_agent))
     ports = SimpleNamespace(agent=_free_port(), prometheus=_free_port(), alertmanager=_free_port())
     cmd = [sys.executable, "-m", "meshscope.agent.stack", "--store", str(store), "--agent-port", str(ports.agent),
            "--agent", f"127.0.0.1:{gpu_port}", "--prometheus-port", str(ports.prometheus),
@@ -235,9 +234,7 @@ def e2e(tmp_path_factory):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        gpu_stop.set()
-        gpu_thread.join(timeout=10)
-        gpu_agent.close()
+        agents.close()
         webhook.close()
 
 

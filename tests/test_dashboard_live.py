@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from meshscope.dashboard import live
+from meshscope.testing.harness import terminate
 from fake_prometheus import FakePrometheus, free_port
 
 
@@ -130,12 +131,7 @@ def test_queries_against_a_real_prometheus(tmp_path):
         assert not any(math.isnan(x) for x in snap["step"])
     finally:
         stop.set()
-        prom.terminate()
-        try:
-            prom.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            prom.kill()
-            prom.wait(timeout=10)
+        terminate(prom)
         server.shutdown()
         worker.join(timeout=5)
 

@@ -35,7 +35,7 @@ import yaml
 from meshscope.agent import catalog
 from meshscope.agent.collector.agent import Agent, AgentConfig
 from meshscope.agent.contract import AnchoredClock
-from meshscope.testing.harness import AgentProcess, Job, parse_metrics, poll_until, private_dir
+from meshscope.testing.harness import AgentProcess, Job, agent_thread, parse_metrics, poll_until, private_dir
 from tests.conftest import ROOT
 from tests.test_alerting_e2e import RATE_INTERVAL, Prometheus, Webhook, _free_port, fake_nvml, write_gpu_run
 
@@ -177,13 +177,7 @@ def fleet():
 
         gpu_agent = Agent(AgentConfig(store=gpu_store, port=0, gpu_interval_s=1.0), clock=AnchoredClock(),
                           nvml=fake_nvml())
-        gpu_port = gpu_agent.serve()
-        gpu_stop = threading.Event()
-        gpu_thread = threading.Thread(target=gpu_agent.run, args=(gpu_stop,), daemon=True)
-        gpu_thread.start()
-        stack.callback(gpu_agent.close)
-        stack.callback(gpu_thread.join, timeout=10)
-        stack.callback(gpu_stop.set)
+        gpu_port = stack.enter_context(agent_thread(gpu_agent))
         agent = AgentProcess(store, poll_interval=0.5)
         stack.callback(agent.stop, timeout_s=STOP_TIMEOUT_S)
         targets = [f"127.0.0.1:{agent.port}", f"127.0.0.1:{gpu_port}"]

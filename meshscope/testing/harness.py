@@ -81,6 +81,32 @@ def poll_until(predicate: Callable[[], T], *, timeout_s: float, interval_s: floa
 
 # ------------------------------------------------------------------------------------------------- agent
 
+def terminate(proc: subprocess.Popen, *, timeout_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within ``timeout_s``; reaped either way."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout_s)
+
+
+@contextmanager
+def agent_thread(agent) -> Iterator[int]:
+    """An in-process ``Agent`` serving /metrics and polling on a thread of its own; yields its port, and
+    stops and closes it on exit."""
+    port = agent.serve()
+    stop = threading.Event()
+    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield port
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        agent.close()
+
+
 @dataclass
 class Metrics:
     """One scrape: ``value(name, **labels)`` for a sample, ``by(name, label)`` for a label -> value map."""

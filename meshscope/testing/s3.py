@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from meshscope.testing.harness import poll_until
+from meshscope.testing.harness import poll_until, terminate
 
 
 def free_port() -> int:
@@ -66,12 +66,7 @@ def moto_server(*, auth_free_requests: int | None = None) -> Iterator[Moto]:
             raise RuntimeError(f"moto server exited ({proc.returncode})")
         yield Moto(proc, endpoint)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        terminate(proc)
 
 
 def _accepts(port: int) -> bool:
