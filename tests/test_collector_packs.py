@@ -3,14 +3,16 @@ exactly once across crashes at every point of a pass, read back as the parts wer
 
 from __future__ import annotations
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from meshscope.agent.collector import packs
+from meshscope.agent.collector import packs, parts
 from meshscope.agent.collector.ingest import IngestConfig, Ingestor
 from meshscope.agent.collector.reader import read_table
 from meshscope.agent.collector.state import MetricsState
 from meshscope.agent.contract import StepRecord
+from meshscope.agent.contract import part_name as parts_name
 from test_collector_ingest import Clock, Crash, coll_rows, step_rows, writer
 
 RANKS = 4
@@ -108,6 +110,50 @@ def test_lost_offsets_resume_after_what_packs_hold(tmp_path):
     restarted = ingestor(tmp_path, clock)
     feed(tmp_path, restarted, rounds=2, first=3, writers=writers)
     check_once(tmp_path, rounds=5)
+
+
+def test_resume_point_is_past_gaps_in_what_packs_hold(tmp_path):
+    # A chunk of rejected frames writes no part, and retention deletes old packs: packed ranges have gaps,
+    # yet all below the furthest packed end was committed. Resuming inside a gap would ingest ranges that
+    # overlap later packs without lying inside them: rows twice.
+    run_dir = tmp_path / "tables" / "step" / "run=r1"
+    packs.write_tables(packs.packs_dir(run_dir), kind="step",
+                       tables=[packs.ranked(pa.table({"step": [0]}), rank=0, stream="s")],
+                       ranges=[(0, "s", 0, 10), (0, "s", 20, 30), (1, "s", 0, 99)])
+    assert packs.covered_end([run_dir], rank=0, stream="s", start=0) == 30
+    assert packs.covered_end([run_dir], rank=0, stream="other", start=5) == 5
+
+
+def test_a_part_written_again_after_it_was_packed_is_not_packed_twice(tmp_path):
+    # E.g. a GPU part whose write is retried after its first copy was already packed.
+    run_dir = tmp_path / "tables" / "gpu" / "run=r1"
+
+    def part(start: int) -> None:
+        parts.write_part(run_dir / "rank=-1", pa.table({"t": [float(start)]}), kind="gpu", stream="gpuh",
+                         start=start, end=start + 1, source="test")
+
+    for i in range(2):
+        part(i)
+    packs.pack_run(run_dir, kind="gpu", final=lambda s, e: True, merge_min=2, small_bytes=1 << 20)
+    part(0)  # again
+    part(2)
+    packs.pack_run(run_dir, kind="gpu", final=lambda s, e: True, merge_min=2, small_bytes=1 << 20)
+    assert sorted(read_table(tmp_path, "gpu", run="r1")["t"]) == [0.0, 1.0, 2.0]
+    (pack,) = packs.list_packs(packs.packs_dir(run_dir))
+    assert pq.read_metadata(pack).num_rows == 3
+
+
+def test_an_unreadable_part_is_counted_and_never_stops_the_agent(tmp_path):
+    clock = Clock()
+    ing = ingestor(tmp_path, clock)
+    writers = feed(tmp_path, ing, rounds=1)
+    bad = tmp_path / "tables" / "step" / "run=r1" / "rank=0" / parts_name("gpubad", 0, 1)  # a GPU-like stream: final at once
+    bad.write_bytes(b"PAR1 not parquet")
+    ing._touched.add(("step", bad.parent))
+    feed(tmp_path, ing, rounds=2, first=1, writers=writers)  # packing that run fails each time: no raise
+    assert ing.state.store_write_errors >= 1
+    step = read_table(tmp_path, "step", run="r1", all_attempts=True)  # the bad file is skipped, named
+    assert sorted(zip(step["rank"], step["step"])) == [(r, s) for r in range(RANKS) for s in range(3)]
 
 
 def test_restarted_rank_in_packs_keeps_the_newest_attempt(tmp_path):

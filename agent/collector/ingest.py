@@ -432,10 +432,17 @@ class Ingestor:
             try:
                 written, _ = packs.pack_run(run_dir, kind=kind, final=lambda stream, end: end <= self.durable(stream),
                                             merge_min=cfg.pack_merge_min, small_bytes=cfg.pack_small_bytes)
-            except OSError:
+            except OSError:  # disk full, I/O: retried next pass
                 with self.state.lock:
                     self.state.store_write_errors += 1
                 self._touched.update((k, d) for k, d in touched if k == kind and d.parent == run_dir)
+                continue
+            except pa.ArrowException:
+                # A source Arrow cannot read or merge (a damaged file, a type an older agent wrote): counted;
+                # its parts stay readable as parts, and packing is tried again when the run gets new parts
+                # rather than every pass (nor in a crash loop of the agent).
+                with self.state.lock:
+                    self.state.store_write_errors += 1
                 continue
             with self.state.lock:
                 self.state.parts_written += written

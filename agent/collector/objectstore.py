@@ -148,7 +148,11 @@ def _bucket_exists(s3: S3FileSystem, url: S3Url) -> None:
     a missing bucket from an empty prefix (pyarrow 26 against moto 5 lists nothing and raises nothing)."""
     from pyarrow import fs
 
-    if s3.get_file_info(url.bucket).type == fs.FileType.NotFound:
+    try:
+        info = s3.get_file_info(url.bucket)
+    except OSError:
+        return  # e.g. credentials scoped to the prefix may not HEAD the bucket: not evidence it is missing
+    if info.type == fs.FileType.NotFound:
         raise FileNotFoundError(f"NO_SUCH_BUCKET: bucket {url.bucket!r} not found")
 
 

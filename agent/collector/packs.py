@@ -11,7 +11,8 @@ A pack has the kind's stored columns plus ``rank`` and ``_stream`` (the spool st
 the newest-attempt rule of ``agent.collector.tableview`` needs it), rows sorted by step then rank (pages
 read step windows: row-group statistics let DuckDB skip the rest), and a **manifest** in its key-value
 metadata: the ``(rank, stream, start, end)`` spool ranges it holds, adjacent ranges merged. Small packs of
-a run are merged again the same way, so a node keeps a few packs per run and kind however long the run.
+a run are merged again the same way once enough have gathered, so a node keeps a few packs per run and kind
+however long the run (one size threshold, not tiers: a pack below it is rewritten at each merge).
 
 Exactly once, as for parts: a pack is written whole (temporary name, rename) under a name derived from its
 manifest (the same sources make the same pack), and its sources are deleted only after. Whatever a crash
@@ -216,6 +217,9 @@ def pack_run(run_dir: Path, *, kind: str, final: Callable[[str, int], bool], mer
     into one (size tiers: each row is rewritten a few times, not once per pass). Sources are deleted after
     the pack is in place. Returns (packs written, bytes written). Raises OSError (the caller retries)."""
     written = nbytes = 0
+    # What a crash or a retried write left inside existing packs (e.g. a GPU part written again after its
+    # first copy was packed) goes first: merged into a new pack, its rows would be there twice for good.
+    cleanup_run(run_dir)
     ready = [(rank, p) for rank, p in rank_parts(run_dir) if final(p.stream, p.end)]
     directory = packs_dir(run_dir)
     if ready:
@@ -258,14 +262,12 @@ def _size(path: Path) -> int:
 
 
 def covered_end(run_dirs: Iterable[Path], *, rank: int, stream: str, start: int) -> int:
-    """How far from ``start`` the packs under ``run_dirs`` (one per kind) hold ``stream`` of ``rank``
-    without a gap: where an agent that lost its saved offsets resumes, since packed ranges were final."""
-    ranges = []
+    """Where an agent that lost its saved offsets resumes ``stream`` of ``rank``: the end of the furthest
+    range the packs under ``run_dirs`` (one per kind) hold for it, or ``start``. Packs hold only final
+    ranges (below the durable offset), so everything before that end was committed, gaps included: a
+    chunk of rejected frames writes no part, and local retention deletes old packs."""
+    end = start
     for run_dir in run_dirs:
         for path in list_packs(packs_dir(run_dir)):
-            ranges.extend(r for r in manifest(path) or () if r[0] == rank and r[1] == stream)
-    end = start
-    for _, _, a, b in merge_ranges(ranges):
-        if a <= end < b:
-            end = b
+            end = max([end, *(b for r, s, _, b in manifest(path) or () if r == rank and s == stream)])
     return end

@@ -76,7 +76,10 @@ def sync(url: S3Url, *, filesystem=None, min_interval_s: float = MIN_SYNC_INTERV
             sizes += pool.map(lambda p: _download(s3, url, p, root), missing)
         missing += new_packs
         removed = 0
-        for rel in set(have) - set(wanted):
+        # Superseded packs still in the bucket stay cached (the reader skips them by the same rule):
+        # removing them would fetch them again at the next sync.
+        keep = set(wanted) | {rel for rel, p in parts.items() if p.pack}
+        for rel in set(have) - keep:
             try:
                 (root / rel).unlink()
                 removed += 1

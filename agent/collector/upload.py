@@ -138,6 +138,8 @@ class Uploader:
         """Upload every local part the bucket lacks, then drop superseded objects. Returns parts uploaded.
         Raises OSError on the first failure (the parts acknowledged before it stay acknowledged)."""
         fs = self._filesystem()
+        if self._abort.is_set():
+            return 0
         if self._remote is None:
             self._remote = {rel: p.size for rel, p in objectstore.list_parts(fs, self.url).items()}
         local = self._scan()
@@ -174,6 +176,8 @@ class Uploader:
                 self.state.upload_last_success = self.clock.now()
         if not self._stop.is_set():  # deletes can wait for the next agent; the final pass is for uploads
             self._drop_superseded(fs)
+        here = {p.rel for p in local}  # manifests of packs neither in the bucket nor on disk are not needed
+        self._manifests = {k: m for k, m in self._manifests.items() if k in self._remote or k in here}
         return uploaded
 
     def _put_quietly(self, part: _Local) -> OSError | None:
