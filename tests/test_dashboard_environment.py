@@ -41,6 +41,15 @@ def test_short_runs_and_throttled_clocks_are_warned():
     clocks = pd.DataFrame({"rank": [1, 0], "clock_ratio": [0.7, 0.99]})
     (w,) = environment.warnings(device="cuda", shares=empty, n_steady=20, clocks=clocks)
     assert "rank 1 70%" in w and "rank 0" not in w
+    # With NVML's slowdown reasons sampled, a clock below 90 % needs a reason in most samples.
+    reasons = pd.DataFrame({"rank": [0, 1, 2], "clock_ratio": [0.89, 0.68, 0.99], "throttle_share": [0.03, 0.97, 0.0]})
+    (w,) = environment.warnings(device="cuda", shares=empty, n_steady=20, clocks=reasons)
+    assert "rank 1 68%" in w and "rank 0" not in w and "rank 2" not in w
+    # Thousands of throttled ranks: the lowest eight named, then a count.
+    many = pd.DataFrame({"rank": range(1000), "clock_ratio": [0.8 - r / 10_000 for r in range(1000)],
+                         "throttle_share": 1.0})
+    (w,) = environment.warnings(device="cuda", shares=empty, n_steady=20, clocks=many)
+    assert "rank 999 70%" in w and "rank 0 " not in w and "and 992 more ranks" in w and len(w) < 400
 
 
 def _verdict_steps(*, extra_s: float, extra_wait_s: float, n: int = 10) -> pd.DataFrame:
