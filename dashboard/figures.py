@@ -203,7 +203,9 @@ def busbw_vs_size(df: pd.DataFrame) -> go.Figure:
             error_y=dict(type="data", symmetric=False, array=(g["busbw_p90"] - g["busbw"]) / 1e9,
                          arrayminus=(g["busbw"] - g["busbw_p10"]) / 1e9),
             customdata=g["count"], hovertemplate="%{x:.3s}B: %{y:.1f} GB/s (%{customdata} ops)<extra></extra>"))
-    fig.update_xaxes(type="log")
+    # SI prefixes with a byte suffix (500MB, 1GB): plotly's default "B" exponent means billions, which on a
+    # bytes axis read as 0.5 bytes.
+    fig.update_xaxes(type="log", tickformat="~s", ticksuffix="B")
     return _layout(fig, title="Bus bandwidth vs message size (busbw = bytes / transfer time x factor; GB/s = 1e9 B/s)",
                    x="message size (bytes)", y="busbw GB/s")
 

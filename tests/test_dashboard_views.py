@@ -38,6 +38,13 @@ def test_compute_and_throttle_stragglers(tmp_path, cause, cause_text):
     assert comm.slow_groups.empty
     for fig in [*ov.figures.values(), *comm.figures.values()]:
         assert _has_data(fig)
+    x = comm.figures["busbw"].layout.xaxis  # bytes in SI with a B: "500MB", not plotly's "0.5B" (billions)
+    assert (x.type, x.tickformat, x.ticksuffix) == ("log", "~s", "B")
+    if cause == "throttle":  # the throttled GPU is the one the warning names (its peers run at 89 %)
+        (w,) = [w for w in ov.warnings if w.startswith("Throttled GPU clocks")]
+        assert "rank 5 " in w and "more ranks" not in w and w.count("rank ") == 1
+    else:
+        assert not any(w.startswith("Throttled GPU clocks") for w in ov.warnings)
 
 
 def test_link_straggler_is_found_by_its_group(tmp_path):
