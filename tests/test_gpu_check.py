@@ -67,14 +67,16 @@ def test_makefile_target_and_readme():
     assert "make gpu-check" in (ROOT / "README.md").read_text()
     # A lent GPU machine may have no route to PyPI: the target installs meshscope without dependencies and
     # only the kit's own imports (offline wheels through GPU_CHECK_PIP), never the whole test extra.
-    dry = subprocess.run(["make", "-n", "gpu-check", f"PY={sys.executable}", "GPU_CHECK_PIP=--no-index --find-links W"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    # Under `make test` the outer make's MAKELEVEL/MAKEFLAGS would add "Entering directory" lines.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    dry = subprocess.run(["make", "--no-print-directory", "-n", "gpu-check", f"PY={sys.executable}", "GPU_CHECK_PIP=--no-index --find-links W"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
     assert dry.returncode == 0, dry.stderr
     assert ".[test]" not in dry.stdout and "--no-deps" in dry.stdout and "--no-index --find-links W duckdb" in dry.stdout
     assert dry.stdout.rstrip().endswith("bench/gpu_check.py")
     # And as a user runs it here (everything importable already, so nothing is installed): the one line.
-    run = subprocess.run(["make", "-s", "gpu-check", f"PY={sys.executable}"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+    run = subprocess.run(["make", "--no-print-directory", "-s", "gpu-check", f"PY={sys.executable}"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0 and run.stdout.startswith("gpu-check: no CUDA GPU") and run.stdout.count("\n") == 1, (
         run.stdout, run.stderr)
 

@@ -201,8 +201,11 @@ def test_endpoint_down_30s_training_unaffected_uploads_catch_up(s3, work):
         proxy.down()
         try:
             t_down, s_down = time.monotonic(), max(job.printed_steps())
+            # A response already read when the proxy went down is counted a moment later: settle first.
+            poll_until(lambda: agent.scrape().value("meshscope_agent_upload_errors_total") > 0, timeout_s=20,
+                       what="the outage seen")
             up_at_down = _uploaded(agent)
-            time.sleep(30)
+            time.sleep(30 - (time.monotonic() - t_down))
             m = agent.scrape()  # /metrics keeps answering, and keeps up with the ranks
             steps_in_outage = max(job.printed_steps()) - s_down
             rate_during = steps_in_outage / (time.monotonic() - t_down)

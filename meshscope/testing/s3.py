@@ -102,11 +102,11 @@ class Proxy:
         threading.Thread(target=self._accept, args=(s,), daemon=True).start()
 
     def down(self) -> None:
-        s, self._listener = self._listener, None
+        with self._lock:
+            s, self._listener = self._listener, None
+            conns, self._conns = self._conns, set()
         if s is not None:
             s.close()
-        with self._lock:
-            conns, self._conns = self._conns, set()
         for c in conns:
             _close(c)
 
@@ -122,7 +122,14 @@ class Proxy:
                 _close(client)
                 continue
             with self._lock:
-                self._conns.update((client, upstream))
+                # A connection accepted just before down() must not outlive it (CI saw one upload land
+                # through such a connection during an "outage").
+                alive = self._listener is listener
+                if alive:
+                    self._conns.update((client, upstream))
+            if not alive:
+                _close(client), _close(upstream)
+                return
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
