@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -51,6 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from meshscope.agent.collector.reader import Store  # noqa: E402
+from meshscope.agent.contract import KINDS  # noqa: E402
 from meshscope.dashboard import data, views  # noqa: E402
 from meshscope.testing.store import Straggler, SyntheticConfig, write_store  # noqa: E402
 
@@ -200,6 +202,22 @@ def bench_page(store: Store, fn, *, repeat: int, shared: dict, before=None) -> d
             "peak_mib": max(peaks), "cpu_s": statistics.median(cpus), "sync_s": statistics.median(syncs)}
 
 
+def compacted(store: Store, runs: list[str]) -> Store:
+    """Build every kind's segments of ``runs`` (``agent.collector.compact``), timed; the store that reads
+    them and builds nothing more."""
+    build = dataclasses.replace(store, compaction="now")
+    for run in runs:
+        for kind in KINDS:
+            before = len(dataclasses.replace(store, compaction="off").files(kind, runs=[run]))
+            with PeakRss() as mem:
+                t = time.perf_counter()
+                after = len(build.files(kind, runs=[run]))
+                took = time.perf_counter() - t
+            print(f"compaction {run} {kind}: {before:,} -> {after:,} files in {took:.1f} s, "
+                  f"peak +{(mem.peak - mem.base) / 2**20:.0f} MiB")
+    return dataclasses.replace(store, compaction="use")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", default="64,256,1024")
@@ -209,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=2.0, help="seconds per page (goal)")
     ap.add_argument("--layout", choices=("packs", "parts"), default="packs")
     ap.add_argument("--s3", action="store_true", help="read the runs from a moto S3 bucket on 127.0.0.1")
+    ap.add_argument("--compaction", choices=("now", "off"), default="now",
+                    help="now: build the reader's segments first (timed on their own), then time the pages "
+                         "reading them, as the dashboard does once its background builds are done; off: packs only")
+    ap.add_argument("--cache", help="the reader's cache directory (default: a new temporary one)")
     a = ap.parse_args(argv)
     with contextlib.ExitStack() as stack:
         return _main(a, stack)
@@ -228,6 +250,7 @@ def _main(a: argparse.Namespace, stack: contextlib.ExitStack) -> int:
               f"({a.layout}), {size / 2**20:.0f} MiB on disk ({how})")
     runs = [c.run for c in cfgs]
     before = None
+    os.environ["MESHSCOPE_CACHE_DIR"] = a.cache or str(stack.enter_context(tempfile.TemporaryDirectory()))
     if a.s3:
         from meshscope.agent.collector import objectstore, remote
         from meshscope.testing.s3 import moto_server, s3_env
@@ -235,7 +258,6 @@ def _main(a: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         moto = stack.enter_context(moto_server())
         moto.create_bucket("bench")
         os.environ.update(s3_env(moto.endpoint))
-        os.environ["MESHSCOPE_CACHE_DIR"] = str(stack.enter_context(tempfile.TemporaryDirectory()))
         url = objectstore.parse_url("s3://bench/dashboard")
         n, nbytes, took = upload(root, runs, url=url)
         print(f"uploaded {n:,} objects, {nbytes / 2**20:.0f} MiB to {url} (moto) in {took:.1f} s")
@@ -250,6 +272,7 @@ def _main(a: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         store = Store.open(str(url))
     else:
         store = Store.open(root)
+    store = compacted(store, runs) if a.compaction == "now" else dataclasses.replace(store, compaction="off")
     rows = []
     shared = {"runs_table": data.runs_table(store)}
     for cfg in cfgs:

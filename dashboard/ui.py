@@ -47,7 +47,9 @@ class Context:
 @st.cache_data(ttl=CACHE_TTL_S, max_entries=256, max_size=512 * 2**20, show_spinner="Reading the store…")
 def _cached(name: str, roots: tuple[str, ...], kwargs: tuple):
     # Keyed by every root: the same run read over another set of stores is another result.
-    return LOADERS[name](Store.open_many(roots), **dict(kwargs))
+    # Background compaction: a large run's packs become segments on a worker thread while the pages read
+    # the packs as they are (agent.collector.compact).
+    return LOADERS[name](Store.open_many(roots, compaction="background"), **dict(kwargs))
 
 
 @st.cache_data(ttl=CACHE_TTL_S, max_entries=16, show_spinner="Ingesting the store's spools…")
@@ -113,7 +115,7 @@ def sidebar() -> None:
     if config is None:
         return
     try:
-        store = Store.open_many(config.stores)
+        store = Store.open_many(config.stores, compaction="background")
         for note in _catch_up(tuple(map(str, store.local_roots()))):
             st.sidebar.caption(note)
         runs = load("runs_table", store)

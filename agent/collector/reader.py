@@ -19,7 +19,8 @@ checks compare with the spools).
 
 Confinement, per root: each root is resolved once; run names come only from listing ``run=*``
 directories; kinds come only from ``agent.schema.KINDS``; below a root no symlink is followed (a link
-that could lead out is ignored), so every file handed to DuckDB lies under one of the roots. User input
+that could lead out is ignored), so every file handed to DuckDB lies under one of the roots, or is a
+segment the reader wrote into its own cache (``agent.collector.compact``). User input
 never becomes a path or SQL text: it only selects among listed names, and values go to DuckDB as bound
 parameters.
 
@@ -38,6 +39,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +47,7 @@ from pathlib import Path
 import duckdb
 import pandas as pd
 
-from meshscope.agent.collector import packs, tableview
+from meshscope.agent.collector import compact, packs, tableview
 from meshscope.agent.collector.objectstore import is_remote
 from meshscope.agent.collector.store import PARTITION_KEYS, stored_schema
 from meshscope.agent.contract import KINDS, PACK_RE, PART_RE, SCHEMAS, check_run_name, is_run_name
@@ -73,15 +75,22 @@ class Store:
     # What each root was opened as: its directory, or the s3:// URL whose local cache it is. Re-opening a
     # Store from its sources syncs the caches again (``agent.collector.remote``).
     sources: tuple[str, ...] = ()
+    # Segments in the reader's cache in place of many packs (``agent.collector.compact``): one of MODES.
+    compaction: str = "use"
+
+    def __post_init__(self) -> None:
+        if self.compaction not in compact.MODES:
+            raise ValueError(f"compaction must be one of {', '.join(compact.MODES)}, not {self.compaction!r}")
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> Store:
-        return cls.open_many([path])
+    def open(cls, path: str | os.PathLike, *, compaction: str = "use") -> Store:
+        return cls.open_many([path], compaction=compaction)
 
     @classmethod
-    def open_many(cls, paths: Iterable[str | os.PathLike]) -> Store:
+    def open_many(cls, paths: Iterable[str | os.PathLike], *, compaction: str = "use") -> Store:
         """The union of the stores at ``paths`` (order kept; the same directory twice counts once). A path
-        may be an ``s3://bucket/prefix`` URL: its parts are synced into a local cache first."""
+        may be an ``s3://bucket/prefix`` URL: its parts are synced into a local cache first.
+        ``compaction``: see ``agent.collector.compact``."""
         roots: list[Path] = []
         sources: list[str] = []
         seen: set[tuple[int, int]] = set()
@@ -101,7 +110,7 @@ class Store:
         if not roots:
             raise StoreError("no store directory given")
         _check_hive_keys(roots)
-        return cls(roots=tuple(roots), sources=tuple(sources))
+        return cls(roots=tuple(roots), sources=tuple(sources), compaction=compaction)
 
     def local_roots(self) -> tuple[Path, ...]:
         """The roots that are store directories (not caches of a bucket): where spools may wait for a
@@ -147,31 +156,52 @@ class Store:
         if kind not in KINDS:
             raise ValueError(f"unknown record kind {kind!r}; expected one of {', '.join(KINDS)}")
         dirs = self._run_dirs(kind)
-        out: set[Path] = set()
+        out: list[Path] = []
         for run in runs:
-            parts: list[packs.PartRef] = []
-            found: list[tuple[Path, tuple | None]] = []
-            for run_dir in dirs.get(run, ()):
-                for name, rank_dir in _entries(run_dir, prefix="rank=", want_dir=True):
-                    for file, path in _entries(rank_dir, prefix="", want_dir=False):
-                        if file.endswith(".parquet"):
-                            out.add(path)
-                            m = PART_RE.match(file)
-                            if m and name[len("rank="):].lstrip("-").isdigit():
-                                parts.append(packs.PartRef(path, int(name[len("rank="):]), m["stream"],
-                                                           int(m["start"]), int(m["end"])))
-                for name, pack_dir in _entries(run_dir, prefix=packs.PACKS_DIR, want_dir=True):
-                    if name == packs.PACKS_DIR:
-                        found += [(path, packs.manifest(path)) for file, path in
-                                  _entries(pack_dir, prefix="pack-", want_dir=False) if PACK_RE.match(file)]
-            if found:  # what a crash or a cleanup in progress left beside the packs is read once
-                out.update(path for path, _ in found)
-                out -= packs.superseded(parts, found)
+            out += self._compacted(self._run_files(dirs.get(run, ()), kind=kind), kind=kind, run=run)
         return sorted(out)
+
+    def _run_files(self, run_dirs: Sequence[Path], *, kind: str) -> list[Path]:
+        out: set[Path] = set()
+        parts: list[packs.PartRef] = []
+        found: list[tuple[Path, tuple | None]] = []
+        for run_dir in run_dirs:
+            for name, rank_dir in _entries(run_dir, prefix="rank=", want_dir=True):
+                for file, path in _entries(rank_dir, prefix="", want_dir=False):
+                    if file.endswith(".parquet"):
+                        out.add(path)
+                        m = PART_RE.match(file)
+                        if m and name[len("rank="):].lstrip("-").isdigit():
+                            parts.append(packs.PartRef(path, int(name[len("rank="):]), m["stream"],
+                                                       int(m["start"]), int(m["end"])))
+            for name, pack_dir in _entries(run_dir, prefix=packs.PACKS_DIR, want_dir=True):
+                if name == packs.PACKS_DIR:
+                    found += [(path, packs.manifest(path)) for file, path in
+                              _entries(pack_dir, prefix="pack-", want_dir=False) if PACK_RE.match(file)]
+        if found:  # what a crash or a cleanup in progress left beside the packs is read once
+            out.update(path for path, _ in found)
+            out -= packs.superseded(parts, found)
+        return sorted(out)
+
+    def _compacted(self, files: list[Path], *, kind: str, run: str) -> list[Path]:
+        """``files`` with segments in place of the packs they hold, building new ones as the mode says."""
+        if self.compaction == "off":
+            return files
+        directory = compact.segment_dir(self.roots, kind=kind, run=run)
+        plan = compact.plan(files, directory=directory, now=time.time(),
+                            settle_s=0.0 if self.compaction == "now" else None)
+        if plan.todo and self.compaction == "now":
+            compact.try_build(plan.todo, directory=directory, kind=kind, threads=min(4, os.cpu_count() or 1))
+            plan = compact.plan(files, directory=directory, now=time.time(), settle_s=0.0)
+        elif plan.todo and self.compaction == "background":
+            compact.submit(plan.todo, directory=directory, kind=kind)
+        return plan.files
 
     def _display(self, path: Path) -> str:
         """A file for messages: relative to its root, prefixed with the root when there are several."""
-        root = next(r for r in self.roots if path.is_relative_to(r))
+        root = next((r for r in self.roots if path.is_relative_to(r)), None)
+        if root is None:  # a segment in the reader's cache (agent.collector.compact)
+            return str(path)
         rel = str(path.relative_to(root))
         return rel if len(self.roots) == 1 else f"{root}/{rel}"
 

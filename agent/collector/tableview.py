@@ -83,13 +83,14 @@ def _plain_sql(con: duckdb.DuckDBPyConnection, *, kind: str, paths: list[Path], 
         return f"SELECT {cols}, CAST(NULL AS VARCHAR) AS run, CAST(NULL AS INTEGER) AS rank WHERE false"
     # Parts (one rank each: rank from the path) and packs (many ranks: rank a column) have different
     # hive keys, which one read_parquet refuses: one read each.
-    part_paths = [p for p in paths if not PACK_RE.match(p.name)]
-    pack_paths = [p for p in paths if PACK_RE.match(p.name)]
-    selects = []
-    if part_paths:
-        selects.append(_group_sql(con, schema=schema, paths=part_paths, union=union, filename=filename, pack=False))
-    if pack_paths:
-        selects.append(_group_sql(con, schema=schema, paths=pack_paths, union=union, filename=filename, pack=True))
+    # So do files whose paths hold different "key=value" components (a segment in the reader's cache
+    # beside packs in a store whose own path has one).
+    groups: dict[tuple[bool, frozenset[str]], list[Path]] = {}
+    for p in paths:
+        keys = frozenset(part.split("=", 1)[0] for part in p.parent.parts if "=" in part)
+        groups.setdefault((bool(PACK_RE.match(p.name)), keys), []).append(p)
+    selects = [_group_sql(con, schema=schema, paths=group, union=union, filename=filename, pack=pack)
+               for (pack, _), group in sorted(groups.items(), key=lambda kv: (kv[0][0], sorted(kv[0][1])))]
     return selects[0] if len(selects) == 1 else " UNION ALL ".join(f"({s})" for s in selects)
 
 
