@@ -21,6 +21,7 @@ step range or None for all steps.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 import pandas as pd
 
@@ -322,11 +323,14 @@ _MEMORY_COLS = ("rank", "step", "t", "allocated_bytes", "allocated_peak_bytes", 
 
 
 # ----------------------------------------------------------------------------------------- gpu
-def gpu_data(store: Store, *, run: str, bins: int = 120) -> dict[str, pd.DataFrame]:
+def gpu_data(store: Store, *, run: str, bins: int = 120, lowest: int = 64,
+             gpus: Sequence[str] = ()) -> dict[str, pd.DataFrame]:
     """``summary`` per GPU: samples, mean utilisation / power, max temperature, mean and min SM clock
     ratio, share of samples throttled, reason bits, memory, XID / ECC error counts. ``series`` per GPU
     and time bin (``bins`` over the run): mean utilisation, power, temperature, clock ratio; ``t`` is
-    the bin's first sample (epoch seconds)."""
+    the bin's first sample (epoch seconds); for the ``lowest`` GPUs by mean clock ratio (ties by host,
+    GPU: the summary's order) and the ``gpus`` named "host:gpu". Every GPU's series would be 2 M rows at
+    16,384 GPUs, more than a page can draw or a reader can see."""
     summary, series = store.query_all([
         (f"SELECT host, gpu, any_value(name) AS name, count(*) AS samples, avg(util_ratio) AS util, "
          f"avg(power_watts) AS power_w, max(temperature_celsius) AS temp_max_c, "
@@ -337,11 +341,14 @@ def gpu_data(store: Store, *, run: str, bins: int = 120) -> dict[str, pd.DataFra
          f"max(mem_total_bytes) AS mem_total, max(xid_errors_total) - min(xid_errors_total) AS xid_errors, "
          f"max(ecc_errors_total) - min(ecc_errors_total) AS ecc_errors "
          f"FROM gpu GROUP BY host, gpu ORDER BY host, gpu", None),
-        ("WITH w AS (SELECT min(t) AS a, greatest(max(t) - min(t), 1e-9) AS span FROM gpu) "
+        ("WITH w AS (SELECT min(t) AS a, greatest(max(t) - min(t), 1e-9) AS span FROM gpu), "
+         "k AS ((SELECT host, gpu FROM gpu GROUP BY host, gpu "
+         "ORDER BY avg(sm_clock_hz / nullif(sm_clock_max_hz, 0)) NULLS LAST, host, gpu LIMIT ?) UNION "
+         "SELECT DISTINCT host, gpu FROM gpu WHERE list_contains(CAST(? AS VARCHAR[]), host || ':' || gpu)) "
          "SELECT host || ':' || gpu AS gpu, least(floor((t - w.a) / w.span * ?), ? - 1) AS bin, "
          "min(t) AS t, avg(util_ratio) AS util, avg(power_watts) AS power_w, avg(temperature_celsius) AS temp_c, "
-         "avg(sm_clock_hz / nullif(sm_clock_max_hz, 0)) AS clock_ratio FROM gpu, w GROUP BY ALL "
-         "ORDER BY gpu, bin", [bins, bins]),
+         "avg(sm_clock_hz / nullif(sm_clock_max_hz, 0)) AS clock_ratio FROM gpu JOIN k USING (host, gpu), w "
+         "GROUP BY ALL ORDER BY gpu, bin", [lowest, list(gpus), bins, bins]),
     ], kinds=("gpu",), runs=[run], materialize={"gpu": ("true", [], _GPU_COLS)})
     return {"summary": summary, "series": series}
 

@@ -323,13 +323,17 @@ def scaling_bars(per_run: pd.DataFrame) -> go.Figure:
 
 
 # ------------------------------------------------------------------------------------------- gpu
-def gpu_heatmap(series: pd.DataFrame, *, value: str = "clock_ratio", title: str = "SM clock / max") -> go.Figure:
-    """GPU x time heatmap of one metric (time-binned)."""
+def gpu_heatmap(series: pd.DataFrame, *, of: int | None = None, value: str = "clock_ratio",
+                title: str = "SM clock / max") -> go.Figure:
+    """GPU x time heatmap of one metric (time-binned). ``of``: how many GPUs the run has, when
+    ``series`` holds only the lowest-clock ones (said in the title)."""
     grid = series.pivot(index="gpu", columns="bin", values=value)
     t = series.groupby("bin")["t"].min().reindex(grid.columns)
     fig = go.Figure(go.Heatmap(z=grid.to_numpy(), x=_dt(t), y=grid.index, colorscale="RdYlGn",
                                colorbar=dict(title=title)))
-    return _layout(fig, title=f"{title} per GPU over time", x="time (UTC)", y="host:gpu",
+    which = (f"the {len(grid)} GPUs with the lowest mean SM clock of {of:,}" if of is not None and of > len(grid)
+             else "per GPU")
+    return _layout(fig, title=f"{title} over time, {which}", x="time (UTC)", y="host:gpu",
                    height=min(900, max(300, 80 + 12 * len(grid))))
 
 

@@ -411,10 +411,12 @@ class Gpu:
 
 GPU_LINES = (("util", "utilisation"), ("clock_ratio", "SM clock / max"), ("power_w", "power (W)"),
              ("temp_c", "temperature (°C)"))
+GPU_HEATMAP_ROWS = 64  # beyond this the heatmap shows the GPUs with the lowest mean SM clock
+GPU_WORST = 8  # lines drawn by default: the GPUs with the lowest mean SM clock
 
 
 def gpu(load: Loader, *, run: str, pick: list[str] | None = None) -> Gpu:
-    d = load("gpu_data", run=run)
+    d = load("gpu_data", run=run, lowest=max(GPU_HEATMAP_ROWS, GPU_WORST), gpus=sorted(pick or ()))
     summary = d["summary"]
     view = Gpu(summary=summary)
     if summary.empty:
@@ -423,8 +425,10 @@ def gpu(load: Loader, *, run: str, pick: list[str] | None = None) -> Gpu:
         gpu_id=summary["host"] + ":" + summary["gpu"].astype(str),
         throttle=[", ".join(analysis.decode_throttle(int(b))) for b in summary["reasons"].fillna(0)])
     view.series = series = d["series"]
-    view.worst = summary.sort_values("clock_ratio")["gpu_id"].head(8).tolist()
-    view.figures["heatmap"] = figures.gpu_heatmap(series)
+    lowest = summary.sort_values("clock_ratio")["gpu_id"]
+    view.worst = lowest.head(GPU_WORST).tolist()
+    view.figures["heatmap"] = figures.gpu_heatmap(series[series["gpu"].isin(lowest.head(GPU_HEATMAP_ROWS))],
+                                                  of=len(summary))
     chosen = view.worst if pick is None else pick
     for value, title in GPU_LINES:
         view.figures[value] = figures.gpu_lines(series, gpus=chosen, value=value, title=title)

@@ -117,3 +117,26 @@ def test_warm_up_is_left_out_of_means_and_colour_scale(tmp_path):
     assert ov.breakdown["wall_s"].mean() == pytest.approx(wall.loc[1:].median(), rel=0.10)
     heat = ov.figures["heatmap"].data[0]
     assert heat.zmax < 2 * wall.loc[1:].median()  # the steady cells span the colour scale
+
+
+def test_gpu_page_at_scale_draws_the_lowest_clock_gpus_and_the_picked_ones(tmp_path, monkeypatch):
+    # 16,384 GPUs x 120 bins would be 2 M heatmap cells: beyond GPU_HEATMAP_ROWS the page draws the GPUs
+    # with the lowest mean SM clock (the throttled straggler first) and says so, and any GPU picked.
+    cfg = SyntheticConfig(run="r", mesh={"dp": 16}, steps=12, straggler=Straggler(rank=9, factor=1.3, cause="throttle"))
+    store, load = _load(tmp_path, r=cfg)
+    monkeypatch.setattr(views, "GPU_HEATMAP_ROWS", 4)
+    full = data.gpu_data(store, run="r", lowest=16)
+    order = full["summary"].assign(id=full["summary"]["host"] + ":" + full["summary"]["gpu"].astype(str))
+    lowest = order.sort_values("clock_ratio")["id"].tolist()
+    gpu = views.gpu(load, run="r")
+    assert gpu.worst == lowest[:8]
+    (heat,) = gpu.figures["heatmap"].data
+    assert sorted(heat.y) == sorted(lowest[:4]) and "the 4 GPUs with the lowest mean SM clock of 16" in (
+        gpu.figures["heatmap"].layout.title.text)
+    assert set(gpu.series["gpu"]) == set(lowest[:8])  # the 8 default lines have their data
+    assert all(len(fig.data) == 8 and all(len(t.x) for t in fig.data) for name, fig in gpu.figures.items()
+               if name != "heatmap")
+    picked = views.gpu(load, run="r", pick=[lowest[-1]])
+    assert set(picked.series["gpu"]) == set(lowest[:8]) | {lowest[-1]}
+    want = full["series"][full["series"]["gpu"].isin(set(picked.series["gpu"]))].reset_index(drop=True)
+    assert picked.series.reset_index(drop=True).equals(want)  # the same bins and values as with every GPU

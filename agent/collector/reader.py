@@ -164,7 +164,7 @@ class Store:
     def _run_files(self, run_dirs: Sequence[Path], *, kind: str) -> list[Path]:
         out: set[Path] = set()
         parts: list[packs.PartRef] = []
-        found: list[tuple[Path, tuple | None]] = []
+        found: list[Path] = []
         for run_dir in run_dirs:
             for name, rank_dir in _entries(run_dir, prefix="rank=", want_dir=True):
                 for file, path in _entries(rank_dir, prefix="", want_dir=False):
@@ -176,11 +176,11 @@ class Store:
                                                        int(m["start"]), int(m["end"])))
             for name, pack_dir in _entries(run_dir, prefix=packs.PACKS_DIR, want_dir=True):
                 if name == packs.PACKS_DIR:
-                    found += [(path, packs.manifest(path)) for file, path in
-                              _entries(pack_dir, prefix="pack-", want_dir=False) if PACK_RE.match(file)]
+                    found += [path for file, path in _entries(pack_dir, prefix="pack-", want_dir=False)
+                              if PACK_RE.match(file)]
         if found:  # what a crash or a cleanup in progress left beside the packs is read once
-            out.update(path for path, _ in found)
-            out -= packs.superseded(parts, found)
+            out.update(found)
+            out -= _superseded(tuple(parts), tuple(sorted(found)))
         return sorted(out)
 
     def _compacted(self, files: list[Path], *, kind: str, run: str) -> list[Path]:
@@ -294,6 +294,14 @@ class Store:
                 con.execute(sql, params)
                 frames.append(con.df() if con.description else pd.DataFrame())
             return frames
+
+
+@functools.lru_cache(maxsize=64)
+def _superseded(parts: tuple[packs.PartRef, ...], found: tuple[Path, ...]) -> frozenset:
+    """``packs.superseded`` of one listing, computed once per process: a pack's manifest never changes
+    under its name, and a page lists the same packs for each of its loads (at 2,048 packs the rule alone
+    is 60 ms a listing)."""
+    return frozenset(packs.superseded(parts, [(path, packs.manifest(path)) for path in found]))
 
 
 def list_runs(store: Store | str | os.PathLike) -> list[str]:
