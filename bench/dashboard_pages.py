@@ -23,9 +23,12 @@ Method
 - ``--layout packs`` (default): the store as packing agents leave it, one pack per host (8 ranks) and kind
   (``agent.collector.packs``); ``--layout parts``: one file per rank and kind (the agent with packing off).
 - ``--s3``: the generated runs are uploaded to a bucket on a moto S3 server on 127.0.0.1 and every page
-  reads ``Store.open("s3://...")``; each page call starts with a sync of the bucket into the reader's
-  cache (one listing: what a page load over a bucket adds; the first, cold sync downloads everything and
-  is reported on its own), included in the page's time and shown as "sync s".
+  reads ``Store.open("s3://...")``; each page call starts as a dashboard page load does, with
+  ``Store.open(url, background_sync=True)`` (the cache as last synced, and a listing on a thread when
+  the last one is ``remote.BACKGROUND_INTERVAL_S`` old: it then runs beside the page), included in the
+  page's time and shown as "sync s"; ``--sync foreground`` makes each call list the bucket first instead
+  (what every page paid before). The first, cold sync downloads everything and is reported on its own,
+  and so is one warm listing.
 
 Run: ``python bench/dashboard_pages.py [--ranks 64,256,1024] [--steps 1000] [--repeat 3] [--layout packs|parts]
 [--s3]``.
@@ -230,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compaction", choices=("now", "off"), default="now",
                     help="now: build the reader's segments first (timed on their own), then time the pages "
                          "reading them, as the dashboard does once its background builds are done; off: packs only")
+    ap.add_argument("--sync", choices=("background", "foreground"), default="background",
+                    help="over S3: how each page call syncs the bucket (see the docstring)")
     ap.add_argument("--cache", help="the reader's cache directory (default: a new temporary one)")
     a = ap.parse_args(argv)
     with contextlib.ExitStack() as stack:
@@ -268,7 +273,8 @@ def _main(a: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         t = time.perf_counter()
         remote.sync(url, min_interval_s=0)
         print(f"warm sync (one listing): {time.perf_counter() - t:.2f} s")
-        before = lambda: remote.sync(url, min_interval_s=0)  # noqa: E731
+        before = ((lambda: remote.sync(url, min_interval_s=0)) if a.sync == "foreground"
+                  else (lambda: Store.open(str(url), background_sync=True)))
         store = Store.open(str(url))
     else:
         store = Store.open(root)

@@ -47,9 +47,9 @@ class Context:
 @st.cache_data(ttl=CACHE_TTL_S, max_entries=256, max_size=512 * 2**20, show_spinner="Reading the store…")
 def _cached(name: str, roots: tuple[str, ...], kwargs: tuple):
     # Keyed by every root: the same run read over another set of stores is another result.
-    # Background compaction: a large run's packs become segments on a worker thread while the pages read
-    # the packs as they are (agent.collector.compact).
-    return LOADERS[name](Store.open_many(roots, compaction="background"), **dict(kwargs))
+    # In the background: a bucket's listing, and a large run's packs becoming segments; the page reads
+    # the cache as last synced and the packs as they are meanwhile (agent.collector.remote, .compact).
+    return LOADERS[name](Store.open_many(roots, compaction="background", background_sync=True), **dict(kwargs))
 
 
 @st.cache_data(ttl=CACHE_TTL_S, max_entries=16, show_spinner="Ingesting the store's spools…")
@@ -115,7 +115,7 @@ def sidebar() -> None:
     if config is None:
         return
     try:
-        store = Store.open_many(config.stores, compaction="background")
+        store = Store.open_many(config.stores, compaction="background", background_sync=True)
         for note in _catch_up(tuple(map(str, store.local_roots()))):
             st.sidebar.caption(note)
         runs = load("runs_table", store)

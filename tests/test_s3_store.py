@@ -357,6 +357,47 @@ def test_uploader_and_reader_cache_with_packs(s3, work):
     assert remote._download(s3fs, parsed, only, work / "cache-x") == 0
 
 
+def test_dashboard_sync_reads_the_cache_and_lists_in_the_background_and_says_a_failure(s3, work, monkeypatch):
+    """A page over a bucket (``Store.open(url, background_sync=True)``, the dashboard) waits for the first
+    sync only; later it reads the cache while a listing runs on a thread, and an endpoint that went
+    away is said at the next page load, not hidden behind the cache."""
+    from meshscope.agent.collector import remote
+
+    _, proxy = s3
+    url = f"s3://{BUCKET}/bg"
+    run_dir = work / "tables" / "step" / "run=b1"
+    up = Uploader(store=work, config=UploadConfig(url=url, keep_local_s=100), state=MetricsState(), clock=_Clock())
+
+    def put(i: int) -> None:
+        parts.write_part(run_dir / "rank=0", pa.table({"step": [i]}), kind="step", stream="s0", start=10 * i,
+                         end=10 * i + 10, source="test")
+        assert up.run_pass() == 1
+
+    def steps() -> list[int]:
+        store = Store.open(url, background_sync=True)
+        return sorted(read_table(store, "step", run="b1")["step"])
+
+    put(0)
+    assert steps() == [0]  # the first load in a process syncs before it reads
+    put(1)
+    monkeypatch.setattr(remote, "BACKGROUND_INTERVAL_S", 3600.0)
+    assert steps() == [0]  # synced moments ago: the cache as it is, no listing
+    monkeypatch.setattr(remote, "BACKGROUND_INTERVAL_S", 0.0)
+    t = time.monotonic()
+    seen = steps()  # returns without waiting for the listing it starts
+    poll_until(lambda: steps() == [0, 1], timeout_s=30, what="the background sync brings step 1")
+    assert seen in ([0], [0, 1]) and time.monotonic() - t < 30
+    proxy.down()
+    try:
+        steps()  # starts a sync that fails on its thread
+        poll_until(lambda: not remote._syncing, timeout_s=60, what="the failed background sync ends")
+        with pytest.raises(StoreError, match="cannot read the store"):
+            steps()  # the next load syncs in the foreground and says why
+    finally:
+        proxy.up()
+    assert steps() == [0, 1]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["agent", "--store", "s3://b-1/x"], "the agent writes a local store directory; give the bucket as --upload"),
     (["agent", "--store", "DIR", "--upload", "s3://B/x"], "'B' is not a valid S3 bucket name"),

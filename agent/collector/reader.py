@@ -83,20 +83,23 @@ class Store:
             raise ValueError(f"compaction must be one of {', '.join(compact.MODES)}, not {self.compaction!r}")
 
     @classmethod
-    def open(cls, path: str | os.PathLike, *, compaction: str = "use") -> Store:
-        return cls.open_many([path], compaction=compaction)
+    def open(cls, path: str | os.PathLike, *, compaction: str = "use", background_sync: bool = False) -> Store:
+        return cls.open_many([path], compaction=compaction, background_sync=background_sync)
 
     @classmethod
-    def open_many(cls, paths: Iterable[str | os.PathLike], *, compaction: str = "use") -> Store:
+    def open_many(cls, paths: Iterable[str | os.PathLike], *, compaction: str = "use",
+                  background_sync: bool = False) -> Store:
         """The union of the stores at ``paths`` (order kept; the same directory twice counts once). A path
-        may be an ``s3://bucket/prefix`` URL: its parts are synced into a local cache first.
-        ``compaction``: see ``agent.collector.compact``."""
+        may be an ``s3://bucket/prefix`` URL: its parts are synced into a local cache first, or, with
+        ``background_sync``, on a thread while the cache as last synced is read
+        (``agent.collector.remote.sync_in_background``: the dashboard). ``compaction``: see
+        ``agent.collector.compact``."""
         roots: list[Path] = []
         sources: list[str] = []
         seen: set[tuple[int, int]] = set()
         for path in paths:
             if is_remote(path):
-                root, source = _synced(str(path)), str(path)
+                root, source = _synced(str(path), background=background_sync), str(path)
             else:
                 root = Path(path).expanduser().resolve()
                 source = str(root)
@@ -373,8 +376,9 @@ def _empty(kind: str, *, select: str) -> pd.DataFrame:
     return df
 
 
-def _synced(url: str) -> Path:
-    """The local cache of a bucket's store, synced now (at most every few seconds per process)."""
+def _synced(url: str, *, background: bool) -> Path:
+    """The local cache of a bucket's store, synced now (at most every few seconds per process), or in
+    the background (see ``Store.open_many``)."""
     from meshscope.agent.collector import objectstore, remote
 
     try:
@@ -382,7 +386,7 @@ def _synced(url: str) -> Path:
     except ValueError as e:
         raise StoreError(str(e)) from None
     try:
-        return remote.sync(parsed).root
+        return remote.sync_in_background(parsed) if background else remote.sync(parsed).root
     except OSError as e:
         raise StoreError(f"cannot read the store: {objectstore.describe_error(e, url=parsed)}") from None
 

@@ -106,7 +106,9 @@ class Proxy:
             s, self._listener = self._listener, None
             conns, self._conns = self._conns, set()
         if s is not None:
-            s.close()
+            # shutdown first: close() alone does not wake the thread blocked in accept(), and the socket
+            # would keep listening (and accepting) until a connection arrives.
+            _close(s)
         for c in conns:
             _close(c)
 
