@@ -163,8 +163,11 @@ def overview_data(store: Store, *, run: str, runs: list[str], steps: tuple[int, 
         (f"""WITH s AS (SELECT rank, step, compute_s FROM step WHERE {focus}),
            b AS (SELECT greatest(1, ceil((max(rank) + 1) / $mr))::BIGINT AS rw, min(step) AS s0,
                         greatest(1, ceil((max(step) - min(step) + 1) / $ms))::BIGINT AS sw FROM s),
-           c AS (SELECT rank // b.rw AS rbin, rank, (step - b.s0) // b.sw AS sbin, avg(compute_s) AS v
-                 FROM s, b GROUP BY ALL)
+           c AS (SELECT rank // b.rw AS rbin, (step - b.s0) // b.sw AS sbin, avg(compute_s) AS v
+                 FROM s, b WHERE b.sw > 1 GROUP BY rbin, rank, sbin
+                 -- a one-step cell's mean is its one row (a rank has one row per step): skipping that
+                 -- grouping (ranks x steps groups, 3.3 M at 16,384 ranks) saves most of the query
+                 UNION ALL SELECT rank // b.rw, step - b.s0, compute_s FROM s, b WHERE b.sw = 1)
         SELECT rbin * b.rw AS rank_bin, sbin * b.sw + b.s0 AS step_bin, max(v) AS compute_s,
                any_value(b.rw) AS rank_width, any_value(b.sw) AS step_width
         FROM c, b GROUP BY ALL ORDER BY rank_bin, step_bin""", {"run": run, "mr": max_ranks, "ms": max_steps}),

@@ -182,6 +182,11 @@ def test_overview_data_matches_pandas(store):
     assert (hm["rank_width"].iloc[0], hm["step_width"].iloc[0]) == (2, 2) and len(hm) == 12
     cell = raw[raw["rank"].isin([6, 7]) & raw["step"].isin([2, 3])].groupby("rank")["compute_s"].mean().max()
     assert hm.set_index(["rank_bin", "step_bin"]).loc[(6, 2), "compute_s"] == pytest.approx(cell)
+    # One step per column (the query's shortcut): each cell is the max over its ranks of that step's value.
+    one = data.overview_data(store, run="pp", runs=["pp"], steps=(2, 7), max_ranks=4, max_steps=200)["heatmap"]
+    want = raw.assign(rank_bin=raw["rank"] // 2 * 2).groupby(["rank_bin", "step"])["compute_s"].max()
+    assert (one["rank_width"] == 2).all() and (one["step_width"] == 1).all() and len(one) == len(want) == 24
+    assert np.allclose(one.set_index(["rank_bin", "step_bin"])["compute_s"].sort_index(), want.sort_index())
     w = d["window"].iloc[0]
     assert (w["t_start"], w["t_end"]) == pytest.approx((raw["t_start"].min(), raw["t_end"].max()))
 
