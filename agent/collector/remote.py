@@ -29,7 +29,8 @@ from meshscope.agent.collector.objectstore import S3Url
 MIN_SYNC_INTERVAL_S = 2.0  # several reads within this share one listing (a dashboard page runs many)
 WORKERS = 16  # concurrent GETs: small objects, latency-bound
 
-BACKGROUND_INTERVAL_S = 10.0  # a page load over a bucket starts a listing at most this often
+BACKGROUND_INTERVAL_S = 15.0  # a page load over a bucket starts a listing at most this often (page data
+# is cached 30 s: dashboard/ui.py CACHE_TTL_S)
 _locks: dict[str, threading.Lock] = {}
 _last_sync: dict[str, float] = {}
 _syncing: set[str] = set()  # background syncs running
