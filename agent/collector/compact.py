@@ -27,7 +27,6 @@ over a run that will be read again).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -66,19 +65,13 @@ def segment_dir(roots: Sequence[Path], *, kind: str, run: str) -> Path:
 
 def sources(path: Path) -> frozenset[str] | None:
     """The pack names a segment holds (None when its footer is unreadable). Read once per process."""
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return _sources(str(path), st.st_size, st.st_mtime_ns)
+    return packs.footer_value(path, SOURCES_KEY, _parse_sources)
 
 
-@functools.lru_cache(maxsize=4096)
-def _sources(path: str, size: int, mtime_ns: int) -> frozenset[str] | None:
+def _parse_sources(raw: bytes | None) -> frozenset[str] | None:
     try:
-        raw = (pq.read_metadata(path).metadata or {}).get(SOURCES_KEY)
         return frozenset(json.loads(raw)) if raw is not None else None
-    except (OSError, ValueError, TypeError, pa.ArrowException):
+    except (ValueError, TypeError):
         return None
 
 

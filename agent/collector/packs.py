@@ -71,7 +71,10 @@ def merge_ranges(ranges: Iterable[Range]) -> tuple[Range, ...]:
 
 
 def manifest_of(metadata: dict | None) -> tuple[Range, ...] | None:
-    raw = (metadata or {}).get(MANIFEST_KEY)
+    return _parse_manifest((metadata or {}).get(MANIFEST_KEY))
+
+
+def _parse_manifest(raw: bytes | None) -> tuple[Range, ...] | None:
     if raw is None:
         return None
     try:
@@ -81,21 +84,28 @@ def manifest_of(metadata: dict | None) -> tuple[Range, ...] | None:
 
 
 def manifest(path: Path) -> tuple[Range, ...] | None:
-    """A pack's manifest (None when unreadable). Packs never change under their names, so it is read once
-    per process (keyed by size and mtime too, in case a name is reused by a different store)."""
+    """A pack's manifest (None when unreadable)."""
+    return footer_value(path, MANIFEST_KEY, _parse_manifest)
+
+
+def footer_value(path: Path, key: bytes, parse: Callable[[bytes | None], object]) -> object:
+    """``parse`` of one key-value entry of a Parquet footer (of None when the entry is absent); None when
+    the footer is unreadable. Packs and segments never change under their names, so it is read once per
+    process (keyed by size and mtime too, in case a name is reused by a different store)."""
     try:
         st = path.stat()
     except OSError:
         return None
-    return _manifest(str(path), st.st_size, st.st_mtime_ns)
+    return _footer_value(str(path), st.st_size, st.st_mtime_ns, key, parse)
 
 
 @functools.lru_cache(maxsize=65536)
-def _manifest(path: str, size: int, mtime_ns: int) -> tuple[Range, ...] | None:
+def _footer_value(path: str, size: int, mtime_ns: int, key: bytes, parse: Callable) -> object:
     try:
-        return manifest_of(pq.read_metadata(path).metadata)
+        raw = (pq.read_metadata(path).metadata or {}).get(key)
     except (OSError, pa.ArrowException):
         return None
+    return parse(raw)
 
 
 @dataclass(frozen=True, slots=True)
