@@ -331,23 +331,25 @@ def gpu_data(store: Store, *, run: str, bins: int = 120, lowest: int = 64,
     """``summary`` per GPU: samples, mean utilisation / power, max temperature, mean and min SM clock
     ratio, share of samples throttled, reason bits, memory, XID / ECC error counts. ``series`` per GPU
     and time bin (``bins`` over the run): mean utilisation, power, temperature, clock ratio; ``t`` is
-    the bin's first sample (epoch seconds); for the ``lowest`` GPUs by mean clock ratio (ties by host,
-    GPU: the summary's order) and the ``gpus`` named "host:gpu". Every GPU's series would be 2 M rows at
+    the bin's first sample (epoch seconds); for the ``lowest`` GPUs by the summary's ``clock_order``
+    (mean clock ratio, ties by host and GPU) and the ``gpus`` named "host:gpu". Every GPU's series would be 2 M rows at
     16,384 GPUs, more than a page can draw or a reader can see."""
-    summary, series = store.query_all([
-        (f"SELECT host, gpu, any_value(name) AS name, count(*) AS samples, avg(util_ratio) AS util, "
-         f"avg(power_watts) AS power_w, max(temperature_celsius) AS temp_max_c, "
+    # One per-GPU table, numbered by clock ratio, for both results: the series' GPUs are then exactly the
+    # summary's lowest by ``clock_order`` (two aggregations could order ties and float sums differently).
+    _, summary, series = store.query_all([
+        (f"CREATE TEMP TABLE g AS SELECT *, row_number() OVER (ORDER BY clock_ratio NULLS LAST, host, gpu) "
+         f"AS clock_order FROM (SELECT host, gpu, any_value(name) AS name, count(*) AS samples, "
+         f"avg(util_ratio) AS util, avg(power_watts) AS power_w, max(temperature_celsius) AS temp_max_c, "
          f"avg(sm_clock_hz / nullif(sm_clock_max_hz, 0)) AS clock_ratio, "
          f"min(sm_clock_hz / nullif(sm_clock_max_hz, 0)) AS clock_ratio_min, "
          f"avg(CASE WHEN (throttle_reasons & {THROTTLE_MASK}) != 0 THEN 1.0 ELSE 0.0 END) AS throttle_share, "
          f"bit_or(throttle_reasons & {THROTTLE_MASK}) AS reasons, max(mem_used_bytes) AS mem_used_max, "
          f"max(mem_total_bytes) AS mem_total, max(xid_errors_total) - min(xid_errors_total) AS xid_errors, "
-         f"max(ecc_errors_total) - min(ecc_errors_total) AS ecc_errors "
-         f"FROM gpu GROUP BY host, gpu ORDER BY host, gpu", None),
+         f"max(ecc_errors_total) - min(ecc_errors_total) AS ecc_errors FROM gpu GROUP BY host, gpu)", None),
+        ("SELECT * FROM g ORDER BY host, gpu", None),
         ("WITH w AS (SELECT min(t) AS a, greatest(max(t) - min(t), 1e-9) AS span FROM gpu), "
-         "k AS ((SELECT host, gpu FROM gpu GROUP BY host, gpu "
-         "ORDER BY avg(sm_clock_hz / nullif(sm_clock_max_hz, 0)) NULLS LAST, host, gpu LIMIT ?) UNION "
-         "SELECT DISTINCT host, gpu FROM gpu WHERE list_contains(CAST(? AS VARCHAR[]), host || ':' || gpu)) "
+         "k AS (SELECT host, gpu FROM g WHERE clock_order <= ? "
+         "OR list_contains(CAST(? AS VARCHAR[]), host || ':' || gpu)) "
          "SELECT host || ':' || gpu AS gpu, least(floor((t - w.a) / w.span * ?), ? - 1) AS bin, "
          "min(t) AS t, avg(util_ratio) AS util, avg(power_watts) AS power_w, avg(temperature_celsius) AS temp_c, "
          "avg(sm_clock_hz / nullif(sm_clock_max_hz, 0)) AS clock_ratio FROM gpu JOIN k USING (host, gpu), w "

@@ -425,7 +425,7 @@ def gpu(load: Loader, *, run: str, pick: list[str] | None = None) -> Gpu:
         gpu_id=summary["host"] + ":" + summary["gpu"].astype(str),
         throttle=[", ".join(analysis.decode_throttle(int(b))) for b in summary["reasons"].fillna(0)])
     view.series = series = d["series"]
-    lowest = summary.sort_values("clock_ratio")["gpu_id"]
+    lowest = summary.sort_values("clock_order")["gpu_id"]
     view.worst = lowest.head(GPU_WORST).tolist()
     view.figures["heatmap"] = figures.gpu_heatmap(series[series["gpu"].isin(lowest.head(GPU_HEATMAP_ROWS))],
                                                   of=len(summary))

@@ -140,3 +140,27 @@ def test_gpu_page_at_scale_draws_the_lowest_clock_gpus_and_the_picked_ones(tmp_p
     assert set(picked.series["gpu"]) == set(lowest[:8]) | {lowest[-1]}
     want = full["series"][full["series"]["gpu"].isin(set(picked.series["gpu"]))].reset_index(drop=True)
     assert picked.series.reset_index(drop=True).equals(want)  # the same bins and values as with every GPU
+
+
+def test_gpu_page_with_tied_clocks_draws_the_gpus_it_loaded(tmp_path, monkeypatch):
+    # GPUs at full clock all have a ratio of exactly 1.0: the GPUs the page draws (lowest clock, ties by
+    # host and GPU) must be the ones whose series were loaded, with data in every default line.
+    import pyarrow as pa
+
+    from meshscope.agent.collector import parts
+    from meshscope.agent.contract import SCHEMAS
+
+    n, slow = 12, 7
+    rows = [{"t": 1.8e9 + i, "host": "h", "gpu": g, "uuid": f"u{g}", "name": "H100", "util_ratio": 0.9,
+             "mem_util_ratio": 0.5, "mem_used_bytes": 1, "mem_total_bytes": 2, "power_watts": 500.0,
+             "temperature_celsius": 60.0, "sm_clock_hz": 9e8 if g == slow else 1.98e9, "sm_clock_max_hz": 1.98e9,
+             "throttle_reasons": 0, "xid_errors_total": 0, "ecc_errors_total": 0} for i in range(6) for g in range(n)]
+    parts.write_part(tmp_path / "tables" / "gpu" / "run=r" / "rank=-1", pa.Table.from_pylist(rows, SCHEMAS["gpu"]),
+                     kind="gpu", stream="s", start=0, end=1, source="test")
+    monkeypatch.setattr(views, "GPU_HEATMAP_ROWS", 4)
+    gpu = views.gpu(views.direct_loader(Store.open(tmp_path)), run="r")
+    assert gpu.worst == ["h:7", "h:0", "h:1", "h:2", "h:3", "h:4", "h:5", "h:6"]  # ties in GPU order
+    assert sorted(gpu.figures["heatmap"].data[0].y) == ["h:0", "h:1", "h:2", "h:7"]
+    for name, fig in gpu.figures.items():
+        if name != "heatmap":
+            assert [t.name for t in fig.data] == gpu.worst and all(len(t.x) == 6 for t in fig.data), name

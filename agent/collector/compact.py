@@ -16,8 +16,12 @@ packs again, or a crash's leftovers the superseded rule drops, make it stale, an
 deleted and its sources' successors are read as they are until they settle into a new segment. So a
 segment is never read beside a row it holds, and a listing never misses one.
 
-``settled``: written ``SETTLE_S`` ago. An agent merges its small packs within minutes, so a live run's
-newest packs are read as they are; a finished run's all settle.
+``settled``: a pack the agent will not merge again: one of ``packs.SMALL_BYTES`` or more (a minute after it
+was written), or a small one ``SETTLE_S`` old (an agent merges its small packs once 8 have gathered, within
+minutes on a live run, so a segment built from them would go stale and be rebuilt over and over). A
+live run's newest packs are read as they are; a finished run's all settle. A segment that looks stale is
+deleted only once it is a minute old: another reader whose listing is newer than this one may just have
+built it.
 
 Modes (``Store.compaction``): "off" reads packs only; "use" (the default) reads the segments present;
 "background" also builds new ones on one worker thread per process, with one DuckDB thread, so the pages
@@ -31,6 +35,8 @@ import hashlib
 import json
 import os
 import queue
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -46,15 +52,19 @@ from meshscope.agent.contract import PACK_RE, SCHEMA_VERSION, pack_name
 
 MODES = ("off", "use", "background", "now")
 MIN_PACKS = 64  # below this a run's packs are read as they are (1,024 ranks: 128 packs per kind)
-SETTLE_S = 120.0
+SETTLE_S = 600.0  # a small pack's age before it is settled
+SETTLE_BIG_S = 60.0  # a big pack's (never merged again; the margin covers a clock step or a slow rename)
+STALE_AFTER_S = 60.0  # a stale-looking segment younger than this is left (see the module docstring)
+RETRY_S = 600.0  # a failed build of the same sources is tried again after this
 SOURCES_KEY = f"{META_PREFIX}sources".encode()
 MEMORY_LIMIT = "1GB"  # a build's sort spills beyond this (65 M collective rows at 16,384 ranks)
 STALE_TMP_S = 3600.0  # a build killed with its process leaves a temporary file; removed after this
 
 
 def cache_base() -> Path:
-    """The reader's cache directory: ``$MESHSCOPE_CACHE_DIR``, default ``~/.cache/meshscope``."""
-    return Path(os.environ.get("MESHSCOPE_CACHE_DIR") or Path.home() / ".cache" / "meshscope")
+    """The reader's cache directory (buckets' copies, segments): ``$MESHSCOPE_CACHE_DIR``, default
+    ``~/.cache/meshscope``; absolute, so the paths handed to DuckDB are."""
+    return Path(os.environ.get("MESHSCOPE_CACHE_DIR") or Path.home() / ".cache" / "meshscope").expanduser().resolve()
 
 
 def segment_dir(roots: Sequence[Path], *, kind: str, run: str) -> Path:
@@ -93,14 +103,25 @@ def plan(files: Sequence[Path], *, directory: Path, now: float, settle_s: float 
     held: set[str] = set()
     for seg in sorted(packs.list_packs(directory), key=lambda s: -len(sources(s) or ())):
         src = sources(seg)
-        if not src or not src <= names:
-            _unlink(seg)  # stale: its sources were merged away (see the module docstring)
-        elif not src & held:
+        if src and src <= names and not src & held:
             chosen.append(seg)
             held |= src
+        elif _age(seg, now) >= STALE_AFTER_S:
+            # Stale (its sources were merged away), unreadable, or overlapping one in use (two readers
+            # built from different listings): never read, so removed.
+            _unlink(seg)
     rest = [p for p in files if p.name not in held]
-    todo = tuple(p for p in rest if PACK_RE.match(p.name) and _age(p, now) >= settle_s)
+    todo = tuple(p for p in rest if PACK_RE.match(p.name) and _settled(p, now=now, settle_s=settle_s))
     return Plan(chosen + rest, todo if len(todo) >= min_packs else ())
+
+
+def _settled(pack: Path, *, now: float, settle_s: float) -> bool:
+    try:
+        st = pack.stat()
+    except OSError:
+        return False
+    age = now - st.st_mtime
+    return age >= settle_s or (age >= min(settle_s, SETTLE_BIG_S) and st.st_size >= packs.SMALL_BYTES)
 
 
 def build(sources_: Sequence[Path], *, directory: Path, kind: str, threads: int = 1) -> Path:
@@ -122,7 +143,9 @@ def build(sources_: Sequence[Path], *, directory: Path, kind: str, threads: int 
                 SOURCES_KEY: json.dumps(names), f"{META_PREFIX}kind": kind,
                 f"{META_PREFIX}schema_version": str(SCHEMA_VERSION), f"{META_PREFIX}source": "segment"}
     tmp = directory / f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp"
-    spill = directory.parent.parent / ".spill"
+    # Its own spill directory: DuckDB 1.x names its temporary files alike in every process and removes
+    # every one it finds in its directory when it closes.
+    spill = Path(tempfile.mkdtemp(prefix=".spill-", dir=directory.parent.parent))
     listing = ", ".join("'" + str(p).replace("'", "''") + "'" for p in sources_)
     config = {"threads": threads, "memory_limit": MEMORY_LIMIT, "temp_directory": str(spill),
               "preserve_insertion_order": False}
@@ -148,6 +171,8 @@ def build(sources_: Sequence[Path], *, directory: Path, kind: str, threads: int 
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    finally:
+        shutil.rmtree(spill, ignore_errors=True)
     return final
 
 
@@ -157,7 +182,7 @@ _pending: set[Path] = set()
 _guard = threading.Lock()
 _worker: threading.Thread | None = None
 failures = 0  # builds that raised (the pages read the packs as they are meanwhile)
-_failed: set[tuple[Path, frozenset[str]]] = set()
+_failed: dict[tuple[Path, frozenset[str]], float] = {}  # (directory, sources) -> when it failed
 
 
 def submit(sources_: Sequence[Path], *, directory: Path, kind: str) -> bool:
@@ -191,16 +216,19 @@ def try_build(sources_: Sequence[Path], *, directory: Path, kind: str, threads: 
     pack (the reader then skips it as it skips any), a full disk. The packs are read as they are."""
     global failures
     key = (directory, frozenset(p.name for p in sources_))
-    if key in _failed:  # not again on every page load: the next listing differs once the agent moves on
-        return None
+    with _guard:
+        # Not again on every page load (a damaged pack): after RETRY_S (a disk that was full), or at once
+        # for another listing.
+        if time.monotonic() - _failed.get(key, -RETRY_S) < RETRY_S:
+            return None
     try:
         return build(sources_, directory=directory, kind=kind, threads=threads)
     except Exception:  # noqa: BLE001 - see the docstring
-        failures += 1
         with _guard:
+            failures += 1
             if len(_failed) >= 1024:
                 _failed.clear()
-            _failed.add(key)
+            _failed[key] = time.monotonic()
         return None
 
 

@@ -50,7 +50,7 @@ class IngestConfig:
     # merged once pack_merge_min of them gather. Off: the parts stay (and are compacted per rank).
     pack: bool = True
     pack_merge_min: int = 8
-    pack_small_bytes: int = 16 * 1024 * 1024
+    pack_small_bytes: int = packs.SMALL_BYTES
     # After a failed store write: retry after retry_first_s, doubling to retry_max_s (agent.transport.backoff).
     retry_first_s: float = 0.1
     retry_max_s: float = 5.0

@@ -41,6 +41,7 @@ from meshscope.agent.contract import PACK_RE, SCHEMA_VERSION, pack_name
 PACKS_DIR = "packs"
 STREAM_COLUMN = "_stream"
 ROW_GROUP_ROWS = 64 * 1024  # statistics granularity: a step window reads few row groups of a big pack
+SMALL_BYTES = 16 * 1024 * 1024  # packs below this merge again (the agent's default pack_small_bytes)
 MANIFEST_KEY = f"{META_PREFIX}manifest".encode()
 
 Range = tuple[int, str, int, int]  # (rank, stream, start, end)

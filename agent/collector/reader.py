@@ -60,6 +60,7 @@ _DATA_ERRORS = (duckdb.IOException, duckdb.InvalidInputException, duckdb.Convers
                 duckdb.SerializationException)
 # kind -> (SQL condition, its params, the columns to keep); see Store.query_all.
 Materialize = tuple[str, Sequence, Sequence[str]]
+VIEW_MAX_FILES = 4  # a kind read from at most this many files is not materialized (see _execute)
 
 
 class StoreError(Exception):
@@ -161,7 +162,8 @@ class Store:
         dirs = self._run_dirs(kind)
         out: list[Path] = []
         for run in runs:
-            out += self._compacted(self._run_files(dirs.get(run, ()), kind=kind), kind=kind, run=run)
+            if run in dirs:  # only listed names become paths (the cache's segment directory included)
+                out += self._compacted(self._run_files(dirs[run], kind=kind), kind=kind, run=run)
         return sorted(out)
 
     def _run_files(self, run_dirs: Sequence[Path], *, kind: str) -> list[Path]:
@@ -287,6 +289,15 @@ class Store:
                 if kind in materialize:
                     cond, params, columns = materialize[kind]
                     cols = ", ".join(f'"{c}"' for c in columns)
+                    if len(paths) <= VIEW_MAX_FILES and all(type(v) is int for v in params or ()):
+                        # A few files (a segment, agent.collector.compact): scanning them again per statement,
+                        # each for its own columns and row groups, is cheaper than one table of every column
+                        # (16,384-rank Overview: 0.46 s against 0.70 s). The integer bounds become literals:
+                        # a view takes no parameters.
+                        for v in params or ():
+                            cond = cond.replace("?", str(v), 1)
+                        con.execute(f"CREATE TEMP VIEW {kind} AS SELECT {cols} FROM ({select}) WHERE {cond}")
+                        continue
                     con.execute("SET preserve_insertion_order = false")  # see query_all
                     con.execute(f"CREATE TEMP TABLE {kind} AS SELECT {cols} FROM ({select}) WHERE {cond}", params)
                     con.execute("SET preserve_insertion_order = true")  # raw rows come back in file order

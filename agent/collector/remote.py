@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshscope.agent.collector import objectstore, packs
+from meshscope.agent.collector import compact, objectstore, packs
 from meshscope.agent.collector.objectstore import S3Url
 
 MIN_SYNC_INTERVAL_S = 2.0  # several reads within this share one listing (a dashboard page runs many)
@@ -48,7 +48,7 @@ class SyncResult:
 
 
 def cache_root(url: S3Url) -> Path:
-    base = Path(os.environ.get("MESHSCOPE_CACHE_DIR") or Path.home() / ".cache" / "meshscope")
+    base = compact.cache_base()
     # A hash, not the bucket and prefix: a "key=value" in a prefix would read as a partition key, and two
     # endpoints may hold the same bucket name.
     digest = hashlib.sha256(f"{objectstore.endpoint_from_env()}|{url}".encode()).hexdigest()[:16]
@@ -65,7 +65,9 @@ def sync_in_background(url: S3Url, *, interval_s: float | None = None) -> Path:
     root = cache_root(url)
     key = str(root)
     with _guard:
-        failed = _failed.pop(key, False)
+        # Set until a sync succeeds: during an outage every page load tries in the foreground and says why,
+        # rather than every other one showing the cache as if nothing were wrong.
+        failed = key in _failed
         foreground = failed or key not in _last_sync or not root.is_dir()
         due = not foreground and time.monotonic() - _last_sync[key] >= interval_s and key not in _syncing
         if due:
@@ -123,6 +125,8 @@ def sync(url: S3Url, *, filesystem=None, min_interval_s: float = MIN_SYNC_INTERV
             except FileNotFoundError:
                 pass
         _last_sync[key] = time.monotonic()
+        with _guard:
+            _failed.pop(key, None)
         return SyncResult(root, len(wanted), len(missing), removed, sum(sizes))
 
 
