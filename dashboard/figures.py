@@ -67,13 +67,30 @@ def step_lines(series: pd.DataFrame, *, y: str, title: str, y_title: str, percen
     return _layout(fig, title=title, x="step", y=y_title, height=300)
 
 
+# Per-rank charts past this many ranks draw one SVG path per series instead of a bar (or marker) per rank:
+# 16,384 ranks x 4 stacked bars are 65,536 SVG elements, which took a browser ~25 s to draw.
+BAR_MAX_RANKS = 512
+
+
+def rank_trace(x, y, *, name: str, color: str, stack: str | None = None, fill: bool = True,
+               **kw) -> go.BaseTraceType:
+    """One per-rank series: bars up to BAR_MAX_RANKS ranks, then a step line (every rank still its own
+    step), filled to zero or stacked on the previous series of ``stack`` when ``fill``."""
+    if len(x) <= BAR_MAX_RANKS:
+        return go.Bar(x=x, y=y, name=name, marker_color=color, **kw)
+    area = dict(stackgroup=stack, fillcolor=color) if stack else dict(fill="tozeroy", fillcolor=color) if fill else {}
+    return go.Scatter(x=x, y=y, name=name, mode="lines", line=dict(width=0 if stack else 1, shape="hv", color=color),
+                      **area, **kw)
+
+
 def breakdown_bars(bd: pd.DataFrame) -> go.Figure:
     """Stacked mean seconds per step per rank: compute / exposed comm / bubble / other."""
-    fig = go.Figure()
-    for c in LABELS:
-        fig.add_trace(go.Bar(x=bd["rank"], y=bd[c], name=LABELS[c], marker_color=COLORS[c]))
+    fig = go.Figure([rank_trace(bd["rank"], bd[c], name=LABELS[c], color=COLORS[c], stack="parts") for c in LABELS])
     fig.update_layout(barmode="stack", bargap=0.05 if len(bd) > 64 else 0.2)
     return _layout(fig, title="Where each rank's step time goes (mean per step)", x="rank", y="seconds")
+
+
+HEATMAP_TICKS = 16  # rank labels on the compute heatmap, at most
 
 
 def compute_heatmap(hm: pd.DataFrame, *, rank_width: int, step_width: int, first_steady: int | None = None) -> go.Figure:
@@ -92,7 +109,9 @@ def compute_heatmap(hm: pd.DataFrame, *, rank_width: int, step_width: int, first
                                colorbar=dict(title="compute s"), **scale))
     title = "Compute time per rank and step" + (f" ({note[0]})" if note else "")
     fig = _layout(fig, title=title, x="step", y="rank", height=420)
-    fig.update_yaxes(tickformat="d", dtick=max(1, rank_width))  # whole ranks, never 0.5
+    # Whole ranks, never 0.5; bin starts, at most ~16 of them (128 bins of 128 ranks at 16,384 ranks would
+    # print 128 labels on top of each other).
+    fig.update_yaxes(tickformat="d", tick0=0, dtick=max(1, rank_width) * max(1, -(-len(grid.index) // HEATMAP_TICKS)))
     return fig
 
 
@@ -213,10 +232,11 @@ def busbw_vs_size(df: pd.DataFrame) -> go.Figure:
 def skew_by_rank(df: pd.DataFrame) -> go.Figure:
     """Mean arrival skew per rank and the wait it caused others when it arrived last."""
     d = df.sort_values("rank")
+    caused = dict(x=d["rank"], y=d["caused_wait_s"] * 1e3, name="wait it caused others (sum)", yaxis="y2")
     fig = go.Figure([
-        go.Bar(x=d["rank"], y=d["mean_skew_s"] * 1e3, name="mean arrival skew", marker_color="#6a1b9a"),
-        go.Scatter(x=d["rank"], y=d["caused_wait_s"] * 1e3, name="wait it caused others (sum)", yaxis="y2",
-                   mode="markers", marker_color="#c62828")])
+        rank_trace(d["rank"], d["mean_skew_s"] * 1e3, name="mean arrival skew", color="#6a1b9a"),
+        go.Scatter(**caused, mode="markers", marker_color="#c62828") if len(d) <= BAR_MAX_RANKS
+        else rank_trace(**caused, color="#c62828", fill=False)])
     fig.update_layout(yaxis2=dict(overlaying="y", side="right", title="ms caused (sum)", rangemode="tozero"))
     fig = _layout(fig, title="Arrival skew: each rank's start minus the earliest, per collective", x="rank",
                   y="ms (mean)")
@@ -229,9 +249,8 @@ def skew_by_rank(df: pd.DataFrame) -> go.Figure:
 def memory_by_rank(df: pd.DataFrame, *, current: str, peak: str, label: str) -> go.Figure:
     """Per rank current and peak bytes (GiB) against device capacity."""
     gib = 2**30
-    fig = go.Figure([
-        go.Bar(x=df["rank"], y=df[peak] / gib, name=f"peak {label}", marker_color="#ef6c00"),
-        go.Bar(x=df["rank"], y=df[current] / gib, name=f"current {label}", marker_color="#1565c0")])
+    fig = go.Figure([rank_trace(df["rank"], df[peak] / gib, name=f"peak {label}", color="#ef6c00"),
+                     rank_trace(df["rank"], df[current] / gib, name=f"current {label}", color="#1565c0")])
     cap = df["capacity"].dropna()
     if len(cap):
         fig.add_hline(y=float(cap.max()) / gib, line_dash="dash", line_color="#c62828",

@@ -164,3 +164,47 @@ def test_gpu_page_with_tied_clocks_draws_the_gpus_it_loaded(tmp_path, monkeypatc
     for name, fig in gpu.figures.items():
         if name != "heatmap":
             assert [t.name for t in fig.data] == gpu.worst and all(len(t.x) == 6 for t in fig.data), name
+
+
+def test_compute_heatmap_rank_labels_stay_readable_at_scale():
+    # 128 bins of 128 ranks (16,384 ranks): labels at bin starts, at most HEATMAP_TICKS of them, whole
+    # ranks; a small job keeps one label per rank.
+    import pandas as pd
+
+    from meshscope.dashboard import figures
+
+    def heat(ranks: int, width: int):
+        bins = range(0, ranks, width)
+        hm = pd.DataFrame([{"rank_bin": r, "step_bin": s, "compute_s": 1.0} for r in bins for s in range(3)])
+        return figures.compute_heatmap(hm, rank_width=width, step_width=1).layout.yaxis
+
+    big = heat(16384, 128)
+    assert big.dtick % 128 == 0 and 16384 / big.dtick <= figures.HEATMAP_TICKS and big.tick0 == 0
+    assert heat(8, 1).dtick == 1
+
+
+def test_breakdown_at_scale_is_one_path_per_part_with_every_rank():
+    import pandas as pd
+
+    from meshscope.dashboard import analysis, figures
+
+    def fig(ranks: int):
+        bd = pd.DataFrame({"rank": range(ranks), **{c: [0.1] * ranks for c in analysis.BREAKDOWN}})
+        bd.loc[ranks // 3, "compute_s"] = 0.5  # a straggler stays visible as its own step
+        return figures.breakdown_bars(bd)
+
+    small, big = fig(64), fig(16384)
+    assert [t.type for t in small.data] == ["bar"] * 4
+    assert [t.type for t in big.data] == ["scatter"] * 4 and all(len(t.x) == 16384 for t in big.data)
+    compute = next(t for t in big.data if t.name == figures.LABELS["compute_s"])
+    assert compute.stackgroup == "parts" and max(compute.y) == 0.5 and list(compute.y).index(0.5) == 16384 // 3
+    # The other per-rank charts (Memory, Communication's skew): one path per series at scale too.
+    n = 16384
+    mem = figures.memory_by_rank(pd.DataFrame({"rank": range(n), "peak": [2.0**30] * n, "cur": [2.0**29] * n,
+                                               "capacity": [2.0**36] * n}), current="cur", peak="peak", label="x")
+    skew = figures.skew_by_rank(pd.DataFrame({"rank": range(n), "mean_skew_s": [0.001] * n, "caused_wait_s": [0.0] * n}))
+    for f in (mem, skew):
+        assert [t.type for t in f.data] == ["scatter", "scatter"] and all(t.mode == "lines" and len(t.x) == n
+                                                                          for t in f.data)
+    assert [t.type for t in figures.skew_by_rank(pd.DataFrame(
+        {"rank": [0, 1], "mean_skew_s": [0.0, 0.001], "caused_wait_s": [0.0, 0.1]})).data] == ["bar", "scatter"]
