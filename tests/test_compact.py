@@ -170,3 +170,4 @@ def test_the_dashboard_compacts_in_the_background(tmp_path, cache, monkeypatch):
     assert any("Straggler: rank 11" in w.value for w in at.warning)
     assert compact.wait_idle(60)
     assert {s.parent.parent.parent.name for s in segments(cache)} >= {"run", "step"}
+

@@ -31,6 +31,8 @@ over a run that will be read again).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import hashlib
 import json
 import os
@@ -150,7 +152,7 @@ def build(sources_: Sequence[Path], *, directory: Path, kind: str, threads: int 
     config = {"threads": threads, "memory_limit": MEMORY_LIMIT, "temp_directory": str(spill),
               "preserve_insertion_order": False}
     try:
-        with duckdb.connect(config=config) as con:
+        with duckdb.connect(config=config) as con, _building(con):
             scan = f"read_parquet([{listing}], union_by_name = true, hive_partitioning = false)"
             columns = [row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {scan}").fetchall()]
             keys = [c for c in ("step", "rank", "t_start", "t") if c in columns]
@@ -166,6 +168,8 @@ def build(sources_: Sequence[Path], *, directory: Path, kind: str, threads: int 
             with pq.ParquetWriter(tmp, schema, compression="zstd", use_dictionary=strings,
                                   use_byte_stream_split=floats, write_statistics=keys) as writer:
                 for batch in reader:
+                    if _stopping.is_set():
+                        raise InterruptedError("the process is exiting")
                     writer.write_batch(batch, row_group_size=packs.ROW_GROUP_ROWS)
         os.replace(tmp, final)
     except BaseException:
@@ -181,6 +185,37 @@ _jobs: queue.Queue = queue.Queue()
 _pending: set[Path] = set()
 _guard = threading.Lock()
 _worker: threading.Thread | None = None
+_active: set = set()  # DuckDB connections building now
+_stopping = threading.Event()
+
+
+@contextlib.contextmanager
+def _building(con):
+    with _guard:
+        if _stopping.is_set():
+            raise InterruptedError("the process is exiting")
+        _active.add(con)
+    try:
+        yield
+    finally:
+        with _guard:
+            _active.discard(con)
+
+
+def _stop_builds() -> None:
+    """At exit: interrupt a build in progress and wait for the worker. A daemon thread still inside DuckDB
+    when the interpreter finalizes is unwound by force, and the process aborts (SIGABRT, "exception not
+    rethrown": seen on SIGTERM to a dashboard building a 16,384-rank segment)."""
+    _stopping.set()
+    with _guard:
+        cons = list(_active)
+    for con in cons:
+        try:
+            con.interrupt()
+        except Exception:  # noqa: BLE001 - closed meanwhile
+            pass
+    if _worker is not None:
+        _worker.join(timeout=30)
 failures = 0  # builds that raised (the pages read the packs as they are meanwhile)
 _failed: dict[tuple[Path, frozenset[str]], float] = {}  # (directory, sources) -> when it failed
 
@@ -193,7 +228,12 @@ def submit(sources_: Sequence[Path], *, directory: Path, kind: str) -> bool:
         if directory in _pending:
             return False
         _pending.add(directory)
+        if _stopping.is_set():
+            _pending.discard(directory)
+            return False
         if _worker is None or not _worker.is_alive():
+            if _worker is None:
+                atexit.register(_stop_builds)
             _worker = threading.Thread(target=_work, name="meshscope-compact", daemon=True)
             _worker.start()
     _jobs.put((tuple(sources_), directory, kind))
@@ -233,8 +273,11 @@ def try_build(sources_: Sequence[Path], *, directory: Path, kind: str, threads: 
 
 
 def _work() -> None:
-    while True:
-        srcs, directory, kind = _jobs.get()
+    while not _stopping.is_set():
+        try:
+            srcs, directory, kind = _jobs.get(timeout=0.5)
+        except queue.Empty:
+            continue
         try:
             try_build(srcs, directory=directory, kind=kind)
         finally:
@@ -257,7 +300,11 @@ def _unlink(path: Path) -> None:
 
 
 def _sweep_tmp(directory: Path) -> None:
+    """What builds killed with their process left: temporary segments here, spill directories above."""
     now = time.time()
     for e in os.scandir(directory):
         if e.name.endswith(".tmp") and _age(Path(e.path), now) > STALE_TMP_S:
             _unlink(Path(e.path))
+    for e in os.scandir(directory.parent.parent):
+        if e.name.startswith(".spill-") and _age(Path(e.path), now) > STALE_TMP_S:
+            shutil.rmtree(e.path, ignore_errors=True)
