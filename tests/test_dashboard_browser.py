@@ -4,6 +4,7 @@ Streamlit exception. Screenshots go to artifacts/screenshots/ (gitignored)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -53,6 +54,27 @@ def _wait_healthy(url: str, proc: subprocess.Popen, *, timeout: float) -> None:
     raise AssertionError(f"dashboard not healthy within {timeout} s")
 
 
+@contextlib.contextmanager
+def dashboard_process(cli_args: list[str], *, cwd=ROOT, env=None):
+    """``python -m meshscope.cli CLI_ARGS --port P`` in a session of its own, once healthy: yields (url,
+    process). At the end SIGTERM to the session (Streamlit and anything it started), SIGKILL if it lingers."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "meshscope.cli", *cli_args, "--port", str(port)], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, proc, timeout=60)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     if not (os.path.exists(CHROMIUM) and shutil.which(CHROMIUM)):
@@ -63,23 +85,9 @@ def served(tmp_path_factory):
     write_store(store, config=SyntheticConfig(run="ddp-8", mesh={"dp": 8}, steps=30, t0=1.8e9))
     write_store(store, config=SyntheticConfig(run="pp-fsdp-16", mesh={"pp": 2, "fsdp": 4, "tp": 2}, steps=30,
                                               straggler=Straggler(rank=5, cause="throttle"), t0=1.8e9 + 86400))
-    port = free_port()
-    with FakePrometheus(ranks=4) as prom:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "meshscope.cli", "dashboard", "--store", str(store), "--port", str(port),
-             "--prometheus", prom.url, "--refresh", "2"],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            _wait_healthy(url, proc, timeout=60)
-            yield url
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)  # our own session: streamlit and anything it started
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+    with FakePrometheus(ranks=4) as prom, dashboard_process(
+            ["dashboard", "--store", str(store), "--prometheus", prom.url, "--refresh", "2"]) as (url, _):
+        yield url
 
 
 def test_every_page_draws_a_chart_without_exceptions(served):
@@ -123,7 +131,6 @@ def test_sigterm_while_the_dashboard_builds_a_segment_exits_cleanly(tmp_path):
     # rethrown": the thread was unwound by force inside DuckDB at interpreter exit). Now the build is
     # interrupted at exit: exit 0, nothing half-written left in the cache.
     import numpy as np
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     from meshscope.agent.collector import packs
@@ -143,15 +150,10 @@ def test_sigterm_while_the_dashboard_builds_a_segment_exits_cleanly(tmp_path):
         pq.write_table(big, path)
     for path in (store / "tables").rglob("*.parquet"):
         os.utime(path, (old, old))
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "meshscope.cli", "dashboard", "--store", str(store), "--port", str(port)],
-                            cwd=ROOT, env={**os.environ, "MESHSCOPE_CACHE_DIR": str(cache)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, proc, timeout=60)
-        from playwright.sync_api import sync_playwright
+    from playwright.sync_api import sync_playwright
 
+    with dashboard_process(["dashboard", "--store", str(store)],
+                           env={**os.environ, "MESHSCOPE_CACHE_DIR": str(cache)}) as (url, proc):
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             try:
@@ -167,10 +169,6 @@ def test_sigterm_while_the_dashboard_builds_a_segment_exits_cleanly(tmp_path):
         assert list(cache.glob("compact/*/collective/.spill-*")), f"the collective build did not start: {built}"
         os.killpg(proc.pid, signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
     assert proc.returncode == 0 and "terminate called" not in out, (proc.returncode, out[-2000:])
     assert [p.name for p in cache.rglob("*") if p.name.startswith(".")] == []  # no temporary segment or spill
     assert all(packs.manifest(p) for p in cache.rglob("pack-*.parquet"))  # what was finished is whole

@@ -97,6 +97,27 @@ def test_bad_urls_are_named(url, message):
     assert objectstore.parse_url("s3://ok-bucket//a/b/") == objectstore.S3Url("ok-bucket", "a/b")
 
 
+@pytest.mark.parametrize("text, said", [
+    # A lost connection while uploading a part whose byte offsets read "...403...": not "access denied"
+    # (the agent once said so during the 30 s outage test).
+    ("When uploading part for key 'o/tables/step/run=r/rank=0/part-s0-1240352-1403190.parquet' in bucket 'runs': "
+     "AWS Error NETWORK_CONNECTION during PutObject operation: curlCode: 7, Couldn't connect to server", "cannot reach"),
+    ("When uploading object with key 'o/part-s-0-403.parquet' in bucket 'runs': AWS Error ACCESS_DENIED during "
+     "PutObject operation: Access Denied", "denied"),
+    ("When reading information for key 'x' in bucket 'runs': AWS Error UNKNOWN (HTTP status 403) during HeadObject "
+     "operation: No response body.", "denied"),
+    ("AWS Error INVALID_ACCESS_KEY_ID during ListObjectsV2 operation: The AWS Access Key Id you provided does not "
+     "exist", "denied"),
+    ("NO_SUCH_BUCKET: bucket 'runs' not found", "does not exist"),
+    ("When listing objects under key 'o/tables/' in bucket 'runs': AWS Error NO_SUCH_BUCKET during ListObjectsV2 "
+     "operation: The specified bucket does not exist", "does not exist"),
+])
+def test_s3_errors_are_said_by_their_code_not_by_digits_in_the_key(text, said, monkeypatch):
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    line = objectstore.describe_error(OSError(text), url=objectstore.parse_url("s3://runs/o"))
+    assert said in line, line
+
+
 def test_keys_outside_the_layout_are_ignored_and_superseded_parts_found():
     ok = f"tables/step/run=r1/rank=0/{part_name('s1', 0, 100)}"
     assert objectstore.table_part(ok, 5).end == 100

@@ -11,15 +11,13 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 
 import pytest
 
-from fake_prometheus import free_port
 from tests.conftest import trainer_env
-from tests.test_dashboard_browser import CHROMIUM, CHROMIUM_ARGS, NON_EMPTY_PLOT, _wait_healthy
+from tests.test_dashboard_browser import CHROMIUM, CHROMIUM_ARGS, NON_EMPTY_PLOT, dashboard_process
 
 pytestmark = pytest.mark.gloo
 
@@ -62,13 +60,7 @@ def test_the_tour_ends_on_charts(tmp_path):
 def _overview_in_the_browser(argv: list[str], *, cwd, run: str) -> None:
     from playwright.sync_api import sync_playwright
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "meshscope.cli", *argv[1:], "--port", str(port)], cwd=cwd,
-                            env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, proc, timeout=60)
+    with dashboard_process(argv[1:], cwd=cwd, env=trainer_env()) as (url, _):
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             try:
@@ -85,10 +77,3 @@ def _overview_in_the_browser(argv: list[str], *, cwd, run: str) -> None:
                 assert page.locator(".js-plotly-plot").count() >= 5
             finally:
                 browser.close()
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)

@@ -185,16 +185,23 @@ def gone(exc: BaseException) -> bool:
     return isinstance(exc, FileNotFoundError) or "RESOURCE_NOT_FOUND" in text or "NoSuchKey" in text
 
 
+_AWS_ERROR = re.compile(r"(?:AWS Error |^)([A-Z][A-Z_]+)\b", re.M)  # pyarrow's, or ours (_bucket_exists)
+_HTTP_403 = re.compile(r"\b(?:HTTP (?:status|response code)[: ]*403|403 Forbidden)\b")
+_DENIED = {"ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH"}
+
+
 def describe_error(exc: BaseException, *, url: S3Url) -> str:
-    """One line for the user from a pyarrow S3 error (its text names the AWS error code)."""
+    """One line for the user from a pyarrow S3 error. Classified by the AWS error code and HTTP status it
+    names, never by a bare substring of the text: the text also holds the object's key, whose byte
+    offsets can read "...403..." (a lost connection was once reported as "access denied" that way)."""
     text = str(exc)
-    if "NO_SUCH_BUCKET" in text:
-        return f"bucket {url.bucket!r} does not exist ({url})"
-    if any(code in text for code in ("ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH",
-                                     "Forbidden", "403")):
-        return f"access to {url} denied: check the AWS credentials (environment or ~/.aws)"
-    if "NETWORK_CONNECTION" in text or "curlCode" in text:
+    codes = set(_AWS_ERROR.findall(text))
+    if "NETWORK_CONNECTION" in codes or "curlCode" in text:
         where = endpoint_from_env() or "the default AWS endpoint"
         return f"cannot reach {where} for {url}"
+    if "NO_SUCH_BUCKET" in codes:
+        return f"bucket {url.bucket!r} does not exist ({url})"
+    if codes & _DENIED or _HTTP_403.search(text):
+        return f"access to {url} denied: check the AWS credentials (environment or ~/.aws)"
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     return f"{url}: {first}"
