@@ -5,9 +5,10 @@
 Per call (``meshscope.testing.hookcost``: the method is in its docstring; each path in a process of its
 own): each hook path through the real Python API and the real C++ dispatch of torch's ``fake`` backend, the real telemetry core as the
 recorder; training-thread CPU time per op, the median over ABBA blocks of (with − without). Goal: ≤ 2 µs
-per op on every collective / P2P path, ≤ 0.3 µs per pipeline span. The DDP comm hook needs a real
-future, so its per-call figure comes from a gloo world of one (noisier: gloo's wait spins on the caller's
-CPU).
+per op on every collective / P2P path and DDP bucket, ≤ 0.3 µs per pipeline span. Beside them, the
+floors: the barest Python recording wrappers of the same calls (``floor_*``), what no Python design of the
+path can go below. The DDP comm hook is also timed on a gloo world of one
+(``ddp_comm_hook_gloo_world1``: a real future, its callback on gloo's thread; far noisier, a cross-check).
 
 Per step (2 gloo ranks, real process groups): a small DDP / FSDP2 / TP / PP-1F1B model, blocks of steps
 rotating between three arms on the same steps — untraced, meshscope (``Telemetry`` attached, a step and a
@@ -323,7 +324,7 @@ def _path(source_op: str) -> str:
     """The per-call path that times an op of this ``source/op`` (see ``meshscope.testing.hookcost``)."""
     source, op = source_op.split("/")
     if source == "ddp_comm_hook":
-        return "ddp_comm_hook_gloo_world1"
+        return "ddp_comm_hook"
     if source == "fsdp_comm":
         return f"fsdp_{op}"
     if source == "funcol":

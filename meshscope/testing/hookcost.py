@@ -32,9 +32,8 @@ from typing import Any, Callable
 
 def _ab(run: Callable[[], Any], on: Callable[[], None], off: Callable[[], None], *, calls: int,
         blocks: int, settle: Callable[[Any], None] | None = None) -> dict[str, Any]:
-    """``settle(result)``: what follows each call untimed (the DDP hook's future is waited there: gloo's
-    wait spins on the caller's CPU for as long as the op takes, which is not the hook's cost); each call is
-    then timed on its own (the two clock readings per call are in both arms and cancel)."""
+    """``settle(result)``: what follows each call untimed; each call is then timed on its own (the two
+    clock readings per call, 0.8 µs each here, are in both arms and cancel, but add their noise)."""
     without, diffs = [], []
     for arm in (off, on, off):  # warm both paths
         arm()
@@ -42,6 +41,11 @@ def _ab(run: Callable[[], Any], on: Callable[[], None], off: Callable[[], None],
         if settle is not None:
             settle(result)
     clock = time.thread_time_ns
+    # Untimed calls after each switch: the first call after a patch is installed or removed costs up to
+    # a few hundred µs more (the interpreter re-specialises every function reading the patched module's
+    # globals, and the tracer resolves its group again), which in a block of 100 calls read as +1-4 µs
+    # per call.
+    warm = max(3, calls // 20)
     for b in range(blocks):
         cpu = {}
         for enable in ((False, True) if b % 2 == 0 else (True, False)):
@@ -49,6 +53,10 @@ def _ab(run: Callable[[], Any], on: Callable[[], None], off: Callable[[], None],
             gc.collect()
             gc.disable()
             try:
+                for _ in range(warm):
+                    result = run()
+                    if settle is not None:
+                        settle(result)
                 if settle is None:
                     c0 = clock()
                     for _ in range(calls):
@@ -74,9 +82,7 @@ def _ab(run: Callable[[], Any], on: Callable[[], None], off: Callable[[], None],
 
 
 def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """``{path: {"without_cpu_us", "overhead_cpu_us", "iqr_us"}}`` for every hook path (or ``paths``)
-    but the DDP comm hook (its Python hook needs a future with a value, which the fake backend's works do
-    not have: bench/hooks_overhead.py times it on gloo).
+    """``{path: {"without_cpu_us", "overhead_cpu_us", "iqr_us"}}`` for every hook path (or ``paths``).
     Initialises (and destroys) a ``fake`` process group in this process: call it where no other group
     exists."""
     import torch
@@ -151,6 +157,8 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
         boundary["on"] = False
 
     floor_on, floor_off = _floor(tel)
+    funcol_floor_on, funcol_floor_off = _floor_funcol(tel)
+    ddp_hook, ddp_on, ddp_off = _ddp_hook(tracer, world, t)
     untracked = dist.all_reduce(t, async_op=True)
     table: dict[str, tuple[Callable[[], Any], Callable[[], None], Callable[[], None]]] = {
         "c10d_all_reduce_blocking": (lambda: dist.all_reduce(t), on, off),
@@ -163,11 +171,13 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
                                                                                    dist.ReduceOp.SUM), on, off),
         "p2p_isend_wait": (lambda: dist.isend(t, 1).wait(), on, off),
         "p2p_irecv_wait": (lambda: dist.irecv(t, 1).wait(), on, off),
+        "ddp_comm_hook": (ddp_hook, ddp_on, ddp_off),
         "pipeline_span": (lambda: stage.forward_one_chunk(0), pp_on, pp_off),
         "step_boundary": (step_boundary, steps_on, steps_off),
         # The floor of any Python wrapper here (a reference, not a hook): see _floor.
         "floor_blocking": (lambda: dist.all_reduce(t), floor_on, floor_off),
         "floor_async_wait": (lambda: dist.all_reduce(t, async_op=True).wait(), floor_on, floor_off),
+        "floor_funcol": (lambda: funcol.all_reduce(t, "sum", world).wait(), funcol_floor_on, funcol_floor_off),
     }
     out = {}
     try:
@@ -185,8 +195,8 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
 
 
 PATHS = ("c10d_all_reduce_blocking", "c10d_all_reduce_async_wait", "funcol_all_reduce_wait", "work_wait_untracked",
-         "fsdp_all_gather", "fsdp_reduce_scatter", "p2p_isend_wait", "p2p_irecv_wait", "pipeline_span",
-         "step_boundary", "floor_blocking", "floor_async_wait")
+         "fsdp_all_gather", "fsdp_reduce_scatter", "p2p_isend_wait", "p2p_irecv_wait", "ddp_comm_hook",
+         "pipeline_span", "step_boundary", "floor_blocking", "floor_async_wait", "floor_funcol")
 
 
 def _floor(tel: Any) -> tuple[Callable[[], None], Callable[[], None]]:
@@ -233,6 +243,108 @@ def _floor(tel: Any) -> tuple[Callable[[], None], Callable[[], None]]:
         work_type.wait = original_wait
         done.clear()
     return on, off
+
+
+def _floor_funcol(tel: Any) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(on, off) of the barest recording wrappers of ``funcol.all_reduce`` and ``funcol.wait_tensor``: one
+    clock reading and a dict entry by the output's data pointer at the issue, two readings and one tuple
+    appended at the wait; no group resolved, no op numbered, nothing checked (not even torch.compile's
+    flag or the thread). The funcol path's two patched entry points run between ~30 µs of torch's own
+    Python, whose caches they share: what this costs in that loop is the least any Python design of the
+    path can cost there."""
+    import collections
+
+    import torch.distributed._functional_collectives as funcol
+
+    original, original_wait = funcol.all_reduce, funcol.wait_tensor
+    done: collections.deque = collections.deque(maxlen=65536)
+    pending: dict[int, tuple] = {}
+    now, live = time.perf_counter, tel.live
+
+    def all_reduce(tensor: Any, op: str, group: Any, tag: str = "") -> Any:
+        t0 = now()
+        result = original(tensor, op, group, tag)
+        pending[result.elem.data_ptr()] = ("all_reduce", group, tensor.nbytes, t0)
+        return result
+
+    def wait_tensor(tensor: Any) -> Any:
+        entry = pending.pop(tensor.data_ptr(), None)
+        t0 = now()
+        result = original_wait(tensor)
+        t1 = now()
+        if entry is not None:
+            done.append((entry, t1, t1 - t0, live.step))
+        return result
+
+    def on() -> None:
+        funcol.all_reduce, funcol.wait_tensor = all_reduce, wait_tensor
+
+    def off() -> None:
+        funcol.all_reduce, funcol.wait_tensor = original, original_wait
+        done.clear()
+    return on, off
+
+
+def _ddp_hook(tracer: Any, group: Any, t: Any) -> tuple[Callable[[], Any], Callable[[], None], Callable[[], None]]:
+    """(run, on, off) of the traced DDP comm hook on one bucket (never the last: the window that records
+    the step's buckets at the end of backward is per step, not per bucket), against the same hook with no
+    tracer (the direct ProcessGroup call and its one callback, as DDP runs it untraced).
+
+    The hook's group is ``group`` (the fake backend) behind a thin proxy: its ``allreduce`` is the real
+    C++ call, whose work's future holds ``None`` where a real backend's holds the reduced tensors, so the
+    proxy hands the hook a completed future holding them (one more object per call, in both arms). Being
+    complete, the future runs the hook's callback at once on this thread (a real backend runs it on its
+    own thread when the op ends): the figure includes the completion stamp, an upper bound of what the
+    training thread pays."""
+    import torch
+
+    from meshscope.agent.instrument.comm_ddp import _HookState, traced_allreduce_hook
+
+    class Work:
+        __slots__ = ("work", "tensors")
+
+        def __init__(self, work: Any, tensors: list) -> None:
+            self.work, self.tensors = work, tensors
+
+        def get_future(self) -> Any:
+            fut = torch.futures.Future()
+            fut.set_result(self.tensors)
+            return fut
+
+    class Group:
+        def size(self) -> int:
+            return group.size()
+
+        def allreduce(self, tensors: list) -> Work:
+            return Work(group.allreduce(tensors), tensors)
+
+    proxy = Group()
+    # The tracer resolves a group through MeshInfo; the proxy stands for ``group`` there (a benchmark's
+    # shortcut into its cache: no public way to alias a designator).
+    tracer.mesh_info._cache[id(proxy)] = (proxy, tracer.mesh_info.lookup(group))
+
+    class Bucket:
+        def buffer(self) -> Any:
+            return t
+
+        def is_last(self) -> bool:
+            return False
+
+    bucket, state = Bucket(), _HookState(proxy, None)
+
+    def on() -> None:
+        tracer.attach(None)
+        state.tracer = tracer
+
+    def off() -> None:
+        tracer.detach()
+        state.tracer = None
+
+    def run() -> None:
+        traced_allreduce_hook(state, bucket)
+        state.ops.clear()  # what the end of backward does with the bucket's op (both arms: empty untraced)
+
+    return run, on, off
 
 
 def torch_work_type() -> type:
