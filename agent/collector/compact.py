@@ -32,7 +32,6 @@ over a run that will be read again).
 from __future__ import annotations
 
 import atexit
-import contextlib
 import hashlib
 import json
 import os
@@ -48,7 +47,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from meshscope.agent.collector import packs
+from meshscope.agent.collector import duckconn, packs
 from meshscope.agent.collector.parts import META_PREFIX
 from meshscope.agent.contract import PACK_RE, SCHEMA_VERSION, pack_name
 
@@ -130,8 +129,6 @@ def build(sources_: Sequence[Path], *, directory: Path, kind: str, threads: int 
     """Write one segment of the packs ``sources_`` into ``directory`` (temporary name, then rename: a
     reader sees all of it or nothing). Returns its path; the same sources make the same name, so a second
     build of them returns at once. Raises OSError, or a DuckDB/Arrow error for an unreadable pack."""
-    import duckdb  # the reader's dependency; the agent never builds segments
-
     names = sorted({p.name for p in sources_})
     final = directory / pack_name(hashlib.sha256(f"segment|{kind}|{'|'.join(names)}".encode()).hexdigest()[:24])
     if final.exists():
@@ -152,7 +149,7 @@ def build(sources_: Sequence[Path], *, directory: Path, kind: str, threads: int 
     config = {"threads": threads, "memory_limit": MEMORY_LIMIT, "temp_directory": str(spill),
               "preserve_insertion_order": False}
     try:
-        with duckdb.connect(config=config) as con, _building(con):
+        with duckconn.connect(config=config) as con:
             scan = f"read_parquet([{listing}], union_by_name = true, hive_partitioning = false)"
             columns = [row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {scan}").fetchall()]
             keys = [c for c in ("step", "rank", "t_start", "t") if c in columns]
@@ -168,7 +165,7 @@ def build(sources_: Sequence[Path], *, directory: Path, kind: str, threads: int 
             with pq.ParquetWriter(tmp, schema, compression="zstd", use_dictionary=strings,
                                   use_byte_stream_split=floats, write_statistics=keys) as writer:
                 for batch in reader:
-                    if _stopping.is_set():
+                    if duckconn.stopping():
                         raise InterruptedError("the process is exiting")
                     writer.write_batch(batch, row_group_size=packs.ROW_GROUP_ROWS)
         os.replace(tmp, final)
@@ -185,37 +182,16 @@ _jobs: queue.Queue = queue.Queue()
 _pending: set[Path] = set()
 _guard = threading.Lock()
 _worker: threading.Thread | None = None
-_active: set = set()  # DuckDB connections building now
-_stopping = threading.Event()
-
-
-@contextlib.contextmanager
-def _building(con):
-    with _guard:
-        if _stopping.is_set():
-            raise InterruptedError("the process is exiting")
-        _active.add(con)
-    try:
-        yield
-    finally:
-        with _guard:
-            _active.discard(con)
 
 
 def _stop_builds() -> None:
-    """At exit: interrupt a build in progress and wait for the worker. A daemon thread still inside DuckDB
-    when the interpreter finalizes is unwound by force, and the process aborts (SIGABRT, "exception not
-    rethrown": seen on SIGTERM to a dashboard building a 16,384-rank segment)."""
-    _stopping.set()
-    with _guard:
-        cons = list(_active)
-    for con in cons:
-        try:
-            con.interrupt()
-        except Exception:  # noqa: BLE001 - closed meanwhile
-            pass
+    """At exit: interrupt a build in progress (``duckconn.stop``) and wait for the worker, which then
+    leaves its temporary segment and spill directory removed."""
+    duckconn.stop()
     if _worker is not None:
-        _worker.join(timeout=30)
+        _worker.join(timeout=duckconn.EXIT_WAIT_S)
+
+
 failures = 0  # builds that raised (the pages read the packs as they are meanwhile)
 _failed: dict[tuple[Path, frozenset[str]], float] = {}  # (directory, sources) -> when it failed
 
@@ -228,7 +204,7 @@ def submit(sources_: Sequence[Path], *, directory: Path, kind: str) -> bool:
         if directory in _pending:
             return False
         _pending.add(directory)
-        if _stopping.is_set():
+        if duckconn.stopping():
             _pending.discard(directory)
             return False
         if _worker is None or not _worker.is_alive():
@@ -273,7 +249,7 @@ def try_build(sources_: Sequence[Path], *, directory: Path, kind: str, threads: 
 
 
 def _work() -> None:
-    while not _stopping.is_set():
+    while not duckconn.stopping():
         try:
             srcs, directory, kind = _jobs.get(timeout=0.5)
         except queue.Empty:

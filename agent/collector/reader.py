@@ -47,7 +47,7 @@ from pathlib import Path
 import duckdb
 import pandas as pd
 
-from meshscope.agent.collector import compact, packs, tableview
+from meshscope.agent.collector import compact, duckconn, packs, tableview
 from meshscope.agent.collector.objectstore import is_remote
 from meshscope.agent.collector.store import PARTITION_KEYS, stored_schema
 from meshscope.agent.contract import KINDS, PACK_RE, PART_RE, SCHEMAS, check_run_name, is_run_name
@@ -281,7 +281,7 @@ class Store:
                  materialize: Mapping[str, Materialize], all_attempts: bool) -> list[pd.DataFrame]:
         # A fresh in-memory connection per call: DuckDB connections are not shared across Streamlit's
         # script threads, and opening one costs well under a millisecond.
-        with duckdb.connect(config={"threads": min(4, os.cpu_count() or 1)}) as con:
+        with duckconn.connect(config={"threads": min(4, os.cpu_count() or 1)}) as con:
             for kind, paths in sources.items():
                 assert _VIEW_NAME.match(kind)
                 newest = not all_attempts and tableview.restarted(paths, kind=kind)
@@ -381,7 +381,7 @@ def read_table(
 
 def _empty(kind: str, *, select: str) -> pd.DataFrame:
     """A kind's empty frame, typed as a query over its files would be (the same SQL over no files)."""
-    with duckdb.connect() as con:
+    with duckconn.connect() as con:
         df = con.execute(f"SELECT {select} FROM ({tableview.select_sql(con, kind=kind, paths=[], union=False)})").df()
     df.attrs[SKIPPED] = []
     return df
