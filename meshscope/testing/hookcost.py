@@ -157,6 +157,16 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
         boundary["on"] = False
 
     floor_on, floor_off = _floor(tel)
+    profiled: dict[str, Any] = {"p": None}
+
+    def profiler_on() -> None:
+        profiled["p"] = light_profiler()
+        profiled["p"].__enter__()
+
+    def profiler_off() -> None:  # its trace's post-processing happens here, outside the timed blocks
+        if profiled["p"] is not None:
+            profiled["p"].__exit__(None, None, None)
+            profiled["p"] = None
     funcol_floor_on, funcol_floor_off = _floor_funcol(tel)
     ddp_hook, ddp_on, ddp_off = _ddp_hook(tracer, world, t)
     untracked = dist.all_reduce(t, async_op=True)
@@ -178,6 +188,8 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
         "floor_blocking": (lambda: dist.all_reduce(t), floor_on, floor_off),
         "floor_async_wait": (lambda: dist.all_reduce(t, async_op=True).wait(), floor_on, floor_off),
         "floor_funcol": (lambda: funcol.all_reduce(t, "sum", world).wait(), funcol_floor_on, funcol_floor_off),
+        # torch.profiler's cost per event it records (one aten op, one event), for the per-step comparison.
+        "profiler_aten_op": (lambda: torch.add(t, t), profiler_on, profiler_off),
     }
     out = {}
     try:
@@ -196,7 +208,7 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
 
 PATHS = ("c10d_all_reduce_blocking", "c10d_all_reduce_async_wait", "funcol_all_reduce_wait", "work_wait_untracked",
          "fsdp_all_gather", "fsdp_reduce_scatter", "p2p_isend_wait", "p2p_irecv_wait", "ddp_comm_hook",
-         "pipeline_span", "step_boundary", "floor_blocking", "floor_async_wait", "floor_funcol")
+         "pipeline_span", "step_boundary", "floor_blocking", "floor_async_wait", "floor_funcol", "profiler_aten_op")
 
 
 def _floor(tel: Any) -> tuple[Callable[[], None], Callable[[], None]]:
@@ -243,6 +255,15 @@ def _floor(tel: Any) -> tuple[Callable[[], None], Callable[[], None]]:
         work_type.wait = original_wait
         done.clear()
     return on, off
+
+
+def light_profiler() -> Any:
+    """torch.profiler in its lightest useful configuration: CPU activity only, no shapes, stacks, memory or
+    FLOPs (what the benchmark compares meshscope with)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU], record_shapes=False, with_stack=False,
+                   profile_memory=False, with_flops=False)
 
 
 def _floor_funcol(tel: Any) -> tuple[Callable[[], None], Callable[[], None]]:
