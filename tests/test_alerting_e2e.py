@@ -14,7 +14,6 @@ have data too. Prometheus discovers both agents from the file_sd targets file, l
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import signal
 import subprocess
@@ -32,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from meshscope.testing.harness import agent_thread, poll_until
+from meshscope.testing.harness import agent_thread, poll_until, terminate
 import yaml
 
 from meshscope.agent import stack
@@ -253,13 +252,7 @@ def launch(e2e, nproc: int, run: str, *args: str) -> subprocess.Popen:
 
 
 def stop_trainer(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    terminate(proc, group=True, timeout_s=20)
 
 
 def _log(e2e, run: str) -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from meshscope.testing.harness import terminate
 from meshscope.testing.store import Straggler, SyntheticConfig, write_store
 from fake_prometheus import FakePrometheus, free_port
 
@@ -66,13 +67,7 @@ def dashboard_process(cli_args: list[str], *, cwd=ROOT, env=None):
         _wait_healthy(url, proc, timeout=60)
         yield url, proc
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+        terminate(proc, group=True)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ Prometheus, summing over agents, and the dashboard, reading the union of the sto
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
@@ -25,7 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from meshscope.testing.harness import poll_until
+from meshscope.testing.harness import poll_until, terminate
 import yaml
 
 from meshscope.agent import stack
@@ -90,23 +89,6 @@ def _start_agent(store: Path) -> tuple[subprocess.Popen, Lines]:
     return proc, Lines(proc)
 
 
-def _stop(proc: subprocess.Popen, *, group: bool = False, sig: int = signal.SIGTERM) -> None:
-    """End a child we started: torchrun by its process group (its rank with it), the others by pid."""
-    def send(s: int) -> None:
-        try:
-            os.killpg(proc.pid, s) if group else proc.send_signal(s)
-        except ProcessLookupError:
-            pass
-
-    if proc.poll() is None:
-        send(sig)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            send(signal.SIGKILL)
-            proc.wait(timeout=10)
-
-
 def query(port: int, expr: str) -> list[dict]:
     url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
     with urllib.request.urlopen(url, timeout=10) as resp:
@@ -169,11 +151,11 @@ def job(tmp_path_factory):
         yield SimpleNamespace(stores=stores, agent_ports=ports, prom_port=prom_port, setup_s=time.monotonic() - t0)
     finally:
         for node in nodes:
-            _stop(node, group=True)
+            terminate(node, group=True, timeout_s=20)
         if stack_proc is not None:
-            _stop(stack_proc, sig=signal.SIGINT)  # the stack stops Prometheus and Alertmanager itself
+            terminate(stack_proc, sig=signal.SIGINT, timeout_s=20)  # the stack stops Prometheus and Alertmanager itself
         for proc, _ in agents:
-            _stop(proc)
+            terminate(proc, timeout_s=20)
 
 
 def test_prometheus_sees_both_ranks_from_two_agents(job):

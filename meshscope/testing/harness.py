@@ -81,13 +81,24 @@ def poll_until(predicate: Callable[[], T], *, timeout_s: float, interval_s: floa
 
 # ------------------------------------------------------------------------------------------------- agent
 
-def terminate(proc: subprocess.Popen, *, timeout_s: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL if it has not exited within ``timeout_s``; reaped either way."""
-    proc.terminate()
+def terminate(proc: subprocess.Popen, *, timeout_s: float = 10.0, group: bool = False,
+              sig: int = signal.SIGTERM) -> None:
+    """``sig`` (SIGTERM), then SIGKILL if it has not exited within ``timeout_s``; reaped either way.
+    ``group``: to its process group (a child started with ``start_new_session=True``: torchrun and its
+    ranks, Streamlit and what it started), not only to it. Nothing when it has already exited."""
+    def send(s: int) -> None:
+        try:
+            os.killpg(proc.pid, s) if group else proc.send_signal(s)
+        except ProcessLookupError:  # exited meanwhile
+            pass
+
+    if proc.poll() is not None:
+        return
+    send(sig)
     try:
         proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        send(signal.SIGKILL)
         proc.wait(timeout=timeout_s)
 
 
