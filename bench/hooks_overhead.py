@@ -144,12 +144,16 @@ def _measure(name: str, results: dict, *, steps: int, blocks: int, step_off: Cal
     detach()
     step_off()
     # The events torch.profiler records on the training thread in one untraced step (every aten op and
-    # autograd node; not those of gloo's threads), for its attributed cost (``attribute``). The thread
-    # that starts the profiler and records the first event is the training thread.
+    # autograd node; not those of gloo's threads), for its attributed cost (``attribute``). The training
+    # thread is the one of a marker range around the step (the marker itself not counted).
+    import torch
+
     with light_profiler() as prof:
-        step_off()
-    events = sorted(prof.events(), key=lambda e: e.time_range.start)
-    profiler_events = sum(1 for e in events if e.thread == events[0].thread) if events else 0
+        with torch.profiler.record_function("meshscope-bench-step"):
+            step_off()
+    events = prof.events()
+    marker = [e for e in events if e.name == "meshscope-bench-step"]
+    profiler_events = (sum(1 for e in events if e.thread == marker[0].thread) - 1) if marker else 0
     arms = ("off", "meshscope", "profiler")
     cpu: dict[str, list[float]] = {a: [] for a in arms}
     wall: dict[str, list[float]] = {a: [] for a in arms}

@@ -189,7 +189,7 @@ def _stop_builds() -> None:
     leaves its temporary segment and spill directory removed."""
     duckconn.stop()
     if _worker is not None:
-        _worker.join(timeout=duckconn.EXIT_WAIT_S)
+        _worker.join(timeout=duckconn.time_left())  # one exit deadline for both (duckconn.stop)
 
 
 failures = 0  # builds that raised (the pages read the packs as they are meanwhile)

@@ -37,6 +37,7 @@ def rss_bytes() -> int:
             _statm[0], _statm[1] = fd, os.getpid()
         return int(os.pread(fd, 128, 0).split()[1]) * _PAGE
     except (OSError, ValueError, IndexError):  # not Linux: fall back to the peak (an upper bound)
+        _statm[1] = -1  # a descriptor closed or reused under us: opened again next time
         return rss_peak_bytes()
 
 

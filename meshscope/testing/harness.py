@@ -85,7 +85,8 @@ def terminate(proc: subprocess.Popen, *, timeout_s: float = 10.0, group: bool = 
               sig: int = signal.SIGTERM) -> None:
     """``sig`` (SIGTERM), then SIGKILL if it has not exited within ``timeout_s``; reaped either way.
     ``group``: to its process group (a child started with ``start_new_session=True``: torchrun and its
-    ranks, Streamlit and what it started), not only to it. Nothing when it has already exited."""
+    ranks, Streamlit and what it started), not only to it; when it has already exited, SIGKILL to what is
+    left of its group."""
     def send(s: int) -> None:
         try:
             os.killpg(proc.pid, s) if group else proc.send_signal(s)
@@ -93,6 +94,8 @@ def terminate(proc: subprocess.Popen, *, timeout_s: float = 10.0, group: bool = 
             pass
 
     if proc.poll() is not None:
+        if group:  # the leader is gone: what it started in its group may not be (ranks, servers)
+            send(signal.SIGKILL)
         return
     send(sig)
     try:
