@@ -70,7 +70,9 @@ def connect(**kwargs) -> Iterator[Any]:
         for i in range(len(_closed)):
             (keep if _held(i) else drop).append(_closed[i])
         _closed[:] = keep[-256:]  # past that, the oldest are left to whoever holds them
-    del drop  # freed here, outside the lock: a connection's destructor is DuckDB code
+    # Freed here, outside the lock (a connection's destructor is DuckDB code); ``keep`` let go too, or
+    # this frame would hold the kept ones (``_held``) for as long as its connection is open.
+    del keep, drop
     try:
         con = duckdb.connect(**kwargs)
     except BaseException:
