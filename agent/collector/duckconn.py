@@ -11,9 +11,9 @@ connections and waits until no thread can enter DuckDB code again: none is openi
 connection, each open one is interrupted (again every 0.1 s: an interrupt reaches only the statement
 running) until its thread has closed it, and each closed one is held here until no thread holds it any
 more, 1 s at most once none is open (its destructor is DuckDB code too: held here, it runs at module
-teardown, on the main thread). The interrupted calls raise in their
-threads (``duckdb.InterruptException``, or ``InterruptedError`` for a new connection), which end as every
-failed load does. Nothing here runs outside exit: ``stop`` is for the process's end only.
+teardown, on the main thread). The interrupted calls raise in their threads
+(``duckdb.InterruptException``, or ``InterruptedError`` for a new connection), which end as every failed
+load does. Nothing here runs outside exit: ``stop`` is for the process's end only.
 """
 
 from __future__ import annotations
@@ -104,9 +104,10 @@ def connect(**kwargs) -> Iterator[Any]:
 
 def stop(timeout_s: float = EXIT_WAIT_S) -> bool:
     """Interrupt every open connection and wait until no thread can enter DuckDB again (True; a closed
-    connection still held elsewhere 1 s after the last one closed is left), or until the deadline (False). The first call sets the deadline, ``timeout_s`` from then; later calls (the
-    compaction's exit hook, then this module's) share it, so an exit waits ``timeout_s`` at most in all.
-    New connections are refused from the first call on."""
+    connection still held elsewhere 1 s after the last one closed is left), or until the deadline
+    (False). The first call sets the deadline, ``timeout_s`` from then; later calls (the compaction's exit
+    hook, then this module's) share it, so an exit waits ``timeout_s`` at most in all. New connections are
+    refused from the first call on."""
     with _guard:
         _stopping.set()
         if not _deadline:
