@@ -209,21 +209,26 @@ def test_abusive_scrapers_during_a_run_leave_training_and_ingest_alone(tmp_path)
     try:
         poll_until(lambda: agent.scrape().value("meshscope_rank_last_step", run=RUN, rank="0") is not None,
                    timeout_s=120, what="first steps ingested")
-        time.sleep(5.0)  # unbothered window
         me = psutil.Process(agent.pid)
-        with ExitStack() as stack:
-            marks["abuse"] = time.time()
-            cpu0 = sum(me.cpu_times()[:2])
-            stuck = [stack.enter_context(idle(agent.port)) for _ in range(30)]
-            stuck += [stack.enter_context(non_reader(agent.port)) for _ in range(5)]
-            for _ in range(6):  # the agent keeps serving and ingesting while they hang on
+
+        def scraped_window(progress: list) -> float:
+            """Six scrapes a second apart; the agent's CPU share of a core over the window."""
+            t0, cpu0 = time.time(), sum(me.cpu_times()[:2])
+            for _ in range(6):  # the agent keeps serving and ingesting meanwhile
                 time.sleep(1.0)
                 t = time.monotonic()
                 m = agent.scrape(timeout_s=5)
                 latencies.append(time.monotonic() - t)
                 progress.append(m.value("meshscope_rank_last_step", run=RUN, rank="0"))
+            return (sum(me.cpu_times()[:2]) - cpu0) / (time.time() - t0)
+
+        cpu_calm = scraped_window([])  # the same ingest and scrapes, nobody stuck: warm-up steps too
+        with ExitStack() as stack:
+            marks["abuse"] = time.time()
+            stuck = [stack.enter_context(idle(agent.port)) for _ in range(30)]
+            stuck += [stack.enter_context(non_reader(agent.port)) for _ in range(5)]
+            cpu = scraped_window(progress)
             marks["calm"] = time.time()
-            cpu = (sum(me.cpu_times()[:2]) - cpu0) / (marks["calm"] - marks["abuse"])
             assert len(stuck) == 35
         time.sleep(5.0)  # unbothered window after
         marks["end"] = time.time()
@@ -245,7 +250,8 @@ def test_abusive_scrapers_during_a_run_leave_training_and_ingest_alone(tmp_path)
     resolution = abs(before.median() / after.median() - 1)  # drift of this machine's load, as in the stall test
     report = compare_store_to_truth(tmp_path, RUN, spool_truth(tmp_path, RUN))
     print(f"\nscrape latency with 35 stuck clients: max {max(latencies) * 1e3:.0f} ms; agent CPU meanwhile "
-          f"{100 * cpu:.2f} % of a core (ingest + 6 scrapes); last step seen {progress}; "
+          f"{100 * cpu:.2f} % of a core (ingest + 6 scrapes) against {100 * cpu_calm:.2f} % with nobody "
+          f"stuck; last step seen {progress}; "
           f"median step {during.median() * 1e3:.2f} ms during vs {before.median() * 1e3:.2f} before and "
           f"{after.median() * 1e3:.2f} after "
           f"(ratio {ratio:.3f}, {worst_calm_ratio:.3f} to the slower calm window, resolution "
@@ -253,7 +259,10 @@ def test_abusive_scrapers_during_a_run_leave_training_and_ingest_alone(tmp_path)
     # Far below the agent's 10 s connection timeout: no scrape waited on a stuck client. (Not a latency
     # bound: the training job and the five non-readers' renders share this machine's two cores.)
     assert max(latencies) < 3.0
-    assert cpu < 0.05  # stuck connections cost threads blocked in recv, not CPU
+    # Stuck connections cost threads blocked in recv, not CPU: against the same window with nobody stuck
+    # (ingest and scrapes alone read 4-6 % of a core; 6.2 % once on CI with the absolute 5 % bound this
+    # replaces), what is left is the five non-readers' renders.
+    assert cpu - cpu_calm < 0.03
     assert progress == sorted(progress) and progress[-1] > progress[0] + 15  # ingest went on
     # The wall-clock ratio is a figure, not the proof (see test_faults_agent_stall): on this shared machine
     # its noise is ~±10-15 %. The bound only catches a gross regression (training waiting on the agent);
