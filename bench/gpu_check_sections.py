@@ -168,7 +168,7 @@ def _memory_point(when: str, *, device) -> dict:
     from meshscope.agent.contract import RECORDS, TAGS
     from meshscope.agent.instrument import memory
 
-    row = memory.sample(0, time.time(), device)
+    row = memory.sample(0, time.time(), memory.readings(device))
     assert row[0] == TAGS["memory"], row[0]  # a tagged tuple: the layout tag, then the values in schema order
     sampled = dict(zip(RECORDS["memory"]._fields, row[1:]))
     stats = torch.cuda.memory_stats(device)

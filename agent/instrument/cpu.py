@@ -3,16 +3,37 @@
 Linux reports both per thread in ``/proc/thread-self/schedstat`` ("<ns on CPU> <ns runnable, waiting for a
 CPU> <timeslices>"); the run-queue delay is what CPU contention costs the thread, which its CPU time alone
 cannot tell apart from sleeping or I/O. The file is opened once per thread and re-read with ``pread``
-(about 1 µs on the 2-vCPU dev VM, like ``time.thread_time``). Elsewhere: ``time.thread_time`` and no
-delay (NaN).
+(about 2 µs on the 2-vCPU dev VM). Elsewhere: ``time.thread_time`` and no delay (NaN).
+
+The ``pread`` is libc's, called through ``ctypes.PyDLL``, which keeps the GIL, as ``time.thread_time`` does:
+``os.pread`` releases it, and the training thread reads this twice per step. Whenever the flusher was
+waiting for the GIL (it drains every ``flush_interval_s``), it took the GIL at that release, and the
+training thread had to wait for it back and force a switch: on the step boundaries' path of
+bench/hooks_overhead.py the boundaries cost it 12-17 µs of CPU per step with ``os.pread``, 5-8 with this.
+A read of this file does not block, so holding the GIL through it is as cheap as the syscall.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import threading
 import time
+
+
+def _gil_holding_pread():
+    """libc's ``pread(fd, buf, n, offset)`` called with the GIL held, or None where it cannot be loaded."""
+    try:
+        call = ctypes.PyDLL(None, use_errno=True).pread
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_long]
+    call.restype = ctypes.c_ssize_t
+    return call
+
+
+_PREAD = _gil_holding_pread()
 
 
 class ThreadCPU:
@@ -22,6 +43,7 @@ class ThreadCPU:
     def __init__(self) -> None:
         self._fd: int | None = None
         self._tid: int | None = None
+        self._buf = ctypes.create_string_buffer(96)
 
     def read(self) -> tuple[float, float]:
         tid = threading.get_native_id()
@@ -29,7 +51,13 @@ class ThreadCPU:
             self._open(tid)
         if self._fd is not None:
             try:
-                on_cpu, delay, _ = os.pread(self._fd, 96, 0).split()
+                if _PREAD is not None:
+                    n = _PREAD(self._fd, self._buf, 96, 0)
+                    if n < 0:
+                        raise OSError(ctypes.get_errno(), "pread of /proc/thread-self/schedstat")
+                    on_cpu, delay, _ = self._buf.raw[:n].split()
+                else:
+                    on_cpu, delay, _ = os.pread(self._fd, 96, 0).split()
                 return int(on_cpu) * 1e-9, int(delay) * 1e-9
             except (OSError, ValueError):
                 self.close()

@@ -1,7 +1,7 @@
 """Per-step memory sample: process RSS and peak everywhere, the caching allocator's stats on CUDA.
 
 Costs: ru_maxrss ~1 µs, reading /proc/self/statm ~1 µs (one pread), torch.cuda.memory_stats
-tens of µs: cheap enough for every step (on the flusher thread).
+tens of µs, on the flusher thread, once per drain (``readings``).
 """
 
 from __future__ import annotations
@@ -22,11 +22,8 @@ _statm: list = [None, -1]  # [fd of /proc/self/statm, the pid that opened it]
 
 def rss_bytes() -> int:
     """The process's resident set. ``/proc/self/statm`` is opened once per process and re-read with one
-    ``pread``: the flusher samples memory at every step, and its work there is not free for the training
-    thread either (the two share the GIL: the step boundaries' path of bench/hooks_overhead.py costs the
-    training thread 19-21 µs per step with the sample, 11 µs without it). One ``pread`` instead of an
-    open/read/close: the sample 18.7 → 7 µs of flusher CPU, the step boundaries 19-21 → 17-19 µs.
-    Reopened in a forked child: the descriptor would still read the parent."""
+    ``pread`` (an open/read/close cost the flusher 18.7 µs, this 7). Reopened in a forked child: the
+    descriptor would still read the parent."""
     try:
         fd, pid = _statm
         if pid != os.getpid():
@@ -134,21 +131,22 @@ class TensorCensus:
             self._hook = None
 
 
-def sample(step: int, t: float, device: torch.device, tensors: tuple[int, int, int] = NOT_MEASURED) -> tuple:
-    """A ``memory`` row (``agent.contract.memory_record``). -1 marks what this device lacks (the allocator's and the device's figures off
-    CUDA) and the tensor bytes when they were not measured with this sample."""
-    param, grad, optimizer = tensors
-    common = dict(step=step, t=t, rss_bytes=rss_bytes(), rss_peak_bytes=rss_peak_bytes(), param_bytes=param,
-                  grad_bytes=grad, optimizer_bytes=optimizer)
+def readings(device: torch.device) -> dict[str, int]:
+    """The process's and the device's memory now: the fields of a ``memory`` row that are not the step's.
+    The flusher reads them once per drain and gives them to every step it drains then. Read per step, each
+    ``pread`` let the training thread take the GIL and made it hand it back (a forced switch): 8 µs of the
+    training thread's CPU per step on the step boundaries' path of bench/hooks_overhead.py. A drain runs a
+    few ms to ``flush_interval_s`` after its steps ended, so per-step readings were as late and nearly
+    equal anyway. -1 marks what this device lacks (the allocator's and the device's figures off CUDA)."""
+    common = dict(rss_bytes=rss_bytes(), rss_peak_bytes=rss_peak_bytes())
     if device.type != "cuda":
-        return memory_record(
-            **common, allocated_bytes=-1, allocated_peak_bytes=-1, reserved_bytes=-1, reserved_peak_bytes=-1,
-            active_bytes=-1, active_peak_bytes=-1, alloc_retries=-1, ooms=-1, device_free_bytes=-1,
-            device_total_bytes=-1)
+        return dict(common, allocated_bytes=-1, allocated_peak_bytes=-1, reserved_bytes=-1, reserved_peak_bytes=-1,
+                    active_bytes=-1, active_peak_bytes=-1, alloc_retries=-1, ooms=-1, device_free_bytes=-1,
+                    device_total_bytes=-1)
     s = torch.cuda.memory_stats(device)
     free, total = torch.cuda.mem_get_info(device)
-    return memory_record(
-        **common,
+    return dict(
+        common,
         allocated_bytes=s.get("allocated_bytes.all.current", 0),
         allocated_peak_bytes=s.get("allocated_bytes.all.peak", 0),
         reserved_bytes=s.get("reserved_bytes.all.current", 0), reserved_peak_bytes=s.get("reserved_bytes.all.peak", 0),
@@ -156,3 +154,10 @@ def sample(step: int, t: float, device: torch.device, tensors: tuple[int, int, i
         alloc_retries=s.get("num_alloc_retries", 0), ooms=s.get("num_ooms", 0),
         device_free_bytes=free, device_total_bytes=total,
     )
+
+
+def sample(step: int, t: float, now: dict[str, int], tensors: tuple[int, int, int] = NOT_MEASURED) -> tuple:
+    """A ``memory`` row (``agent.contract.memory_record``) of step ``step`` from ``readings`` taken at or
+    after its end; the tensor bytes are -1 when they were not measured with this sample."""
+    param, grad, optimizer = tensors
+    return memory_record(step=step, t=t, param_bytes=param, grad_bytes=grad, optimizer_bytes=optimizer, **now)

@@ -118,10 +118,11 @@ class PipelineTracer:
                 out.append((action.stage_index, action.microbatch_index, kind))
         return out
 
-    def take(self) -> list[tuple[int, int, str, float, float]]:
+    def take(self) -> tuple[tuple[int, int, str, float, float], ...]:
         """The deferred spans recorded since the last ``take`` (call on the training thread; the wrappers
-        hold ``self.spans`` itself, so it is emptied in place)."""
-        spans = self.spans[:]
+        hold ``self.spans`` itself, so it is emptied in place). A tuple: held until the flusher builds the
+        step, and a tuple of plain values is one the cyclic GC stops tracking (see ``StepState``)."""
+        spans = tuple(self.spans)
         self.spans.clear()
         return spans
 

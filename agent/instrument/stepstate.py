@@ -5,7 +5,6 @@ its records (pure functions, run on the telemetry's flusher thread; the accounti
 from __future__ import annotations
 
 import bisect
-import collections
 import time
 from typing import Any
 
@@ -20,31 +19,43 @@ class StepState:
     __slots__ = (
         "step", "t_start", "phases", "phase", "waits_in_phase", "exposed", "pp_wait", "span_time",
         "span_depth", "nonpp_wait_outside_spans", "span_kind_time", "n_collectives", "values", "cpu0",
-        "phase_t0", "outer", "segments", "colls",
+        "phase_t0", "outer", "segments", "colls", "t_end", "cpu_end", "spans", "tensors",
     )
 
     def __init__(self, step: int, t_start: float, cpu0: tuple[float, float]) -> None:
         self.step = step
         self.t_start = t_start
         self.cpu0 = cpu0
-        self.phases: dict[str, float] = collections.defaultdict(float)
+        # A step lives until the flusher builds it (up to flush_interval_s), long enough for the cyclic GC
+        # to promote what it holds to the oldest generation, whose full collections then come sooner: the
+        # training thread paid 12 µs per step for them on the step boundaries' path of
+        # bench/hooks_overhead.py with eight such objects per step. So it tracks one per step (this
+        # object): plain dicts of floats (a defaultdict is always tracked), a tuple for the rare nesting,
+        # ``segments`` made a tuple at the step's end, ``colls`` made by the flusher when it has any, the
+        # end's figures held here rather than in a tuple that holds this.
+        self.phases: dict[str, float] = {}
         self.phase: str | None = None
         self.phase_t0 = 0.0  # perf_counter when the current phase (re)started
-        self.outer: list[str] = []  # phases paused by a nested one (push_phase)
-        self.waits_in_phase: dict[str, float] = collections.defaultdict(float)
+        self.outer: tuple[str, ...] = ()  # phases paused by a nested one (push_phase)
+        self.waits_in_phase: dict[str, float] = {}
         self.exposed = 0.0
         self.pp_wait = 0.0
         self.span_time = 0.0
         self.span_depth = 0
         self.nonpp_wait_outside_spans = 0.0
-        self.span_kind_time: dict[str, float] = collections.defaultdict(float)
+        self.span_kind_time: dict[str, float] = {}
         self.n_collectives = 0
         self.values: dict[str, Any] = {}
         # (phase, t0, t1) for every stretch of time a phase was the innermost open one, in order (raw
         # perf_counter times): the flusher finds the phase a collective completed in from these.
-        self.segments: list[tuple[str, float, float]] = []
+        self.segments: list[tuple[str, float, float]] | tuple = []  # a tuple once the step ended
         # Collectives of this step as (op, t_end, wait_s), gathered by the flusher until the step is built.
-        self.colls: list[tuple[str, float, float]] = []
+        self.colls: list[tuple[str, float, float]] | None = None
+        # Set at the step's end (``Telemetry._end_step``): the clocks, the pipeline spans, the tensor census.
+        self.t_end = 0.0
+        self.cpu_end: tuple[float, float] = cpu0
+        self.spans: Any = ()
+        self.tensors: tuple[int, int, int] = (-1, -1, -1)
 
 
 class Live:
@@ -75,9 +86,12 @@ def pop_phase(state: StepState) -> None:
     if state.phase is None:
         return
     now = time.perf_counter()
-    state.phases[state.phase] += now - state.phase_t0
+    state.phases[state.phase] = state.phases.get(state.phase, 0.0) + now - state.phase_t0
     state.segments.append((state.phase, state.phase_t0, now))
-    state.phase = state.outer.pop() if state.outer else None
+    if state.outer:
+        state.phase, state.outer = state.outer[-1], state.outer[:-1]
+    else:
+        state.phase = None
     state.phase_t0 = now
 
 
@@ -97,7 +111,7 @@ def account(state: StepState, op: str, wait_s: float, phase: str | None, outside
         return
     state.exposed += wait_s
     if phase is not None:
-        state.waits_in_phase[phase] += wait_s
+        state.waits_in_phase[phase] = state.waits_in_phase.get(phase, 0.0) + wait_s
         if outside_spans:
             state.nonpp_wait_outside_spans += wait_s
 
@@ -115,7 +129,7 @@ def account_deferred(state: StepState, spans: Any) -> None:
         j = bisect.bisect_right(span_starts, t_end) - 1
         in_span = j >= 0 and t_end <= spans[j][4]
         account(state, op, wait_s, phase, not in_span)
-    state.colls = []
+    state.colls = None
 
 
 def step_rows(state: StepState, *, t_end: float, cpu_end: tuple[float, float], spans: Any, epoch: float,
@@ -128,7 +142,7 @@ def step_rows(state: StepState, *, t_end: float, cpu_end: tuple[float, float], s
         span_rows.append(span_record(step=state.step, stage=stage, microbatch=span_microbatch(microbatch),
                                      kind=kind, t_start=t0 + epoch, t_end=t1 + epoch))
         state.span_time += t1 - t0
-        state.span_kind_time[kind] += t1 - t0
+        state.span_kind_time[kind] = state.span_kind_time.get(kind, 0.0) + t1 - t0
     if state.colls:
         account_deferred(state, spans)
     cpu, cpu_wait = (now - then for now, then in zip(cpu_end, state.cpu0))

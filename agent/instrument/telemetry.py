@@ -90,7 +90,7 @@ class Telemetry:
                       else self.clock.now() - time.perf_counter())
         self.live = Live()  # the open step, read by the collective tracer's hot path
         # Ended steps waiting for the flusher to build their records: (state, t_end, cpu, spans, tensors)
-        self._ended: collections.deque[tuple] = collections.deque()
+        self._ended: collections.deque[StepState] = collections.deque()
         self._writer = writer if writer is not None else self._open_writer()
         # Hang watchdog state: the training thread (the one that builds the Telemetry), the last time it
         # made progress (a step boundary or a completed collective), and whether this stall was reported.
@@ -259,9 +259,9 @@ class Telemetry:
             return
         now = time.perf_counter()
         if state.phase is not None:
-            state.phases[state.phase] += now - state.phase_t0
+            state.phases[state.phase] = state.phases.get(state.phase, 0.0) + now - state.phase_t0
             state.segments.append((state.phase, state.phase_t0, now))
-            state.outer.append(state.phase)
+            state.outer += (state.phase,)
         state.phase, state.phase_t0 = name, now
 
     def pop_phase(self) -> None:
@@ -291,6 +291,8 @@ class Telemetry:
         else:
             state = context
             if state is not None:
+                if state.colls is None:
+                    state.colls = []
                 state.colls.append((op, t_end - self.epoch, wait_s))
         step = state.step if state is not None else self._last_step
         duration = t_end - t_start
@@ -312,7 +314,7 @@ class Telemetry:
                                       kind=kind, t_start=t_start, t_end=t_end))
         if state is not None:
             state.span_time += t_end - t_start
-            state.span_kind_time[kind] += t_end - t_start
+            state.span_kind_time[kind] = state.span_kind_time.get(kind, 0.0) + t_end - t_start
 
     def record_error(self, where: str, exc: BaseException) -> None:
         self.errors += 1
@@ -352,14 +354,16 @@ class Telemetry:
             while state.phase is not None:  # phases still open (zero-code: a step ended inside one) end here
                 _pop_phase(state)
             self._each_tracer("flush")  # async ops that completed without a Python-visible wait
-            t_end = self.clock.now()
-            cpu = self._cpu.read()
-            spans = self._ptracer.take() if self._ptracer is not None else ()
-            ended = (state, t_end, cpu, spans, self._census.take())
+            state.t_end = self.clock.now()
+            state.cpu_end = self._cpu.read()
+            state.segments = tuple(state.segments)  # untracked by the GC once it has seen it (StepState)
+            if self._ptracer is not None:
+                state.spans = self._ptracer.take()
+            state.tensors = self._census.take()
             if len(self._ended) >= self.config.max_rows_per_kind:
                 self.dropped_records += 1
             else:
-                self._ended.append(ended)
+                self._ended.append(state)
         except Exception as exc:
             self.record_error("end_step", exc)
         finally:
@@ -367,21 +371,23 @@ class Telemetry:
             self._cur = self.live.step = None
             self._progress(self.clock.now())
 
-    def _build_step(self, state: StepState, t_end: float, cpu_end: tuple[float, float], spans: Any,
-                    tensors: tuple[int, int, int]) -> None:
+    def _build_step(self, state: StepState, *, memory_now: dict) -> None:
         """Runs on the flusher thread: the step's span rows, its step row (the accounting of the module
-        docstring, ``stepstate.step_rows``) and its memory sample."""
+        docstring, ``stepstate.step_rows``) and its memory sample. ``memory_now`` holds this drain's
+        ``memory.readings``, read by the first step that samples."""
         try:
             dropped = self.dropped_records + int(getattr(self._writer, "dropped_records", 0))
-            span_rows, step_row = step_rows(state, t_end=t_end, cpu_end=cpu_end, spans=spans, epoch=self.epoch,
-                                            peak_flops=self._peak_flops, dropped=dropped)
+            span_rows, step_row = step_rows(state, t_end=state.t_end, cpu_end=state.cpu_end, spans=state.spans,
+                                            epoch=self.epoch, peak_flops=self._peak_flops, dropped=dropped)
             for row in span_rows:
                 self._push("span", row)
             self._push("step", step_row)
             # Sampled here, not at the step's end on the training thread: /proc reads and the allocator's
-            # stats are process-wide, so the flusher reads them a few ms later at no cost to training.
-            if state.step % self.config.memory_every == 0 or tensors is not memory.NOT_MEASURED:
-                self._push("memory", memory.sample(state.step, t_end, self._device_or_cpu(), tensors))
+            # stats are process-wide, so the flusher reads them later, once per drain (memory.readings).
+            if state.step % self.config.memory_every == 0 or state.tensors != memory.NOT_MEASURED:
+                if not memory_now:
+                    memory_now.update(memory.readings(self._device_or_cpu()))
+                self._push("memory", memory.sample(state.step, state.t_end, memory_now, state.tensors))
         except Exception as exc:
             self.record_error("end_step", exc)
 
@@ -440,8 +446,9 @@ class Telemetry:
         # below, each step taken here has all its collectives accounted before its record is built.
         ended = _take_all(self._ended)
         self._each_tracer("drain")
-        for item in ended:
-            self._build_step(*item)
+        memory_now: dict = {}
+        for state in ended:
+            self._build_step(state, memory_now=memory_now)
         for kind, buf in self._bufs.items():
             if not buf:
                 continue
