@@ -126,10 +126,14 @@ class CollectiveTracer:
         self._main_tid = threading.get_ident()
         self._main = _Nesting()
         self._tls = _TLS()
-        # id(group designator) → (designator, GroupInfo, its group's issue counter): one dict hit per op.
+        # id(group designator) → (designator, GroupInfo, its group's issue counter, the GroupInfo's key):
+        # one dict hit per op. The key (an index into ``_infos``) is what an op's tuples carry, not the
+        # GroupInfo: a tuple of plain values is one the cyclic GC stops tracking (see ``ops``).
         # Designators of one group (None and the world group; a mesh and its group) share the counter
         # (``next`` of an ``itertools.count``: the op's sequence number in its group, from 1).
-        self._groups: dict[int, tuple[Any, GroupInfo, Iterator[int]]] = {}
+        self._groups: dict[int, tuple[Any, GroupInfo, Iterator[int], int]] = {}
+        self._infos: list[GroupInfo] = []
+        self._info_keys: dict[GroupInfo, int] = {}
         self._counters: dict[str, Iterator[int]] = {}
         # id(Work) → (the Work, kept alive so that its id stays unique; its ops: an ``Issued`` tuple for the
         # one CPU op of a fast site, else a list of ``_Op``)
@@ -199,13 +203,13 @@ class CollectiveTracer:
                 now = self.now()
                 for key, (work, ops) in list(self._pending_works.items()):
                     issued = type(ops) is tuple  # a fast site's Issued, else a list of _Op
-                    op, info = (ops[0], ops[1]) if issued else (ops[0].op, ops[0].info)
+                    op, info = (ops[0], self._infos[ops[1]]) if issued else (ops[0].op, ops[0].info)
                     if not self._finished(work, op, info):
                         continue
                     if self._pending_works.pop(key, None) is None:  # taken by its wait meanwhile
                         continue
                     if issued:  # completion is first observed here
-                        self.put(ops + (now, 0.0, self.hot.live.step))
+                        self.put(ops + (now, 0.0, self.hot.live.key))
                         emitted += 1
                         continue
                     for p in ops:
@@ -272,7 +276,11 @@ class CollectiveTracer:
         counter = self._counters.get(info.name)
         if counter is None:
             counter = self._counters[info.name] = itertools.count(1)
-        hit = self._groups[id(group)] = (group, info, counter)
+        key = self._info_keys.get(info)
+        if key is None:  # one per distinct group: GroupInfo compares by value
+            key = self._info_keys[info] = len(self._infos)
+            self._infos.append(info)
+        hit = self._groups[id(group)] = (group, info, counter, key)
         return hit
 
     def enter(self, p: _Op | None) -> _Op | None:
@@ -331,7 +339,7 @@ class CollectiveTracer:
         (an op that finished before its wait reads as ending there: an upper bound; its ``wait_s`` is
         still exact)."""
         if type(ops) is tuple:  # one op of a fast site (its Issued)
-            self.put(ops + (t1, t1 - t0, self.hot.live.step))
+            self.put(ops + (t1, t1 - t0, self.hot.live.key))
             return
         share = (t1 - t0) / len(ops)
         for p in ops:
@@ -364,15 +372,15 @@ class CollectiveTracer:
             if group_peer is not None:
                 peer = info.global_rank(group_peer)
             if cuda:
-                p = _Op(op, info, nbytes, peer, source, seq, 0.0)
+                p = _Op(op, info, hit[3], nbytes, peer, source, seq, 0.0)
                 self.cuda_timer().on_issue(p)
                 p.t_start = now()
                 return p
-            return _Op(op, info, nbytes, peer, source, seq, now())
+            return _Op(op, info, hit[3], nbytes, peer, source, seq, now())
 
         def emit(p: _Op, t_end: float, wait_s: float) -> None:
             if len(done) < _MAX_DONE:
-                push((p.op, p.info, p.nbytes, p.peer, p.source, p.seq, p.t_start, t_end, wait_s, live.step))
+                push((p.op, p.key, p.nbytes, p.peer, p.source, p.seq, p.t_start, t_end, wait_s, live.key))
             else:
                 stats["dropped_done"] += 1
 
@@ -393,8 +401,8 @@ class CollectiveTracer:
     def _record_entry(self, entry: tuple) -> None:
         """Hand one completed op (an ``Entry``) to the recorder as a record."""
         try:
-            op, info, nbytes, peer, source, seq, t_start, t_end, wait_s, context = entry
-            epoch = self._epoch
+            op, key, nbytes, peer, source, seq, t_start, t_end, wait_s, context = entry
+            info, epoch = self._infos[key], self._epoch
             kw = dict(op=op, dim=info.dim, group=info.name, group_size=info.size, nbytes=nbytes,
                       t_start=t_start + epoch, t_end=t_end + epoch, wait_s=wait_s, peer=peer, source=source)
             if self._pass_seq:

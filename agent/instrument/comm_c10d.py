@@ -213,7 +213,7 @@ def _fast_one(original: Callable, slow: Callable, *, tracer: Any, op: str, where
                     peer = args[pi]
                     if peer is None:
                         peer = -1 if args[pi + 3] is None else hit[1].global_rank(args[pi + 3])
-                issue = (op, hit[1], t.nbytes, peer, "c10d", next(hit[2]), now())
+                issue = (op, hit[3], t.nbytes, peer, "c10d", next(hit[2]), now())
         except Exception as exc:
             tracer.error(where, exc)
             return original(*args, **kwargs)
@@ -230,7 +230,7 @@ def _fast_one(original: Callable, slow: Callable, *, tracer: Any, op: str, where
             if not async_op:  # returned once its op completed: the whole call was blocked time
                 t1 = now()
                 if len(done) < max_done:
-                    push(issue + (t1, t1 - issue[6], live.step))
+                    push(issue + (t1, t1 - issue[6], live.key))
                 else:
                     stats["dropped_done"] += 1
             elif works.get(type(result)) or works.learn(result):
@@ -349,7 +349,7 @@ def install(tracer: Any) -> None:
                 try:
                     t1 = now()
                     if len(done) < max_done:
-                        push(ops + (t1, t1 - t0, live.step))
+                        push(ops + (t1, t1 - t0, live.key))
                     else:
                         stats["dropped_done"] += 1
                 except Exception as exc:

@@ -81,7 +81,7 @@ def traced_allreduce_hook(state, bucket):  # no annotations: DDP compares them t
             hit = hot.groups.get(id(group))
             if hit is None or hit[0] is not group:
                 hit = hot.resolve(group)
-            p = tracer.Op("all_reduce", hit[1], buffer.nbytes, -1, "ddp_comm_hook", next(hit[2]), hot.now())
+            p = tracer.Op("all_reduce", hit[1], hit[3], buffer.nbytes, -1, "ddp_comm_hook", next(hit[2]), hot.now())
     except Exception as exc:
         tracer.error("ddp_comm_hook", exc)
     fut, work = _allreduce(buffer, group, None if p is None or p.cuda is not None else (p, tracer.now))

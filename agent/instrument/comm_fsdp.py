@@ -65,7 +65,7 @@ def _traced(call: Callable, *, tracer: Any, op: str, buffer: int) -> Callable:
                 hit = groups.get(id(group))
                 if hit is None or hit[0] is not group:
                     hit = resolve(group)
-                issued = (op, hit[1], tensor.nbytes, -1, "fsdp_comm", next(hit[2]), now())
+                issued = (op, hit[3], tensor.nbytes, -1, "fsdp_comm", next(hit[2]), now())
         except Exception as exc:
             tracer.error(where, exc)
             return call(output_tensor, input_tensor, group, *rest)
@@ -85,7 +85,7 @@ def _traced(call: Callable, *, tracer: Any, op: str, buffer: int) -> Callable:
             else:
                 t1 = now()
                 if len(done) < max_done:
-                    push(issued + (t1, t1 - issued[6], live.step))
+                    push(issued + (t1, t1 - issued[6], live.key))
                 else:
                     stats["dropped_done"] += 1
         except Exception as exc:

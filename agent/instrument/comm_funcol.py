@@ -102,7 +102,7 @@ def single(original: Callable, *, tracer: Any, op: str, group_index: int,
                 if hit is None or hit[0] is not group:
                     hit = resolve(group)
                 info = hit[1]
-                issued = (op, info, t.nbytes * info.size if output else t.nbytes, -1, "funcol", next(hit[2]),
+                issued = (op, hit[3], t.nbytes * info.size if output else t.nbytes, -1, "funcol", next(hit[2]),
                           now())
         except Exception as exc:
             tracer.error(op, exc)
@@ -127,7 +127,7 @@ def single(original: Callable, *, tracer: Any, op: str, group_index: int,
                     tracer.track_tensor(_storage_key(out.elem), issued)
             else:  # complete already: at the wait inside the call (not the call's return), or now
                 if len(done) < max_done:
-                    push(issued + ((now(), 0.0) if end is None else (end, blocked)) + (live.step,))
+                    push(issued + ((now(), 0.0) if end is None else (end, blocked)) + (live.key,))
                 else:
                     stats["dropped_done"] += 1
         except Exception as exc:
@@ -218,7 +218,7 @@ def install(tracer: Any) -> None:
                     try:
                         t1 = now()
                         if len(done) < max_done:
-                            push(p + (t1, t1 - t0, live.step))
+                            push(p + (t1, t1 - t0, live.key))
                         else:
                             stats["dropped_done"] += 1
                     except Exception as exc:

@@ -18,7 +18,7 @@ from meshscope.agent.contract import AnchoredClock, Clock
 
 # ``record_collective``'s ``context`` when the caller did not defer the record: the recorder accounts the op
 # to its open step itself, now. A deferring caller (CollectiveTracer with a recorder that has ``live``)
-# passes the ``live.step`` it read when the op completed instead.
+# passes the ``live.key`` it read when the op completed instead.
 DIRECT = object()
 
 

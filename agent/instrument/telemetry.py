@@ -89,8 +89,10 @@ class Telemetry:
         self.epoch = (self.clock.offset() if type(self.clock) is AnchoredClock
                       else self.clock.now() - time.perf_counter())
         self.live = Live()  # the open step, read by the collective tracer's hot path
-        # Ended steps waiting for the flusher to build their records: (state, t_end, cpu, spans, tensors)
+        # Ended steps waiting for the flusher to build their records (the end's figures held on each)
         self._ended: collections.deque[StepState] = collections.deque()
+        self._serial = 0  # numbers the steps begun (StepState.key)
+        self._steps: dict[int, StepState] = {}  # serial → a step begun whose record is not built yet
         self._writer = writer if writer is not None else self._open_writer()
         # Hang watchdog state: the training thread (the one that builds the Telemetry), the last time it
         # made progress (a step boundary or a completed collective), and whether this stall was reported.
@@ -183,8 +185,11 @@ class Telemetry:
     # ------------------------------------------------------------------------------------ step API
     def begin_step(self, step: int) -> StepContext:
         """Start step ``step`` now (the explicit ``step()`` and the zero-code driver both use this)."""
-        state = StepState(step, self.clock.now(), self._cpu.read())
+        self._serial += 1
+        state = StepState(step, self.clock.now(), self._cpu.read(), serial=self._serial)
+        self._steps[self._serial] = state  # until built or dropped: the ops' contexts name it by serial
         self._cur = self.live.step = state
+        self.live.key = state.key
         self._progress(state.t_start)
         return StepContext(state)
 
@@ -206,8 +211,9 @@ class Telemetry:
     def discard_step(self) -> None:
         """Drop the open step without a record (zero-code: an iteration that made no optimizer step). Its
         pipeline spans are recorded, not left for the next step's accounting."""
-        state, self._cur, self.live.step = self._cur, None, None
+        state, self._cur, self.live.step, self.live.key = self._cur, None, None, None
         if state is not None:
+            self._steps.pop(state.key[0], None)
             self._loose_spans(state.step)
 
     def _loose_spans(self, step: int) -> None:
@@ -223,8 +229,9 @@ class Telemetry:
         record (it would run ahead of the failed rank and report a non-finite loss that never happened),
         an event saying why."""
         state, self._cur = self._cur, None
-        self.live.step = None
+        self.live.step = self.live.key = None
         if state is not None:
+            self._steps.pop(state.key[0], None)
             self._loose_spans(state.step)
             self.event("aborted_step", f"step {state.step} aborted: {type(exc).__name__}: {exc}"[:500], step=state.step)
             self._wake.set()
@@ -282,19 +289,22 @@ class Telemetry:
                           t_end: float, wait_s: float, peer: int = -1, source: str, seq: int = 0,
                           context: Any = DIRECT) -> None:
         """One collective record. A direct caller's op is accounted to the open step now; the tracer's
-        deferred records (``context``: the ``live.step`` the op completed in) are accounted when their
+        deferred records (``context``: the ``live.key`` of the step the op completed in) are accounted when their
         step's record is built (``_build_step``)."""
         if context is DIRECT:
             state = self._cur
             if state is not None:
                 account(state, op, wait_s, state.phase, state.span_depth == 0)
-        else:
-            state = context
+            step = state.step if state is not None else self._last_step
+        elif context is not None:  # a StepState.key: that step's record is not built yet, unless dropped
+            state = self._steps.get(context[0])
             if state is not None:
                 if state.colls is None:
                     state.colls = []
                 state.colls.append((op, t_end - self.epoch, wait_s))
-        step = state.step if state is not None else self._last_step
+            step = context[1]
+        else:
+            step = self._last_step
         duration = t_end - t_start
         try:
             alg = algbw(nbytes, duration)
@@ -362,19 +372,21 @@ class Telemetry:
             state.tensors = self._census.take()
             if len(self._ended) >= self.config.max_rows_per_kind:
                 self.dropped_records += 1
+                self._steps.pop(state.key[0], None)
             else:
                 self._ended.append(state)
         except Exception as exc:
             self.record_error("end_step", exc)
         finally:
             self._last_step = state.step
-            self._cur = self.live.step = None
+            self._cur = self.live.step = self.live.key = None
             self._progress(self.clock.now())
 
     def _build_step(self, state: StepState, *, memory_now: dict) -> None:
         """Runs on the flusher thread: the step's span rows, its step row (the accounting of the module
         docstring, ``stepstate.step_rows``) and its memory sample. ``memory_now`` holds this drain's
         ``memory.readings``, read by the first step that samples."""
+        self._steps.pop(state.key[0], None)
         try:
             dropped = self.dropped_records + int(getattr(self._writer, "dropped_records", 0))
             span_rows, step_row = step_rows(state, t_end=state.t_end, cpu_end=state.cpu_end, spans=state.spans,

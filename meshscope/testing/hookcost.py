@@ -213,8 +213,9 @@ PATHS = ("c10d_all_reduce_blocking", "c10d_all_reduce_async_wait", "funcol_all_r
 
 def _floor(tel: Any) -> tuple[Callable[[], None], Callable[[], None]]:
     """(on, off) of the barest recording wrapper of ``dist.all_reduce`` and ``Work.wait`` (the fake
-    backend's ``FakeWork.wait``): two clock readings around the call and one tuple appended to a deque,
-    nothing checked, nothing looked up. What a traced op costs above this is the checks and lookups every
+    backend's ``FakeWork.wait``): two clock readings around the call and one tuple of plain values (a group
+    key, the step's key: see ``agent.instrument.ops``) appended to a deque, nothing checked, nothing looked
+    up. What a traced op costs above this is the checks and lookups every
     real site needs; below it only code outside the interpreter (C) can go."""
     import collections
 
@@ -231,10 +232,10 @@ def _floor(tel: Any) -> tuple[Callable[[], None], Callable[[], None]]:
         t0 = now()
         result = original(tensor, op, group, async_op)
         if async_op:
-            pending[id(result)] = (result, ("all_reduce", group, tensor.nbytes, t0))
+            pending[id(result)] = (result, ("all_reduce", 0, tensor.nbytes, t0))
         else:
             t1 = now()
-            done.append(("all_reduce", group, tensor.nbytes, t0, t1, t1 - t0, live.step))
+            done.append(("all_reduce", 0, tensor.nbytes, t0, t1, t1 - t0, live.key))
         return result
 
     def wait(self: Any, timeout: Any = None) -> Any:
@@ -243,7 +244,7 @@ def _floor(tel: Any) -> tuple[Callable[[], None], Callable[[], None]]:
         result = original_wait(self) if timeout is None else original_wait(self, timeout)
         t1 = now()
         if entry is not None:
-            done.append((entry[1], t1, t1 - t0, live.step))
+            done.append((entry[1], t1, t1 - t0, live.key))
         return result
 
     def on() -> None:
@@ -285,7 +286,7 @@ def _floor_funcol(tel: Any) -> tuple[Callable[[], None], Callable[[], None]]:
     def all_reduce(tensor: Any, op: str, group: Any, tag: str = "") -> Any:
         t0 = now()
         result = original(tensor, op, group, tag)
-        pending[result.elem.data_ptr()] = ("all_reduce", group, tensor.nbytes, t0)
+        pending[result.elem.data_ptr()] = ("all_reduce", 0, tensor.nbytes, t0)
         return result
 
     def wait_tensor(tensor: Any) -> Any:
@@ -294,7 +295,7 @@ def _floor_funcol(tel: Any) -> tuple[Callable[[], None], Callable[[], None]]:
         result = original_wait(tensor)
         t1 = now()
         if entry is not None:
-            done.append((entry, t1, t1 - t0, live.step))
+            done.append((entry, t1, t1 - t0, live.key))
         return result
 
     def on() -> None:
