@@ -5,12 +5,14 @@ its records (pure functions, run on the telemetry's flusher thread; the accounti
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from typing import Any
 
 from meshscope.agent.contract import span_record, step_record
 from meshscope.agent.instrument.readout import as_float
 
+_chain = itertools.chain.from_iterable
 COMPUTE_PHASES = frozenset({"forward", "backward", "optimizer", "pipeline", "compute"})
 _P2P = frozenset({"send", "recv"})
 
@@ -24,10 +26,11 @@ class StepState:
 
     def __init__(self, step: int, t_start: float, cpu0: tuple[float, float], *, serial: int = 0) -> None:
         self.step = step
-        # What an op that completes in this step carries (``Live.key``): plain values, so that the op's
-        # entry, waiting up to ``flush_interval_s`` for the flusher, is one the cyclic GC stops tracking
-        # (a reference to this object kept each entry tracked: 2-3 µs of full collections per op).
-        self.key = (serial, step)
+        # What an op that completes in this step carries (``Live.key``): an int, so that the op's entry,
+        # waiting up to ``flush_interval_s`` for the flusher, is a tuple the cyclic GC stops tracking the
+        # first time it sees it (a reference to this object kept each entry tracked: 2-3 µs of full
+        # collections per op; a nested tuple may need two looks, the second in an older generation).
+        self.key = serial
         self.t_start = t_start
         self.cpu0 = cpu0
         # A step lives until the flusher builds it (up to flush_interval_s), long enough for the cyclic GC
@@ -35,8 +38,8 @@ class StepState:
         # training thread paid 12 µs per step for them on the step boundaries' path of
         # bench/hooks_overhead.py with eight such objects per step. So it tracks one per step (this
         # object): plain dicts of floats (a defaultdict is always tracked), a tuple for the rare nesting,
-        # ``segments`` made a tuple at the step's end, ``colls`` made by the flusher when it has any, the
-        # end's figures held here rather than in a tuple that holds this.
+        # ``segments`` made one flat tuple at the step's end (``flat_segments``), ``colls`` made by the
+        # flusher when it has any, the end's figures held here rather than in a tuple that holds this.
         self.phases: dict[str, float] = {}
         self.phase: str | None = None
         self.phase_t0 = 0.0  # perf_counter when the current phase (re)started
@@ -52,7 +55,7 @@ class StepState:
         self.values: dict[str, Any] = {}
         # (phase, t0, t1) for every stretch of time a phase was the innermost open one, in order (raw
         # perf_counter times): the flusher finds the phase a collective completed in from these.
-        self.segments: list[tuple[str, float, float]] | tuple = []  # a tuple once the step ended
+        self.segments: list[tuple[str, float, float]] | tuple = []  # flat once the step ended
         # Collectives of this step as (op, t_end, wait_s), gathered by the flusher until the step is built.
         self.colls: list[tuple[str, float, float]] | None = None
         # Set at the step's end (``Telemetry._end_step``): the clocks, the pipeline spans, the tensor census.
@@ -70,7 +73,7 @@ class Live:
 
     def __init__(self) -> None:
         self.step: StepState | None = None
-        self.key: tuple[int, int] | None = None
+        self.key: int | None = None
 
 
 class StepContext:
@@ -122,16 +125,22 @@ def account(state: StepState, op: str, wait_s: float, phase: str | None, outside
             state.nonpp_wait_outside_spans += wait_s
 
 
+def flat_segments(segments: list[tuple[str, float, float]]) -> tuple:
+    """A step's phase segments as one flat tuple ``(phase, t0, t1, phase, t0, t1, ...)``: plain values,
+    which the GC stops tracking the first time it sees them (``StepState``)."""
+    return tuple(_chain(segments))
+
+
 def account_deferred(state: StepState, spans: Any) -> None:
     """Account the step's deferred collectives: the phase each completed in and whether the thread was
     inside a pipeline compute span then come from the step's phase segments and spans (raw perf_counter
     times, like the ops' ``t_end`` here), exactly what the thread's state said at completion."""
-    segs = state.segments
-    seg_starts = [s[1] for s in segs]
+    segs = state.segments  # flat: (phase, t0, t1, phase, t0, t1, ...)
+    seg_starts = segs[1::3]
     span_starts = [s[3] for s in spans]
     for op, t_end, wait_s in state.colls:
         i = bisect.bisect_right(seg_starts, t_end) - 1
-        phase = segs[i][0] if i >= 0 and t_end <= segs[i][2] else None
+        phase = segs[3 * i] if i >= 0 and t_end <= segs[3 * i + 2] else None
         j = bisect.bisect_right(span_starts, t_end) - 1
         in_span = j >= 0 and t_end <= spans[j][4]
         account(state, op, wait_s, phase, not in_span)
