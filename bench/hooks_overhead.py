@@ -9,6 +9,9 @@ per op on every collective / P2P path and DDP bucket, ≤ 0.3 µs per pipeline s
 floors: the barest Python recording wrappers of the same calls (``floor_*``), what no Python design of the
 path can go below. The DDP comm hook is also timed on a gloo world of one
 (``ddp_comm_hook_gloo_world1``: a real future, its callback on gloo's thread; far noisier, a cross-check).
+The per-call blocks pause the garbage collector, so ``sustained`` (``meshscope.testing.gccost``) adds what
+they cannot see: 100,000 traced all-reduces in one loop with the GC on, a step every 10 ops, against the
+same loop untraced, with the time the GC ran on the training thread per generation.
 
 Per step (2 gloo ranks, real process groups): a small DDP / FSDP2 / TP / PP-1F1B model, blocks of steps
 rotating between three arms on the same steps — untraced, meshscope (``Telemetry`` attached, a step and a
@@ -39,6 +42,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from meshscope.testing.gccost import sustained_isolated  # noqa: E402
 from meshscope.testing.hookcost import _ab, free_port, init_gloo, light_profiler, per_call_isolated  # noqa: E402
 
 
@@ -377,12 +381,13 @@ def main() -> None:
     import torch
 
     load_start = os.getloadavg()
-    calls_us, steps = None, None
+    calls_us, steps, sustained = None, None, None
     if args.part in ("all", "calls"):
         calls_us = per_call_isolated(calls=args.calls, blocks=args.blocks)
         child = subprocess.run([sys.executable, __file__, "--ddp-hook-child", "--calls", str(max(1, args.calls // 4)),
                                 "--blocks", str(args.blocks)], capture_output=True, text=True, check=True)
         calls_us["ddp_comm_hook_gloo_world1"] = json.loads(child.stdout.strip().splitlines()[-1])
+        sustained = sustained_isolated()
     if args.part in ("all", "steps"):
         steps = per_step(args.steps, args.step_blocks)
     if calls_us is not None and steps is not None:
@@ -392,6 +397,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "load_avg_start": load_start,
         "per_call_us": calls_us,
+        "sustained_per_op": sustained,
         "per_step_2ranks": steps,
         "goals": {"per_call_cpu_us": 2.0, "pipeline_span_cpu_us": 0.3, "per_step_cpu_pct": 1.0,
                   "profiler_over_meshscope": 10.0},
