@@ -36,33 +36,47 @@ def _gil_holding_pread():
 _PREAD = _gil_holding_pread()
 
 
+_NAN = float("nan")
+
+
+def parse(reading: bytes | tuple[float, float]) -> tuple[float, float]:
+    """(CPU seconds, run-queue seconds) from a ``ThreadCPU.read``; NaN for what cannot be read from it."""
+    if type(reading) is not bytes:
+        return reading
+    try:
+        on_cpu, delay = reading.split()[:2]
+        return int(on_cpu) * 1e-9, int(delay) * 1e-9
+    except ValueError:
+        return _NAN, _NAN
+
+
 class ThreadCPU:
-    """``read()`` -> (CPU seconds, run-queue seconds) of the calling thread since it started; the second is
-    NaN where the kernel does not report it. Never raises."""
+    """``read()`` -> the calling thread's CPU and run-queue time since it started, raw: the schedstat line
+    as bytes, which ``parse`` turns into seconds later (on the flusher: 1 µs less per read on the training
+    thread), or where the kernel does not report it (CPU seconds, NaN) from ``time.thread_time``. Never
+    raises."""
 
     def __init__(self) -> None:
         self._fd: int | None = None
         self._tid: int | None = None
         self._buf = ctypes.create_string_buffer(96)
 
-    def read(self) -> tuple[float, float]:
+    def read(self) -> bytes | tuple[float, float]:
         tid = threading.get_native_id()
         if tid != self._tid:
             self._open(tid)
         if self._fd is not None:
             try:
-                if _PREAD is not None:
-                    n = _PREAD(self._fd, self._buf, 96, 0)
-                    if n < 0:
-                        raise OSError(ctypes.get_errno(), "pread of /proc/thread-self/schedstat")
-                    on_cpu, delay, _ = self._buf.raw[:n].split()
-                else:
-                    on_cpu, delay, _ = os.pread(self._fd, 96, 0).split()
-                return int(on_cpu) * 1e-9, int(delay) * 1e-9
-            except (OSError, ValueError):
+                if _PREAD is None:
+                    return os.pread(self._fd, 96, 0)
+                n = _PREAD(self._fd, self._buf, 96, 0)
+                if n > 0:
+                    return self._buf.raw[:n]
+                raise OSError(ctypes.get_errno(), "pread of /proc/thread-self/schedstat")
+            except OSError:
                 self.close()
                 self._tid = tid  # do not retry on every call
-        return time.thread_time(), float("nan")
+        return time.thread_time(), _NAN
 
     def _open(self, tid: int) -> None:
         self.close()

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from meshscope.agent.contract import span_record, step_record
+from meshscope.agent.instrument.cpu import parse as parse_cpu
 from meshscope.agent.instrument.readout import as_float
 
 _chain = itertools.chain.from_iterable
@@ -24,7 +25,7 @@ class StepState:
         "phase_t0", "outer", "segments", "colls", "t_end", "cpu_end", "spans", "tensors", "key",
     )
 
-    def __init__(self, step: int, t_start: float, cpu0: tuple[float, float], *, serial: int = 0) -> None:
+    def __init__(self, step: int, t_start: float, cpu0: Any, *, serial: int = 0) -> None:
         self.step = step
         # What an op that completes in this step carries (``Live.key``): an int, so that the op's entry,
         # waiting up to ``flush_interval_s`` for the flusher, is a tuple the cyclic GC stops tracking the
@@ -60,7 +61,7 @@ class StepState:
         self.colls: list[tuple[str, float, float]] | None = None
         # Set at the step's end (``Telemetry._end_step``): the clocks, the pipeline spans, the tensor census.
         self.t_end = 0.0
-        self.cpu_end: tuple[float, float] = cpu0
+        self.cpu_end: Any = cpu0  # a ThreadCPU reading (cpu.parse makes it seconds)
         self.spans: Any = ()
         self.tensors: tuple[int, int, int] = (-1, -1, -1)
 
@@ -147,11 +148,11 @@ def account_deferred(state: StepState, spans: Any) -> None:
     state.colls = None
 
 
-def step_rows(state: StepState, *, t_end: float, cpu_end: tuple[float, float], spans: Any, epoch: float,
+def step_rows(state: StepState, *, t_end: float, cpu_end: Any, spans: Any, epoch: float,
               peak_flops: float, dropped: int) -> tuple[list[tuple], tuple]:
     """The step's span rows and its step row. ``spans``: the step's ``(stage, microbatch, kind, t0, t1)``
-    in raw perf_counter times (``epoch`` added for the records); ``cpu_end``: the thread's (CPU, run-queue)
-    seconds at the step's end; ``dropped``: records dropped so far."""
+    in raw perf_counter times (``epoch`` added for the records); ``cpu_end``: the thread's ``ThreadCPU`` reading at
+    the step's end (``state.cpu0`` at its start); ``dropped``: records dropped so far."""
     span_rows = []
     for stage, microbatch, kind, t0, t1 in spans:
         span_rows.append(span_record(step=state.step, stage=stage, microbatch=span_microbatch(microbatch),
@@ -160,7 +161,7 @@ def step_rows(state: StepState, *, t_end: float, cpu_end: tuple[float, float], s
         state.span_kind_time[kind] = state.span_kind_time.get(kind, 0.0) + t1 - t0
     if state.colls:
         account_deferred(state, spans)
-    cpu, cpu_wait = (now - then for now, then in zip(cpu_end, state.cpu0))
+    cpu, cpu_wait = (now - then for now, then in zip(parse_cpu(cpu_end), parse_cpu(state.cpu0)))
     wall = t_end - state.t_start
     v = state.values
     pipeline_time = state.phases.get("pipeline", 0.0)

@@ -1,0 +1,52 @@
+"""The step record's ``cpu_s`` / ``cpu_wait_s`` source: the calling thread's schedstat, read raw on the
+training thread and parsed on the flusher (``agent.instrument.cpu``)."""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+
+from meshscope.agent.instrument.cpu import ThreadCPU, parse
+
+
+def _spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_a_reading_parses_to_this_threads_cpu_time_against_thread_time() -> None:
+    reader = ThreadCPU()
+    r0, t0 = reader.read(), time.thread_time()
+    _spin(0.05)
+    r1, t1 = reader.read(), time.thread_time()
+    (c0, w0), (c1, w1) = parse(r0), parse(r1)
+    assert abs((c1 - c0) - (t1 - t0)) < 0.005  # the kernel's two counters of the same thread
+    if os.path.exists("/proc/thread-self/schedstat"):
+        assert type(r0) is bytes and w1 >= w0 >= 0  # raw on the training thread; delays never go back
+    reader.close()
+
+
+def test_another_thread_reads_its_own_time_not_the_first_ones() -> None:
+    reader = ThreadCPU()
+    main0 = parse(reader.read())[0]
+    _spin(0.1)  # this thread now has at least 0.1 s more than a new thread
+    got = {}
+
+    def other() -> None:
+        got["cpu"] = parse(reader.read())[0]
+
+    th = threading.Thread(target=other)
+    th.start()
+    th.join()
+    assert got["cpu"] < main0 + 0.1 - 0.02
+    reader.close()
+
+
+def test_what_cannot_be_read_parses_to_nan_and_a_fallback_passes_through() -> None:
+    assert all(math.isnan(x) for x in parse(b"garbage"))
+    assert all(math.isnan(x) for x in parse(b""))
+    assert parse((1.5, float("nan")))[0] == 1.5
+    assert parse(b"1000000000 2000000000 7\n") == (1.0, 2.0)
