@@ -50,3 +50,35 @@ def test_what_cannot_be_read_parses_to_nan_and_a_fallback_passes_through() -> No
     assert all(math.isnan(x) for x in parse(b""))
     assert parse((1.5, float("nan")))[0] == 1.5
     assert parse(b"1000000000 2000000000 7\n") == (1.0, 2.0)
+
+
+def test_the_run_queue_delay_is_the_time_a_competitor_on_the_same_cpu_held_it() -> None:
+    """The independent truth: a busy process pinned to this thread's CPU takes about half of it, so over a
+    wall-clock window this thread's CPU + run-queue delay add up to the window and the delay is a large
+    share of it (what the CPU-contention verdict reads from ``cpu_wait_s``)."""
+    import subprocess
+    import sys
+
+    if not os.path.exists("/proc/thread-self/schedstat") or not hasattr(os, "sched_setaffinity"):
+        import pytest
+
+        pytest.skip("no per-thread schedstat here")
+    cpu = min(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    hog = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+    reader = ThreadCPU()
+    try:
+        os.sched_setaffinity(0, {cpu})  # this thread only
+        time.sleep(0.3)  # the hog is running
+        (c0, w0), t0 = parse(reader.read()), time.monotonic()
+        while time.monotonic() - t0 < 1.0:
+            pass
+        (c1, w1), wall = parse(reader.read()), time.monotonic() - t0
+    finally:
+        os.sched_setaffinity(0, before)
+        hog.kill()
+        hog.wait(timeout=10)
+        reader.close()
+    cpu_s, wait_s = c1 - c0, w1 - w0
+    assert abs(cpu_s + wait_s - wall) < 0.1 * wall, (cpu_s, wait_s, wall)
+    assert wait_s > 0.25 * wall, (cpu_s, wait_s, wall)
