@@ -9,7 +9,8 @@ The ``pread`` is libc's, called through ``ctypes.PyDLL``, which keeps the GIL, a
 ``os.pread`` releases it, and the training thread reads this twice per step. Whenever the flusher was
 waiting for the GIL (it drains every ``flush_interval_s``), it took the GIL at that release, and the
 training thread had to wait for it back and force a switch: on the step boundaries' path of
-bench/hooks_overhead.py the boundaries cost it 12-17 µs of CPU per step with ``os.pread``, 5-8 with this.
+bench/hooks_overhead.py the boundaries cost it 11.6-16.9 µs of CPU per step with ``os.pread``, 8.9-9.1
+with this (3 processes each).
 A read of this file does not block, so holding the GIL through it is as cheap as the syscall.
 """
 
