@@ -36,8 +36,8 @@ class StepState:
         self.cpu0 = cpu0
         # A step lives until the flusher builds it (up to flush_interval_s), long enough for the cyclic GC
         # to promote what it holds to the oldest generation, whose full collections then come sooner: the
-        # training thread paid 12 µs per step for them on the step boundaries' path of
-        # bench/hooks_overhead.py with eight such objects per step. So it tracks one per step (this
+        # training thread paid 12 µs per step for them in a tight loop of step boundaries (20,000 steps,
+        # GC on) with eight such objects per step, 6 µs with two. So it tracks one per step (this
         # object): plain dicts of floats (a defaultdict is always tracked), a tuple for the rare nesting,
         # ``segments`` made one flat tuple at the step's end (``flat_segments``), ``colls`` made by the
         # flusher when it has any, the end's figures held here rather than in a tuple that holds this.
