@@ -98,15 +98,7 @@ def sustained(*, ops: int = 100_000, rounds: int = 3, ops_per_step: int = 10) ->
 
 def sustained_isolated(*, ops: int = 100_000, rounds: int = 3, timeout_s: float = 300.0) -> dict[str, Any]:
     """``sustained`` in a fresh interpreter."""
-    import json
-    import os
-    import subprocess
-    import sys
+    from meshscope.testing.hookcost import run_isolated
 
-    code = ("import json; from meshscope.testing.gccost import sustained; "
-            f"print(json.dumps(sustained(ops={ops}, rounds={rounds})))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    if proc.returncode != 0:
-        raise RuntimeError(f"sustained cost failed: {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_isolated(f"from meshscope.testing.gccost import sustained; result = sustained(ops={ops}, rounds={rounds})",
+                        what="sustained cost", timeout_s=timeout_s)

@@ -383,25 +383,32 @@ def per_call_isolated(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, 
     path). In one process a path's figure depended on the paths measured before it (the pipeline span read
     0.32 µs alone and 0.48 µs after the other nine in the same minute: the heap and caches they leave
     behind), so a figure would have described the order of the table, not the hook."""
-    import json
-    import subprocess
-    import sys
-
     out: dict[str, Any] = {}
     recorded = {"dropped_records": 0, "errors": 0}
     for path in paths:
-        code = ("import json; from meshscope.testing.hookcost import per_call; "
-                f"print(json.dumps(per_call(calls={calls}, blocks={blocks}, paths=({path!r},))))")
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"))
-        if proc.returncode != 0:
-            raise RuntimeError(f"hook cost of {path} failed: {proc.stderr[-2000:]}")
-        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        got = run_isolated("from meshscope.testing.hookcost import per_call; "
+                           f"result = per_call(calls={calls}, blocks={blocks}, paths=({path!r},))",
+                           what=f"hook cost of {path}", timeout_s=timeout_s)
         out[path] = got[path]
         for key in recorded:
             recorded[key] += got["_recorded"][key]
     out["_recorded"] = recorded
     return out
+
+
+def run_isolated(code: str, *, what: str, timeout_s: float) -> dict[str, Any]:
+    """Run ``code`` (which sets ``result``, a JSON-able dict) in a fresh interpreter, one BLAS thread;
+    its ``result``. A failure raises ``RuntimeError`` naming ``what``."""
+    import json
+    import subprocess
+    import sys
+
+    program = f"import json\n{code}\nprint(json.dumps(result))"
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=timeout_s,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def free_port() -> int:
