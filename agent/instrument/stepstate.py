@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import threading
 import time
 from typing import Any
 
@@ -64,6 +65,37 @@ class StepState:
         self.cpu_end: Any = cpu0  # a ThreadCPU reading (cpu.parse makes it seconds)
         self.spans: Any = ()
         self.tensors: tuple[int, int, int] = (-1, -1, -1)
+
+
+class PendingSteps:
+    """The steps begun whose records are not built yet, by ``StepState.key``, for the flusher to account
+    their deferred ops to; and the step numbers of the last 4096 that are gone (built, discarded, aborted
+    or dropped), so that an op drained after its step (CUDA timing completes later) keeps its number.
+    The training thread begins steps; both threads forget them."""
+
+    def __init__(self) -> None:
+        self._serial = 0
+        self._open: dict[int, StepState] = {}
+        self._gone: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def begin(self, step: int, t_start: float, cpu0: Any) -> StepState:
+        self._serial += 1
+        state = self._open[self._serial] = StepState(step, t_start, cpu0, serial=self._serial)
+        return state
+
+    def get(self, key: int) -> StepState | None:
+        return self._open.get(key)
+
+    def step_of(self, key: int, default: int) -> int:
+        return self._gone.get(key, default)
+
+    def forget(self, state: StepState) -> None:
+        self._open.pop(state.key, None)
+        with self._lock:
+            self._gone[state.key] = state.step
+            if len(self._gone) > 4096:
+                del self._gone[next(iter(self._gone))]
 
 
 class Live:

@@ -57,7 +57,7 @@ from meshscope.agent.instrument.config import TelemetryConfig
 from meshscope.agent.instrument.readout import where_is
 from meshscope.agent.instrument.recorder import DIRECT
 from meshscope.agent.instrument.stepstate import (
-    Live, StepContext, StepState, account, flat_segments, pop_phase as _pop_phase, span_microbatch, step_rows,
+    Live, PendingSteps, StepContext, StepState, account, flat_segments, pop_phase as _pop_phase, span_microbatch, step_rows,
 )
 
 # A run record's fields the caller's info does not give: empty, not NULL (every rank writes the same columns).
@@ -91,12 +91,7 @@ class Telemetry:
         self.live = Live()  # the open step, read by the collective tracer's hot path
         # Ended steps waiting for the flusher to build their records (the end's figures held on each)
         self._ended: collections.deque[StepState] = collections.deque()
-        self._serial = 0  # numbers the steps begun (StepState.key)
-        self._steps: dict[int, StepState] = {}  # key → a step begun whose record is not built yet
-        # key → step number of the last steps built, discarded, aborted or dropped: an op drained after its
-        # step (CUDA timing completes later) still gets its step's number. Both threads forget steps.
-        self._gone: dict[int, int] = {}
-        self._gone_lock = threading.Lock()
+        self._pending = PendingSteps()  # steps begun and not built yet, by key (their ops name them so)
         self._writer = writer if writer is not None else self._open_writer()
         # Hang watchdog state: the training thread (the one that builds the Telemetry), the last time it
         # made progress (a step boundary or a completed collective), and whether this stall was reported.
@@ -189,9 +184,7 @@ class Telemetry:
     # ------------------------------------------------------------------------------------ step API
     def begin_step(self, step: int) -> StepContext:
         """Start step ``step`` now (the explicit ``step()`` and the zero-code driver both use this)."""
-        self._serial += 1
-        state = StepState(step, self.clock.now(), self._cpu.read(), serial=self._serial)
-        self._steps[self._serial] = state  # until built or dropped: the ops' contexts name it by serial
+        state = self._pending.begin(step, self.clock.now(), self._cpu.read())
         self._cur = self.live.step = state
         self.live.key = state.key
         self._progress(state.t_start)
@@ -217,7 +210,7 @@ class Telemetry:
         pipeline spans are recorded, not left for the next step's accounting."""
         state, self._cur, self.live.step, self.live.key = self._cur, None, None, None
         if state is not None:
-            self._forget(state)
+            self._pending.forget(state)
             self._loose_spans(state.step)
 
     def _loose_spans(self, step: int) -> None:
@@ -235,7 +228,7 @@ class Telemetry:
         state, self._cur = self._cur, None
         self.live.step = self.live.key = None
         if state is not None:
-            self._forget(state)
+            self._pending.forget(state)
             self._loose_spans(state.step)
             self.event("aborted_step", f"step {state.step} aborted: {type(exc).__name__}: {exc}"[:500], step=state.step)
             self._wake.set()
@@ -301,14 +294,14 @@ class Telemetry:
                 account(state, op, wait_s, state.phase, state.span_depth == 0)
             step = state.step if state is not None else self._last_step
         elif context is not None:  # a StepState.key: that step's record is not built yet, unless gone
-            state = self._steps.get(context)
+            state = self._pending.get(context)
             if state is not None:
                 if state.colls is None:
                     state.colls = []
                 state.colls.append((op, t_end - self.epoch, wait_s))
                 step = state.step
             else:
-                step = self._gone.get(context, self._last_step)
+                step = self._pending.step_of(context, self._last_step)
         else:
             step = self._last_step
         duration = t_end - t_start
@@ -378,7 +371,7 @@ class Telemetry:
             state.tensors = self._census.take()
             if len(self._ended) >= self.config.max_rows_per_kind:
                 self.dropped_records += 1
-                self._forget(state)
+                self._pending.forget(state)
             else:
                 self._ended.append(state)
         except Exception as exc:
@@ -392,7 +385,7 @@ class Telemetry:
         """Runs on the flusher thread: the step's span rows, its step row (the accounting of the module
         docstring, ``stepstate.step_rows``) and its memory sample. ``memory_now`` holds this drain's
         ``memory.readings``, read by the first step that samples."""
-        self._forget(state)
+        self._pending.forget(state)
         try:
             dropped = self.dropped_records + int(getattr(self._writer, "dropped_records", 0))
             span_rows, step_row = step_rows(state, t_end=state.t_end, cpu_end=state.cpu_end, spans=state.spans,
@@ -408,14 +401,6 @@ class Telemetry:
                 self._push("memory", memory.sample(state.step, state.t_end, memory_now, state.tensors))
         except Exception as exc:
             self.record_error("end_step", exc)
-
-    def _forget(self, state: StepState) -> None:
-        """``state`` gets no more ops (built, discarded, aborted or dropped): keep only its step number."""
-        self._steps.pop(state.key, None)
-        with self._gone_lock:
-            self._gone[state.key] = state.step
-            if len(self._gone) > 4096:
-                del self._gone[next(iter(self._gone))]
 
     def _each_tracer(self, method: str) -> None:
         """Call ``method`` of every tracer that has it; a failure is counted (``tracer_<method>``)."""
