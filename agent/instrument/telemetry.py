@@ -57,7 +57,8 @@ from meshscope.agent.instrument.config import TelemetryConfig
 from meshscope.agent.instrument.readout import where_is
 from meshscope.agent.instrument.recorder import DIRECT
 from meshscope.agent.instrument.stepstate import (
-    Live, PendingSteps, StepContext, StepState, account, flat_segments, pop_phase as _pop_phase, span_microbatch, step_rows,
+    Live, PendingSteps, StepContext, StepState, account, flat_segments, pop_phase as _pop_phase, span_microbatch,
+    step_rows,
 )
 
 # A run record's fields the caller's info does not give: empty, not NULL (every rank writes the same columns).
@@ -286,8 +287,8 @@ class Telemetry:
                           t_end: float, wait_s: float, peer: int = -1, source: str, seq: int = 0,
                           context: Any = DIRECT) -> None:
         """One collective record. A direct caller's op is accounted to the open step now; the tracer's
-        deferred records (``context``: the ``live.key`` of the step the op completed in) are accounted when their
-        step's record is built (``_build_step``)."""
+        deferred records (``context``: the ``live.key`` of the step the op completed in) are accounted when
+        their step's record is built (``_build_step``)."""
         if context is DIRECT:
             state = self._cur
             if state is not None:
@@ -376,6 +377,7 @@ class Telemetry:
                 self._ended.append(state)
         except Exception as exc:
             self.record_error("end_step", exc)
+            self._pending.forget(state)  # no record: it gets no ops either
         finally:
             self._last_step = state.step
             self._cur = self.live.step = self.live.key = None

@@ -100,5 +100,5 @@ def sustained_isolated(*, ops: int = 100_000, rounds: int = 3, timeout_s: float 
     """``sustained`` in a fresh interpreter."""
     from meshscope.testing.hookcost import run_isolated
 
-    return run_isolated(f"from meshscope.testing.gccost import sustained; result = sustained(ops={ops}, rounds={rounds})",
-                        what="sustained cost", timeout_s=timeout_s)
+    return run_isolated("from meshscope.testing.gccost import sustained; "
+                        f"result = sustained(ops={ops}, rounds={rounds})", what="sustained cost", timeout_s=timeout_s)
