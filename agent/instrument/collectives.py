@@ -134,6 +134,7 @@ class CollectiveTracer:
         self._groups: dict[int, tuple[Any, GroupInfo, Iterator[int], int]] = {}
         self._infos: list[GroupInfo] = []
         self._info_keys: dict[GroupInfo, int] = {}
+        self._infos_lock = threading.Lock()
         self._counters: dict[str, Iterator[int]] = {}
         # id(Work) → (the Work, kept alive so that its id stays unique; its ops: an ``Issued`` tuple for the
         # one CPU op of a fast site, else a list of ``_Op``)
@@ -276,10 +277,11 @@ class CollectiveTracer:
         counter = self._counters.get(info.name)
         if counter is None:
             counter = self._counters[info.name] = itertools.count(1)
-        key = self._info_keys.get(info)
-        if key is None:  # one per distinct group: GroupInfo compares by value
-            key = self._info_keys[info] = len(self._infos)
-            self._infos.append(info)
+        with self._infos_lock:  # a group first seen by two threads at once still gets one key
+            key = self._info_keys.get(info)
+            if key is None:  # one per distinct group: GroupInfo compares by value
+                key = self._info_keys[info] = len(self._infos)
+                self._infos.append(info)
         hit = self._groups[id(group)] = (group, info, counter, key)
         return hit
 
