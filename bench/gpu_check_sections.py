@@ -284,7 +284,8 @@ def overhead(*, workdir: Path, steps: int) -> dict:
     import torch.distributed as dist
 
     from meshscope.agent.instrument.flops import device_peak
-    from meshscope.agent.instrument.telemetry import NullTelemetry, Telemetry, TelemetryConfig
+    from meshscope.agent.instrument.nulltelemetry import NullTelemetry
+    from meshscope.agent.instrument.telemetry import Telemetry, TelemetryConfig
     from meshscope.trainer import config
     from meshscope.trainer.parallel import build_mesh, schedule_stages
     from meshscope.trainer.train import Trainer

@@ -13,7 +13,8 @@ import time
 
 import torch.distributed as dist
 
-from meshscope.agent.instrument.telemetry import NullTelemetry, Telemetry, TelemetryConfig
+from meshscope.agent.instrument.nulltelemetry import NullTelemetry
+from meshscope.agent.instrument.telemetry import Telemetry, TelemetryConfig
 from meshscope.trainer import config
 from meshscope.trainer.parallel import build_mesh, schedule_stages
 from meshscope.trainer.train import Trainer, _device

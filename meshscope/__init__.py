@@ -28,7 +28,7 @@ from meshscope.agent import version
 _LAZY = {
     "Telemetry": "meshscope.agent.instrument.telemetry",
     "TelemetryConfig": "meshscope.agent.instrument.telemetry",
-    "NullTelemetry": "meshscope.agent.instrument.telemetry",
+    "NullTelemetry": "meshscope.agent.instrument.nulltelemetry",
     "observe": "meshscope.agent.zerocode",
 }
 # framework callbacks: built on first use (each imports its framework)

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from meshscope.agent.contract import SCHEMAS
-from meshscope.agent.instrument.telemetry import NullTelemetry, Telemetry, TelemetryConfig
+from meshscope.agent.instrument.nulltelemetry import NullTelemetry
+from meshscope.agent.instrument.telemetry import Telemetry, TelemetryConfig
 from meshscope.agent.transport.frame import rows_to_batch
 
 

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from meshscope.agent.instrument.flops import device_peak
-from meshscope.agent.instrument.telemetry import NullTelemetry, Telemetry
+from meshscope.agent.instrument.nulltelemetry import NullTelemetry
+from meshscope.agent.instrument.telemetry import Telemetry
 from meshscope.trainer import checkpoint, config, data, model as model_lib, optim
 from meshscope.trainer.config import ConfigError, TrainConfig
 from meshscope.trainer.faults import Faults
