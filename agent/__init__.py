@@ -10,6 +10,7 @@ PUBLIC = (
     "meshscope.agent.contract",  # schema, records, clock, run and file names, busbw: what every side agrees on
     "meshscope.agent.cliargs",  # the one shape of a command line
     "meshscope.agent.instrument.telemetry",  # Telemetry, TelemetryConfig: the in-process API
+    "meshscope.agent.instrument.nulltelemetry",  # NullTelemetry: the same API when telemetry is off
     "meshscope.agent.instrument.flops",  # device peak FLOP/s, MFU's denominator
     "meshscope.agent.collector.reader",  # the one reader of the run store
     "meshscope.agent.collector.catchup",  # readers take in what the spools hold beyond the store
