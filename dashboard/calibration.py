@@ -54,6 +54,11 @@ from meshscope.dashboard.stragglers import first_steady_step
 from meshscope.trainer.layout import MULTI_STAGE
 
 SHARED = 1.15  # a run whose sharing φ exceeds this was oversubscribed (a rank alone on a core reads 1.01-1.09)
+# Ranks sharing cores lose more than the run-queue wait: a rank that runs again finds its caches taken
+# by the others, so its compute's CPU time per FLOP grows too. Compute slows by φ ** this exponent (the
+# grid of bench/planner_grid.py: DDP, FSDP2 and TP at 4 ranks on 2 cores against the same at 2 ranks
+# give 1.25, 1.34 and 1.26).
+SHARING_EXPONENT = 1.25
 SMALL_BYTES = 1024  # collectives below this size synchronise (loss, gradient norm); they carry no bulk data
 TRAFFIC = ("dp_grads", "fsdp", "tp", "pp")
 
@@ -277,7 +282,8 @@ def measure(meta: dict, frames: dict[str, pd.DataFrame], *, model: ModelShape) -
         # rate of a rank with a core to itself, not to sharing.
         phi = phi if phi > SHARED else 1.0
     out = {"run": meta.get("run"), "layout": lay, "ranks_per_host": k, "first_step": first, "steady_steps": n_steps,
-           "step_time_s": float(means["step_time_s"]), "s_per_flop": fb / flops / phi if flops > 0 else math.nan,
+           "step_time_s": float(means["step_time_s"]),
+           "s_per_flop": fb / flops / phi**SHARING_EXPONENT if flops > 0 else math.nan,
            "optimizer_s": float(means["optimizer_s"]) / phi, "held": local_params(model, lay), "sharing": phi, "busy": busy,
            "exposed_bulk_s": exposed_bulk,
            "forward_share": math.nan, "exposed": exposed, "counts": counts, "pipeline": {},

@@ -41,7 +41,7 @@ import numpy as np
 import pandas as pd
 
 from meshscope.dashboard.analysis import bubble_theory, busbw_factor, normalize_schedule
-from meshscope.dashboard.calibration import Calibration, ModelShape, Rate, local_params, nonneg_line
+from meshscope.dashboard.calibration import SHARING_EXPONENT, Calibration, ModelShape, Rate, local_params, nonneg_line
 from meshscope.dashboard.layouts import SIMULATED, Layout, candidates, family, measured_layout
 from meshscope.dashboard.memory_model import ModelSpec, memory_model
 from meshscope.dashboard.pipeline_sim import ORDERED, makespan_shared, simulate
@@ -55,6 +55,12 @@ TEXTBOOK_OVERLAP = 0.9
 DEFAULT_EXPOSURE = {"dp_grads": 1 - TEXTBOOK_OVERLAP, "fsdp": 1 - TEXTBOOK_OVERLAP, "tp": 1.0}
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default
 TP_PER_LAYER = 4.0  # Megatron: two all-reduces forward, two backward per block
+# DDP reduces its buckets while backward still runs; FSDP's gathers and TP's all-reduces sit on the critical
+# path. Where only one of the two was measured, DDP exposes this share of what a blocking kind exposes: on a
+# CPU host gloo's transfers take the cores backward runs on (0.47-0.48 on bench/planner_grid.py's grid, with
+# and without ranks sharing cores); on GPUs the textbook's overlap against a blocking kind's all.
+OVERLAPPED = ("dp_grads",)
+OVERLAPPED_SHARE = {"cpu": 0.5, "cuda": 1 - TEXTBOOK_OVERLAP}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -112,6 +118,11 @@ class _Links:
         exact = f[(f["op"] == op) & (f["group_size"] == n)]
         if len(exact) and bool(covers[exact.index[0]]):
             return self._t(exact.iloc[0], op, n, nbytes, alpha=None)
+        if op == "all_reduce":  # a ring all-reduce is a reduce-scatter then an all-gather of the same buffer
+            parts = [f[covers & (f["op"] == o) & (f["group_size"] == n)] for o in ("reduce_scatter", "all_gather")]
+            if all(len(x) for x in parts):
+                self._note(f"all_reduce over {n} ranks at {_mb(nbytes)}: a reduce-scatter and an all-gather as measured")
+                return sum(self._t(x.iloc[0], x.iloc[0]["op"], n, nbytes, alpha=None) for x in parts)
         for pool in (f[covers & (f["op"] == op)], f[covers & (f["group_size"] == n)], f[covers]):
             if len(pool):
                 row = pool.iloc[(pool["group_size"] - n).abs().argsort().iloc[0]]
@@ -126,6 +137,11 @@ class _Links:
             alpha = None
         self._note(f"{op} over {n} ranks at {_mb(nbytes)}: bandwidth from {row['op']} over {int(row['group_size'])} "
                    f"ranks ({_mb(row['bytes_min'])}–{_mb(row['bytes_max'])} measured)")
+        x, x_min = nbytes * busbw_factor(op, n), row["bytes_min"] * busbw_factor(row["op"], int(row["group_size"]))
+        if alpha is None and 0 < x < x_min:
+            # Below the smallest message the fit saw, its α is not a latency it measured (ranks sharing cores
+            # give flat times: α is then the wait for a peer to be scheduled): the throughput it reached there.
+            return self._t(row, row["op"], int(row["group_size"]), row["bytes_min"], alpha=None) * x / x_min
         return self._t(row, op, n, nbytes, alpha=alpha)
 
     @staticmethod
@@ -173,20 +189,10 @@ def predict(cal: Calibration, lay: Layout, *, ranks_per_host: int | None = None,
     tokens = lay.global_batch * model.seq_len
     flops = model.flops_per_token * tokens / lay.world_size
     held = local_params(model, {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "fsdp": lay.fsdp})
-    exposure = {kind: exposure_of(cal, kind, shared=phi > 1) for kind in DEFAULT_EXPOSURE}
-    seen = {k: e for k, e in exposure.items() if e is not None}
-    for kind, e in exposure.items():
-        if e is not None:
-            continue
-        # What this machine showed for its other traffic says more than the textbook's overlap (gloo on a
-        # CPU host overlaps little of anything); the textbook only where nothing was measured.
-        if seen:  # at most all of it: exposure above 1 is waiting for peers, a trait of the traffic measured
-            exposure[kind] = min(1.0, sum(seen.values()) / len(seen))
-            how = f"from {', '.join(seen)}'s"
-        else:
-            exposure[kind] = DEFAULT_EXPOSURE[kind]
-            how = "the textbook's"
-        if _uses(lay, kind):
+    exposure = {}
+    for kind in DEFAULT_EXPOSURE:
+        exposure[kind], how = exposure_for(cal, kind, shared=phi > 1)
+        if how and _uses(lay, kind):
             _note(notes, f"{kind} exposure not measured: {exposure[kind]:.0%} of its modelled time exposed, {how}")
     # Outside the pipeline every rank is busy but where it sleeps through exposed communication; the
     # pipeline's schedule is simulated with its ranks sharing the cores (its fill and drain leave some free).
@@ -283,17 +289,15 @@ def transfer_times(cal: Calibration, lay: Layout, *, model: ModelShape, links: "
 
 
 def exposure_of(cal: Calibration, kind: str, *, shared: bool) -> float | None:
-    """Exposed seconds per second of modelled transfer for a kind of traffic: the calibration runs' exposed
-    time over the model's transfer time for their own layouts (at their sharing; the runs of the target's
-    sharing regime where there are any); None where no run had that traffic. Above 1 where the thread also
-    waited for its peers' arrival."""
+    """Exposed seconds per second of modelled transfer for a kind of traffic, as the calibration runs of one
+    sharing regime (``shared``: their φ > 1) measured it: their exposed time over the model's transfer time
+    for their own layouts (at their sharing); None where none of them had that traffic. Above 1 where the
+    thread also waited for its peers' arrival."""
     rows = cal.traffic[cal.traffic["kind"] == kind] if len(cal.traffic) else cal.traffic
+    rows = rows[(rows["sharing"] > 1) == shared] if len(rows) else rows
     if rows.empty:
         return None
-    same = rows[(rows["sharing"] > 1) == shared]
-    crossed = same.empty
-    rows = same if len(same) else rows
-    links = _Links(cal, [], shared=bool((rows["sharing"] > 1).all()))
+    links = _Links(cal, [], shared=shared)
     exposed = modelled = 0.0
     for r in rows.to_dict("records"):
         lay = measured_layout(r, model=cal.model)
@@ -301,11 +305,47 @@ def exposure_of(cal: Calibration, kind: str, *, shared: bool) -> float | None:
         t = transfer_times(cal, lay, model=cal.model, links=links, tokens=lay.global_batch * cal.model.seq_len,
                            held=held, notes=[])[kind] * r["sharing"]
         exposed, modelled = exposed + r["exposed_s"], modelled + t
-    if modelled <= 0:
-        return None
-    # Exposure above 1 is waiting for peers out of step, which ranks sharing cores are and ranks with a core
-    # each are not: it does not carry from one regime to the other.
-    return min(1.0, exposed / modelled) if crossed else exposed / modelled
+    return exposed / modelled if modelled > 0 else None
+
+
+def exposure_for(cal: Calibration, kind: str, *, shared: bool) -> tuple[float, str]:
+    """The exposure of a kind of traffic in a sharing regime, and how it was found where it was not
+    measured there ('' where it was). Each measured exposure is first put in a blocking kind's terms
+    (DDP's overlapped buckets expose ``OVERLAPPED_SHARE`` of what FSDP's gathers or TP's all-reduces do).
+    A kind measured in the other regime: × the ratio between the regimes (of the kinds measured in both,
+    else of the two regimes' means). A kind not measured: its family's (blocking or overlapped), else the
+    other family's converted. The textbook's where nothing was measured."""
+    share = OVERLAPPED_SHARE.get(cal.device.split(":")[0], OVERLAPPED_SHARE["cuda"])
+
+    def conv(k: str) -> float:  # a kind's exposure per unit of a blocking kind's
+        return share if k in OVERLAPPED else 1.0
+
+    cells = {(k, r): e for k in DEFAULT_EXPOSURE for r in (False, True)
+             if (e := exposure_of(cal, k, shared=r)) is not None and e > 0}
+    if (kind, shared) in cells:
+        return cells[(kind, shared)], ""
+    if not cells:
+        return DEFAULT_EXPOSURE[kind], "the textbook's"
+    both = [k for k in DEFAULT_EXPOSURE if (k, True) in cells and (k, False) in cells]
+    means = {r: np.mean([np.log(e / conv(k)) for (k, rr), e in cells.items() if rr == r]) for r in (False, True)
+             if any(rr == r for _, rr in cells)}
+    if both:  # shared over unshared
+        ratio = float(np.exp(np.mean([np.log(cells[(k, True)] / cells[(k, False)]) for k in both])))
+    else:
+        ratio = float(np.exp(means[True] - means[False])) if len(means) == 2 else 1.0
+    into = ratio if shared else 1 / ratio  # from the other regime into this one
+    other = f"runs {'without' if shared else 'with'} ranks sharing cores"
+    if (kind, not shared) in cells:
+        return cells[(kind, not shared)] * into, f"from {other} (× {into:.2f}, the regimes' ratio)"
+    for regime, factor, where in ((shared, 1.0, ""), (not shared, into, f" in {other} (× {into:.2f})")):
+        seen = {k: e for (k, r), e in cells.items() if r == regime}
+        alike = {k: e for k, e in seen.items() if (k in OVERLAPPED) == (kind in OVERLAPPED)}
+        use = alike or seen
+        if use:
+            value = float(np.exp(np.mean([np.log(e / conv(k)) for k, e in use.items()]))) * conv(kind) * factor
+            return value, (f"from {', '.join(use)}'s{where}"
+                           + ("" if alike else f", DDP exposing {share:.0%} of a blocking kind's"))
+    return DEFAULT_EXPOSURE[kind], "the textbook's"  # not reached: ``cells`` has a regime
 
 
 def _parts(cal: Calibration, lay: Layout, *, model: ModelShape, links: "_Links", flops: float, held: float,
@@ -313,7 +353,7 @@ def _parts(cal: Calibration, lay: Layout, *, model: ModelShape, links: "_Links",
     """The step's parts with every rank's work slowed by ``phi`` (processor sharing), the pipeline's
     schedule simulated with its p ranks sharing ``cores`` (None: each has its device)."""
     rate = rate_for(cal, lay, held=held, shared=phi > 1, notes=notes)
-    compute = flops * rate.s_per_flop * phi
+    compute = flops * rate.s_per_flop * phi**SHARING_EXPONENT
     optimizer = (rate.optimizer_s + held * rate.s_per_param) * phi
     raw = transfer_times(cal, lay, model=model, links=links, tokens=tokens, held=held, notes=notes)
     comm = {"dp": raw["dp_grads"] * phi * exposure["dp_grads"], "fsdp": raw["fsdp"] * phi * exposure["fsdp"],
@@ -329,12 +369,13 @@ def _parts(cal: Calibration, lay: Layout, *, model: ModelShape, links: "_Links",
             _note(notes, "pipeline transfer per hop not measured: an all-reduce of one microbatch's activations over 2")
         gap = cal.pipeline.get("gap_s", math.nan)
         if cores is not None and normalize_schedule(lay.schedule) in ORDERED:
-            work = busy / phi  # with a core to itself; the simulation shares the cores
+            work = compute / phi**SHARING_EXPONENT + comm["tp"] / phi  # with a core to itself; the simulation shares
             makespan, ran = makespan_shared(schedule=lay.schedule, p=lay.pp, m=m, v=v, f=work * share / (m * v),
                                             b=work * (1 - share) / (m * v), hop=hop,
                                             gap=gap if math.isfinite(gap) else 0.0, cores=cores)
             slow = ran / work if work > 0 else 1.0  # the pipeline's own sharing
-            compute, comm["tp"] = compute / phi * slow, comm["tp"] / phi * slow
+            compute = compute / phi**SHARING_EXPONENT * slow**SHARING_EXPONENT
+            comm["tp"] = comm["tp"] / phi * slow
             busy = ran
         else:
             sim = simulate(schedule=lay.schedule, p=lay.pp, m=m, v=v, f=busy * share / (m * v),
