@@ -111,7 +111,7 @@ class Calibration:
     links: pd.DataFrame  # fit_alpha_beta's frame per sharing regime (``shared``: the runs' φ > 1)
     traffic: pd.DataFrame  # per run and kind of traffic: exposed_s (per rank and step), sharing, the run's layout
     counts: dict[str, float]  # ddp_bucket_bytes, tp_per_layer_mb, sync_per_step (measured only)
-    pipeline: dict[str, float]  # hop_s, gap_s (measured only)
+    pipeline: dict[str, float]  # hop_s, gap_s, hop_values (activations per hop; measured only)
     memory_measure: str  # "allocator peak" or "host RSS peak"
     dtype: str = "fp32"  # the runs' training dtype (the memory model's bytes per value)
     activation_checkpoint: bool = False
@@ -301,7 +301,10 @@ def measure(meta: dict, frames: dict[str, pd.DataFrame], *, model: ModelShape) -
         out["forward_share"] = fwd / busy if busy > 0 else math.nan
         rep = replay(spans, schedule=lay["schedule"], p=lay["pp"], m=lay["microbatches"], v=lay["virtual_stages"])
         if len(rep):
-            out["pipeline"] = {"hop_s": float(rep["hop_s"].median()), "gap_s": float(rep["gap_s"].median())}
+            # a hop carries one microbatch's activations (values: ×2 or ×4 bytes by the dtype)
+            out["pipeline"] = {"hop_s": float(rep["hop_s"].median()), "gap_s": float(rep["gap_s"].median()),
+                               "hop_values": lay["global_batch"] * model.seq_len / lay["dp"] / lay["microbatches"]
+                               * model.d_model}
         # Under PP the drain (a stage waiting for the last) shows as exposed time: it is the schedule's, which
         # the simulator reproduces, not host work between phases.
         out["other_s"] = float(means["other_s"])
@@ -354,7 +357,7 @@ def calibrate(measured: list[dict], *, model: ModelShape, device: str, peak_flop
                             for m in measured for kind, v in m["exposed"].items()])
     counts = {k: _mean(m["counts"][k] for m in measured if k in m["counts"])
               for k in ("ddp_bucket_bytes", "tp_per_layer_mb") if any(k in m["counts"] for m in measured)}
-    pipeline = {k: _mean(m["pipeline"][k] for m in measured if m["pipeline"]) for k in ("hop_s", "gap_s")
+    pipeline = {k: _mean(m["pipeline"][k] for m in measured if m["pipeline"]) for k in ("hop_s", "gap_s", "hop_values")
                 if any(m["pipeline"] for m in measured)}
     mem = [m["memory"] for m in measured if m["memory"]]
     return Calibration(

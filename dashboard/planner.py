@@ -50,9 +50,12 @@ from meshscope.dashboard.pipeline_sim import ORDERED, makespan_shared, simulate
 # loopback figure for gloo's TCP transport. Nothing here is measured: that is the point of the comparison.
 NOMINAL_BUS_BW = {"cuda": 450e9, "cpu": 10e9}
 TEXTBOOK_OVERLAP = 0.9
-# Exposure where the calibration did not measure a kind of traffic: bucketed / prefetched data-parallel
-# traffic overlapped as the textbook says, TP's all-reduces on the critical path (Megatron's are blocking).
+# Exposure where the calibration measured no traffic at all: on GPUs bucketed / prefetched data-parallel
+# traffic overlapped as the textbook says, TP's all-reduces on the critical path (Megatron's are blocking);
+# on a CPU host gloo's transfers run on the cores the compute needs, so FSDP's prefetch hides nothing and
+# DDP's buckets ``OVERLAPPED_SHARE`` (below).
 DEFAULT_EXPOSURE = {"dp_grads": 1 - TEXTBOOK_OVERLAP, "fsdp": 1 - TEXTBOOK_OVERLAP, "tp": 1.0}
+DEFAULT_EXPOSURE_CPU = {"dp_grads": 0.5, "fsdp": 1.0, "tp": 1.0}
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default
 TP_PER_LAYER = 4.0  # Megatron: two all-reduces forward, two backward per block
 # DDP reduces its buckets while backward still runs; FSDP's gathers and TP's all-reduces sit on the critical
@@ -60,7 +63,7 @@ TP_PER_LAYER = 4.0  # Megatron: two all-reduces forward, two backward per block
 # CPU host gloo's transfers take the cores backward runs on (0.47-0.48 on bench/planner_grid.py's grid, with
 # and without ranks sharing cores); on GPUs the textbook's overlap against a blocking kind's all.
 OVERLAPPED = ("dp_grads",)
-OVERLAPPED_SHARE = {"cpu": 0.5, "cuda": 1 - TEXTBOOK_OVERLAP}
+OVERLAPPED_SHARE = {"cpu": DEFAULT_EXPOSURE_CPU["dp_grads"], "cuda": 1 - TEXTBOOK_OVERLAP}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,6 +102,9 @@ class _Links:
 
     def __init__(self, cal: Calibration, notes: list[str], *, shared: bool = False) -> None:
         self.device, self.notes = cal.device, notes
+        # A pipeline's point-to-point transfers: the machine's links where no collective was measured.
+        hop_s, values = cal.pipeline.get("hop_s", math.nan), cal.pipeline.get("hop_values", math.nan)
+        self.p2p_bw = values * act_bytes(cal) / hop_s if hop_s > 0 and values > 0 else math.nan
         same = cal.links[cal.links["shared"] == shared] if len(cal.links) else cal.links
         self.fits = same if len(same) else cal.links
         if len(cal.links) and not len(same):
@@ -112,6 +118,9 @@ class _Links:
             return 0.0
         f = self.fits
         if f.empty:
+            if self.p2p_bw > 0:
+                self._note(f"{op} over {n} ranks: no collective measured, the pipeline's transfers' bandwidth")
+                return nbytes * busbw_factor(op, n) / self.p2p_bw
             self._note(f"{op} over {n} ranks: no collective measured, nominal bandwidth")
             return nbytes * busbw_factor(op, n) / NOMINAL_BUS_BW.get(self.device, NOMINAL_BUS_BW["cpu"])
         covers = (f["bytes_min"] / 4 <= nbytes) & (nbytes <= 4 * f["bytes_max"])
@@ -325,6 +334,8 @@ def exposure_for(cal: Calibration, kind: str, *, shared: bool) -> tuple[float, s
     if (kind, shared) in cells:
         return cells[(kind, shared)], ""
     if not cells:
+        if cal.device.startswith("cpu"):
+            return DEFAULT_EXPOSURE_CPU[kind], "a CPU host's (gloo's transfers take the compute's cores)"
         return DEFAULT_EXPOSURE[kind], "the textbook's"
     both = [k for k in DEFAULT_EXPOSURE if (k, True) in cells and (k, False) in cells]
     means = {r: np.mean([np.log(e / conv(k)) for (k, rr), e in cells.items() if rr == r]) for r in (False, True)
