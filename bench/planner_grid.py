@@ -8,7 +8,8 @@ prediction and the uncalibrated textbook model (``dashboard.planner.textbook``),
 Each layout runs ``--repeats`` times (``ddp2``, ``ddp2-r2``, ...): this 2-vCPU VM's speed drifts by 5-15 %
 between runs minutes apart (once 48 % for one run), so a layout's measured step time is the median over its
 repeats of ``meshscope report``'s step time (the median over the steps after warm-up of the slowest rank's
-wall time), and so is its peak memory. The calibration uses the first run of each calibration layout only.
+wall time), and so is its peak memory. The calibration uses every repeat of each calibration layout (as a
+user who ran a layout three times would; ``--calibration-repeats 1``: its first run only, also printed).
 Errors are predicted / measured - 1; the summary leaves the calibration layouts out.
 """
 
@@ -77,11 +78,13 @@ def run_grid(store: Path, *, model: str, steps: int, batch: int, reuse: bool, na
     return took
 
 
-def compare(store: Path, *, calibrate: list[str], names: list[str], repeats: int) -> tuple[pd.DataFrame, str]:
+def compare(store: Path, *, calibrate: list[str], names: list[str], repeats: int,
+            calibration_repeats: int) -> tuple[pd.DataFrame, str]:
     """Every grid layout's step time (the median of its repeats' report step times) and peak memory
-    against the calibrated and textbook predictions."""
+    against the calibrated and textbook predictions (calibrated from the first ``calibration_repeats`` runs
+    of each calibration layout)."""
     load = views.direct_loader(Store.open(store))
-    cal = whatif.calibrate_from(load, runs=calibrate)
+    cal = whatif.calibrate_from(load, runs=[run_name(n, r) for n in calibrate for r in range(1, calibration_repeats + 1)])
     runs = [run_name(n, r) for n in names for r in range(1, repeats + 1)]
     every = whatif.calibrate_from(load, runs=runs).measured  # each run's layout and peak memory
     every["step_time_s"] = [report.build(load, run=r)["step_time_s"] for r in every["run"]]
@@ -94,17 +97,17 @@ def compare(store: Path, *, calibrate: list[str], names: list[str], repeats: int
     return comp.assign(repeat_spread=comp["run"].map(spread)), cal.memory_measure
 
 
-def every_pair(store: Path, *, names: list[str], repeats: int) -> pd.DataFrame:
-    """Each pair of layouts as the calibration (their first runs), the others predicted: how much the
-    figures depend on which two runs a user measured first. Per pair: median and worst |error|, and
-    whether the calibrated model beats the textbook in every family."""
+def every_pair(store: Path, *, names: list[str], repeats: int, calibration_repeats: int) -> pd.DataFrame:
+    """Each pair of layouts as the calibration (their first ``calibration_repeats`` runs), the others
+    predicted: how much the figures depend on which two layouts a user measured first. Per pair: median
+    and worst |error|, and whether the calibrated model beats the textbook in every family."""
     load = views.direct_loader(Store.open(store))
     table = load("runs_table")
     first = whatif.calibrate_from(load, runs=names[:1])
     cores = whatif.host_cores()
-    measured = {n: calibration.measure(views.meta_of(table, n), load("planner_data", run=n), model=first.model)
-                for n in names}
     runs = [run_name(n, r) for n in names for r in range(1, repeats + 1)]
+    measured = {n: calibration.measure(views.meta_of(table, n), load("planner_data", run=n), model=first.model)
+                for n in runs}
     every = whatif.calibrate_from(load, runs=runs).measured
     every["step_time_s"] = [report.build(load, run=r)["step_time_s"] for r in every["run"]]
     every["run"] = every["run"].str.replace(r"-r\d+$", "", regex=True)
@@ -112,8 +115,8 @@ def every_pair(store: Path, *, names: list[str], repeats: int) -> pd.DataFrame:
         {**{c: "first" for c in every.columns if c not in ("run", "step_time_s")}, "step_time_s": "median"})
     rows = []
     for a, b in itertools.combinations(names, 2):
-        cal = calibration.calibrate([measured[a], measured[b]], model=first.model, device=first.device,
-                                    peak_flops=first.peak_flops, cores=cores)
+        cal = calibration.calibrate([measured[run_name(x, r)] for x in (a, b) for r in range(1, calibration_repeats + 1)],
+                                    model=first.model, device=first.device, peak_flops=first.peak_flops, cores=cores)
         s = summary(planner.comparison(cal, layouts))
         rows.append({"calibration": f"{a}+{b}", "median": s["median_abs_error"], "worst": s["worst_abs_error"],
                      "worst_run": s["worst_run"], "beats_textbook": s["beats_textbook_in_every_family"]})
@@ -142,6 +145,8 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--calibrate", default="ddp2,fsdptp4", help="runs to calibrate from (grid names)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per layout (measured: their median)")
+    ap.add_argument("--calibration-repeats", type=int, default=0,
+                    help="runs of each calibration layout the calibration uses (default: all --repeats)")
     ap.add_argument("--only", default="", help="grid names to run (default: all)")
     ap.add_argument("--pairs", action="store_true", help="also: every pair of layouts as the calibration")
     ap.add_argument("--json", action="store_true")
@@ -160,8 +165,15 @@ def main() -> int:
     took = run_grid(store, model=a.model, steps=a.steps, batch=a.batch_size, reuse=a.reuse, names=names,
                     repeats=a.repeats)
     grid_s = time.monotonic() - t0
-    comp, memory_measure = compare(store, calibrate=calibrate, names=names, repeats=a.repeats)
-    s = {**summary(comp), "calibration": calibrate, "grid_seconds": grid_s, "jobs_run": len(took),
+    cal_reps = min(a.calibration_repeats or a.repeats, a.repeats)
+    comp, memory_measure = compare(store, calibrate=calibrate, names=names, repeats=a.repeats,
+                                   calibration_repeats=cal_reps)
+    # The same from each calibration layout's first run alone: what one run each gives.
+    single = summary(compare(store, calibrate=calibrate, names=names, repeats=a.repeats, calibration_repeats=1)[0])
+    s = {**summary(comp), "calibration": calibrate, "calibration_repeats": cal_reps,
+         "first_runs_only": {k: single[k] for k in ("median_abs_error", "worst_abs_error", "worst_run",
+                                                     "beats_textbook_in_every_family")},
+         "grid_seconds": grid_s, "jobs_run": len(took),
          "load_average_before": load0[0], "load_average_after": os.getloadavg()[0]}
     if a.json:
         from meshscope.dashboard.plan import clean_json
@@ -178,12 +190,18 @@ def main() -> int:
     print(show[["run", "layout", "family", "measured", "spread", "calibrated", "err", "textbook", "tb_err", "mem_MiB",
                 "mem_pred", "mem_err", "cal"]].to_string(index=False))
     print("(spread: slowest / fastest repeat - 1)")
-    print(f"\ncalibrated from {', '.join(calibrate)}; over the {int((~comp['calibration']).sum())} other runs: "
+    print(f"\ncalibrated from {', '.join(calibrate)} ({cal_reps} run{'s' if cal_reps > 1 else ''} each); over the "
+          f"{int((~comp['calibration']).sum())} other layouts: "
           f"median |error| {s['median_abs_error']:.1%}, worst {s['worst_abs_error']:.1%} ({s['worst_run']}); "
           f"textbook median {s['textbook_median_abs_error']:.1%}")
     print("per family, median |error| calibrated vs textbook: " + ", ".join(
         f"{f} {v['calibrated']:.1%} vs {v['textbook']:.1%}" for f, v in s["families"].items())
           + f" -> calibrated better in every family: {s['beats_textbook_in_every_family']}")
+    if cal_reps > 1:
+        f1 = s["first_runs_only"]
+        print(f"from the first run of each alone: median |error| {f1['median_abs_error']:.1%}, worst "
+              f"{f1['worst_abs_error']:.1%} ({f1['worst_run']}); better in every family: "
+              f"{f1['beats_textbook_in_every_family']}")
     print(f"peak memory ({memory_measure}): median |error| {s['memory_median_abs_error']:.1%}, "
           f"worst {s['memory_worst_abs_error']:.1%}")
     print(f"grid: {s['jobs_run']} jobs in {grid_s:.0f} s; load average {s['load_average_before']:.2f} before, "
@@ -191,7 +209,7 @@ def main() -> int:
     for r in comp[comp["extrapolated"] != ""].itertuples():
         print(f"  {r.run}: extrapolated: {r.extrapolated}")
     if a.pairs:
-        pairs = every_pair(store, names=names, repeats=a.repeats)
+        pairs = every_pair(store, names=names, repeats=a.repeats, calibration_repeats=cal_reps)
         ok = (pairs["median"] <= 0.10) & (pairs["worst"] <= 0.25)
         print(f"\nevery pair as the calibration ({len(pairs)}): median of the medians {pairs['median'].median():.1%}, "
               f"{int(ok.sum())} meet median <= 10 % and worst <= 25 %, {int(pairs['beats_textbook'].sum())} beat the "
