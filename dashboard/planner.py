@@ -407,9 +407,20 @@ def _memory(cal: Calibration, model: ModelShape, lay: Layout, device_bytes: floa
                      schedule=lay.schedule, microbatches=lay.microbatches, virtual_stages=lay.virtual_stages,
                      dtype=cal.dtype, activation_checkpoint=cal.activation_checkpoint)
     best, _ = most_like(cal, lay, shared=shared, weights=SAME_MEMORY)
-    offset = best["memory_offset_bytes"].dropna()
-    offset = offset if len(offset) else cal.measured["memory_offset_bytes"].dropna()
-    peak = float(memory_model(spec)["bytes"].sum()) + (float(offset.mean()) if len(offset) else 0.0)
+    rows = best.dropna(subset=["memory_offset_bytes"])
+    rows = rows if len(rows) else cal.measured.dropna(subset=["memory_offset_bytes"])
+    offsets = rows["memory_offset_bytes"].astype(float)
+    m = cal.measured
+    sharded = rows["fsdp"].astype(bool) & (rows["dp"] > 1)
+    plain = m.loc[~(m["fsdp"].astype(bool) & (m["dp"] > 1)), "memory_offset_bytes"].dropna()
+    if lay.fsdp and sharded.any() and len(plain):
+        # What FSDP holds beyond the model (gathered blocks, reduce-scatter inputs; on a CPU host the heap
+        # they leave) grows with the parameters a rank gathers, N/(tp·pp): the FSDP runs' share above the
+        # runs without FSDP, rescaled from their tp·pp to the target's.
+        base = float(plain.mean())
+        scaled = base + (offsets - base) * (rows["tp"] * rows["pp"]) / (lay.tp * lay.pp)
+        offsets = offsets.where(~sharded, scaled)
+    peak = float(memory_model(spec)["bytes"].sum()) + (float(offsets.mean()) if len(offsets) else 0.0)
     return peak, (None if not device_bytes else peak <= device_bytes)
 
 

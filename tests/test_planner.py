@@ -109,6 +109,82 @@ def test_every_candidate_layout_is_one_the_trainer_accepts():
         assert cfg.resolve(8).parallel.n_stages == x.pp * x.virtual_stages
 
 
+# ------------------------------------------------------------------ what a calibration did not measure
+LAYOUT = {"dp": 2, "tp": 1, "pp": 1, "fsdp": False, "schedule": "", "microbatches": 1, "virtual_stages": 1,
+          "world_size": 2, "global_batch": 8}
+LINKS = pd.DataFrame([{"op": op, "group_size": n, "alpha_s": 0.0, "beta_bytes_per_s": bw, "n": 10, "sizes": 4,
+                       "bytes_min": 2**18, "bytes_max": 2**26, "rmse_rel": 0.01, "shared": shared}
+                      for op, bw in (("all_reduce", 1e9), ("all_gather", 2e9), ("reduce_scatter", 5e8))
+                      for n in (2, 4) for shared in (False, True)])
+
+
+def _cal(traffic: list[tuple[str, dict, float, float]], *, device: str = "cpu", links: pd.DataFrame = LINKS,
+         pipeline: dict | None = None) -> calibration.Calibration:
+    """A calibration of measured (kind, layout changes, sharing φ, exposed seconds) rows on known links."""
+    rows = [{"run": f"r{i}", "kind": kind, "exposed_s": exposed, "sharing": phi, **{**LAYOUT, **lay}}
+            for i, (kind, lay, phi, exposed) in enumerate(traffic)]
+    return calibration.Calibration(runs=tuple(r["run"] for r in rows), device=device, model=SHAPE, peak_flops=1e12,
+                                   cores=2.0 if device == "cpu" else None, spin=1.0, links=links,
+                                   traffic=pd.DataFrame(rows), counts={"tp_per_layer_mb": 4.0}, pipeline=pipeline or {},
+                                   memory_measure="")
+
+
+FSDP2, TP2, FSDP4 = {"fsdp": True}, {"dp": 1, "tp": 2}, {"fsdp": True, "dp": 4, "world_size": 4}
+
+
+def test_exposure_not_measured_in_a_regime_is_the_other_regimes_times_their_ratio():
+    """FSDP measured with and without ranks sharing cores, TP only without: TP's exposure when sharing is
+    its own × FSDP's ratio between the regimes, and the note says so."""
+    cal = _cal([("fsdp", FSDP2, 1.0, 0.12), ("fsdp", FSDP4, 1.8, 0.50), ("tp", TP2, 1.0, 0.08)])
+    fsdp = {r: planner.exposure_of(cal, "fsdp", shared=r) for r in (False, True)}
+    tp_alone = planner.exposure_of(cal, "tp", shared=False)
+    assert planner.exposure_of(cal, "tp", shared=True) is None
+    value, how = planner.exposure_for(cal, "tp", shared=True)
+    assert value == pytest.approx(tp_alone * fsdp[True] / fsdp[False])
+    assert "ratio" in how and planner.exposure_for(cal, "tp", shared=False) == (tp_alone, "")
+
+
+@pytest.mark.parametrize("device,share", [("cpu", planner.OVERLAPPED_SHARE["cpu"]),
+                                          ("cuda", planner.OVERLAPPED_SHARE["cuda"])])
+def test_exposure_of_an_unmeasured_kind_comes_from_its_family_else_the_other_converted(device, share):
+    cal = _cal([("dp_grads", {}, 1.0, 0.03)], device=device)
+    dp = planner.exposure_of(cal, "dp_grads", shared=False)
+    for kind in ("fsdp", "tp"):  # blocking kinds from DDP's overlapped buckets
+        value, how = planner.exposure_for(cal, kind, shared=False)
+        assert value == pytest.approx(dp / share) and "DDP exposing" in how
+    cal = _cal([("fsdp", FSDP2, 1.0, 0.12)], device=device)
+    fsdp = planner.exposure_of(cal, "fsdp", shared=False)
+    assert planner.exposure_for(cal, "tp", shared=False)[0] == pytest.approx(fsdp)  # the same family
+    assert planner.exposure_for(cal, "dp_grads", shared=False)[0] == pytest.approx(fsdp * share)
+
+
+def test_exposure_with_no_traffic_measured_is_a_cpu_hosts_or_the_textbooks():
+    for kind in planner.DEFAULT_EXPOSURE:
+        assert planner.exposure_for(_cal([]), kind, shared=True)[0] == planner.DEFAULT_EXPOSURE_CPU[kind]
+        assert planner.exposure_for(_cal([], device="cuda"), kind, shared=False)[0] == planner.DEFAULT_EXPOSURE[kind]
+
+
+def test_links_not_measured_are_composed_scaled_or_taken_from_the_pipeline():
+    notes: list[str] = []
+    no_ar = LINKS[LINKS["op"] != "all_reduce"]
+    links = planner._Links(_cal([], links=no_ar), notes)
+    size = 2**22
+    # a ring all-reduce: a reduce-scatter then an all-gather of the same buffer
+    assert links.time("all_reduce", 2, size) == pytest.approx(links.time("reduce_scatter", 2, size)
+                                                             + links.time("all_gather", 2, size))
+    assert any("reduce-scatter and an all-gather" in n for n in notes)
+    # below the smallest message measured: the throughput reached there, not the fit's α
+    flat = pd.DataFrame([{"op": "all_gather", "group_size": 4, "alpha_s": 0.03, "beta_bytes_per_s": float("inf"),
+                          "n": 9, "sizes": 3, "bytes_min": 2**22, "bytes_max": 2**25, "rmse_rel": 0.1, "shared": True}])
+    links = planner._Links(_cal([], links=flat), [], shared=True)
+    assert links.time("all_gather", 4, 2**22) == pytest.approx(0.03)
+    assert links.time("all_gather", 4, 2**18) == pytest.approx(0.03 / 16)
+    # no collective measured: the pipeline's point-to-point transfers (fp32 activations: 4 bytes a value)
+    empty = LINKS.iloc[:0]
+    links = planner._Links(_cal([], links=empty, pipeline={"hop_s": 1e-3, "hop_values": 2**16, "gap_s": 0.0}), [])
+    assert links.time("all_reduce", 2, 2**20) == pytest.approx(2**20 * busbw_factor("all_reduce", 2) / (2**18 / 1e-3))
+
+
 # ------------------------------------------------------------------------------------- real runs (gloo)
 RUNS = {"ddp": (), "fsdp": ("--fsdp",), "tp": ("--tp", "2"),
         "pp": ("--pp", "2", "--schedule", "1f1b", "--microbatches", "4")}
