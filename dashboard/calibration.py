@@ -376,6 +376,7 @@ def calibrate(measured: list[dict], *, model: ModelShape, device: str, peak_flop
                                           if math.isfinite(d.get("device_bytes", math.nan))]) else None,
         measured=pd.DataFrame([{"run": m["run"], **m["layout"], "step_time_s": m["step_time_s"],
                                 "ranks_per_host": m["ranks_per_host"], "sharing": m["sharing"], "busy": m["busy"],
+                                "exposed_share": m["exposed_bulk_s"] / m["step_time_s"],
                                 "s_per_flop": m["s_per_flop"], "forward_share": m["forward_share"],
                                 "optimizer_s": m["optimizer_s"], "held": m["held"], "other_s": m["other_s"],
                                 "peak_memory_bytes": m["memory"].get("peak_bytes", math.nan),

@@ -41,7 +41,7 @@ import numpy as np
 import pandas as pd
 
 from meshscope.dashboard.analysis import bubble_theory, busbw_factor, normalize_schedule
-from meshscope.dashboard.calibration import SHARING_EXPONENT, Calibration, ModelShape, Rate, local_params, nonneg_line
+from meshscope.dashboard.calibration import SHARED, SHARING_EXPONENT, Calibration, ModelShape, Rate, local_params, nonneg_line
 from meshscope.dashboard.layouts import SIMULATED, Layout, candidates, family, measured_layout
 from meshscope.dashboard.memory_model import ModelSpec, memory_model
 from meshscope.dashboard.pipeline_sim import ORDERED, makespan_shared, simulate
@@ -167,13 +167,31 @@ def _mb(x: float) -> str:
     return f"{x / 2**20:.2g} MiB"
 
 
-def sharing(cal: Calibration, *, k: int, exposed_share: float, notes: list[str]) -> float:
-    """φ = max(1, k·u/C) on a CPU host, u = 1 − (1 − γ) × the step's exposed-communication share
-    (``calibration``); 1 on GPUs."""
+def sharing(cal: Calibration, *, k: int, exposed_share: float, residual: float = 1.0) -> float:
+    """φ = k·u/C × ``residual`` on a CPU host, u = 1 − (1 − γ) × the step's exposed-communication share
+    (``calibration``), 1 where that is at most ``SHARED`` (as the calibration counts its runs: a little
+    wait is a rank's own); 1 on GPUs."""
     if cal.cores is None:
         return 1.0
     u = 1.0 - (1.0 - cal.spin) * exposed_share
-    return max(1.0, k * u / cal.cores)
+    phi = k * u / cal.cores
+    return phi * residual if phi > SHARED else 1.0
+
+
+def sharing_residual(cal: Calibration, lay: Layout) -> float:
+    """What the sharing model missed on the oversubscribed calibration runs most like ``lay``: their
+    measured φ over the model's for them (γ is one figure for all traffic; how long a rank spins before it
+    sleeps differs between kinds of traffic). 1 where no run was oversubscribed."""
+    m = cal.measured
+    if cal.cores is None or m.empty or not (m["sharing"] > 1).any():
+        return 1.0
+    best, _ = most_like(cal, lay, shared=True)
+    best = best[best["sharing"] > 1]
+    if best.empty:
+        return 1.0
+    model = best["ranks_per_host"] * (best["busy"] - (1 - cal.spin) * best["exposed_share"]) / cal.cores
+    ratio = (best["sharing"] / model)[model > 0]
+    return float(ratio.mean()) if len(ratio) else 1.0
 
 
 def _note(notes: list[str], text: str) -> None:
@@ -193,25 +211,29 @@ def predict(cal: Calibration, lay: Layout, *, ranks_per_host: int | None = None,
         notes.append(f"model scaled to {lay.n_layers} layers × width {lay.d_model} (measured {cal.model.n_layers} × "
                      f"{cal.model.d_model}): compute rate assumed the measured one")
     k = ranks_per_host or lay.world_size
-    phi = sharing(cal, k=k, exposed_share=0.0, notes=notes)  # first: every rank busy all the step
-    links = _Links(cal, notes, shared=phi > 1)
     tokens = lay.global_batch * model.seq_len
     flops = model.flops_per_token * tokens / lay.world_size
     held = local_params(model, {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "fsdp": lay.fsdp})
-    exposure = {}
-    for kind in DEFAULT_EXPOSURE:
-        exposure[kind], how = exposure_for(cal, kind, shared=phi > 1)
-        if how and _uses(lay, kind):
-            _note(notes, f"{kind} exposure not measured: {exposure[kind]:.0%} of its modelled time exposed, {how}")
     # Outside the pipeline every rank is busy but where it sleeps through exposed communication; the
     # pipeline's schedule is simulated with its ranks sharing the cores (its fill and drain leave some free).
     cores_sim = cal.cores * lay.pp / k if cal.cores else None
-    parts = _parts(cal, lay, model=model, links=links, flops=flops, held=held, tokens=tokens, exposure=exposure,
-                   phi=phi, cores=cores_sim, notes=notes)
-    for _ in range(2):  # φ depends on the exposed share, which depends on φ: two rounds settle it
-        phi = sharing(cal, k=k, exposed_share=sum(parts["comm"].values()) / parts["step_s"], notes=notes)
-        parts = _parts(cal, lay, model=model, links=links, flops=flops, held=held, tokens=tokens,
-                       exposure=exposure, phi=phi, cores=cores_sim, notes=[])
+    residual = sharing_residual(cal, lay)
+    phi = sharing(cal, k=k, exposed_share=0.0, residual=residual)  # first: every rank busy all the step
+    first = notes
+    for _ in range(4):  # φ depends on the exposed share, which depends on φ and on the regime it puts the fits in
+        notes = list(first)
+        links = _Links(cal, notes, shared=phi > 1)
+        exposure = {}
+        for kind in DEFAULT_EXPOSURE:
+            exposure[kind], how = exposure_for(cal, kind, shared=phi > 1, like=lay)
+            if how and _uses(lay, kind):
+                _note(notes, f"{kind} exposure not measured: {exposure[kind]:.0%} of its modelled time exposed, {how}")
+        parts = _parts(cal, lay, model=model, links=links, flops=flops, held=held, tokens=tokens, exposure=exposure,
+                       phi=phi, cores=cores_sim, notes=notes)
+        settled = sharing(cal, k=k, exposed_share=sum(parts["comm"].values()) / parts["step_s"], residual=residual)
+        if abs(settled - phi) < 1e-3 * phi:
+            break
+        phi = settled
     step = parts["step_s"]
     peak, fits = _memory(cal, model, lay, device_bytes if device_bytes is not None else cal.device_bytes,
                          shared=phi > 1)
@@ -297,15 +319,22 @@ def transfer_times(cal: Calibration, lay: Layout, *, model: ModelShape, links: "
     return out
 
 
-def exposure_of(cal: Calibration, kind: str, *, shared: bool) -> float | None:
+def exposure_of(cal: Calibration, kind: str, *, shared: bool, like: Layout | None = None) -> float | None:
     """Exposed seconds per second of modelled transfer for a kind of traffic, as the calibration runs of one
-    sharing regime (``shared``: their φ > 1) measured it: their exposed time over the model's transfer time
-    for their own layouts (at their sharing); None where none of them had that traffic. Above 1 where the
-    thread also waited for its peers' arrival."""
+    sharing regime (``shared``: their φ > 1) measured it, those most like ``like`` where given (the same
+    use of TP, FSDP and a pipeline, then the same degrees: what else runs beside the traffic changes how
+    much of it stays exposed): their exposed time over the model's transfer time for their own layouts (at
+    their sharing); None where none of them had that traffic. Above 1 where the thread also waited for its
+    peers' arrival."""
     rows = cal.traffic[cal.traffic["kind"] == kind] if len(cal.traffic) else cal.traffic
     rows = rows[(rows["sharing"] > 1) == shared] if len(rows) else rows
     if rows.empty:
         return None
+    if like is not None:
+        score = (2 * ((rows["tp"] > 1) == (like.tp > 1)) + 2 * ((rows["pp"] > 1) == (like.pp > 1))
+                 + 2 * ((rows["fsdp"].astype(bool) & (rows["dp"] > 1)) == like.fsdp)
+                 + (rows["tp"] == like.tp) + (rows["dp"] == like.dp) + (rows["pp"] == like.pp))
+        rows = rows[score == score.max()]
     links = _Links(cal, [], shared=shared)
     exposed = modelled = 0.0
     for r in rows.to_dict("records"):
@@ -317,7 +346,7 @@ def exposure_of(cal: Calibration, kind: str, *, shared: bool) -> float | None:
     return exposed / modelled if modelled > 0 else None
 
 
-def exposure_for(cal: Calibration, kind: str, *, shared: bool) -> tuple[float, str]:
+def exposure_for(cal: Calibration, kind: str, *, shared: bool, like: Layout | None = None) -> tuple[float, str]:
     """The exposure of a kind of traffic in a sharing regime, and how it was found where it was not
     measured there ('' where it was). Each measured exposure is first put in a blocking kind's terms
     (DDP's overlapped buckets expose ``OVERLAPPED_SHARE`` of what FSDP's gathers or TP's all-reduces do).
@@ -330,7 +359,7 @@ def exposure_for(cal: Calibration, kind: str, *, shared: bool) -> tuple[float, s
         return share if k in OVERLAPPED else 1.0
 
     cells = {(k, r): e for k in DEFAULT_EXPOSURE for r in (False, True)
-             if (e := exposure_of(cal, k, shared=r)) is not None and e > 0}
+             if (e := exposure_of(cal, k, shared=r, like=like)) is not None and e > 0}
     if (kind, shared) in cells:
         return cells[(kind, shared)], ""
     if not cells:

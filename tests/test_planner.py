@@ -5,6 +5,7 @@ messages, and (gloo tier) real 2-rank runs that the planner calibrated from repr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -217,6 +218,30 @@ def test_planner_reproduces_the_run_it_calibrated_from(planner_store, run):
     total = (parts["compute_s"] + parts["optimizer_s"] + parts["bubble_s"] + parts["other_s"]
              + sum(parts["exposed_comm_s"].values()))
     assert total == pytest.approx(pred.step_time_s, rel=1e-6)
+
+
+@pytest.mark.gloo
+def test_planner_calibrated_from_every_run_reproduces_each(planner_store):
+    """What the What-if page does by default: one calibration from several runs of different layouts; each
+    run's own layout is still predicted within 5 % (the compute rate, exposure and sharing of the runs
+    most like it, not an average of all)."""
+    from meshscope.agent.collector.reader import Store
+    from meshscope.dashboard import report
+
+    load = views.direct_loader(Store.open(planner_store))
+    cal = whatif.calibrate_from(load, runs=list(RUNS))
+    for row in cal.measured.to_dict("records"):
+        pred = planner.predict(cal, layouts.measured_layout(row, model=cal.model))
+        assert pred.step_time_s == pytest.approx(report.build(load, run=row["run"])["step_time_s"], rel=0.05), row["run"]
+
+
+def test_sharing_below_the_calibrations_threshold_is_none():
+    """Ranks that just fit the cores a loaded host had (2 ranks on 1.96 cores) are counted as the
+    calibration counts its runs: not sharing (their fits, exposure and rates are the unshared ones)."""
+    cal = dataclasses.replace(_cal([]), cores=1.96)
+    assert planner.sharing(cal, k=2, exposed_share=0.0) == 1.0
+    assert planner.sharing(cal, k=4, exposed_share=0.0) == pytest.approx(4 / 1.96)
+    assert planner.sharing(cal, k=4, exposed_share=0.0, residual=0.9) == pytest.approx(0.9 * 4 / 1.96)
 
 
 def _plan(store, *args) -> subprocess.CompletedProcess:
