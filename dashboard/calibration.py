@@ -153,6 +153,35 @@ def fit_alpha_beta(instances: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=cols)
 
 
+MAX_LATENCY_SHARE = 0.8  # a latency share borrowed for a one-size fit: some of its time is the transfer
+
+
+def single_size_latency(fits: pd.DataFrame) -> pd.DataFrame:
+    """``fit_alpha_beta``'s fits with each one-size fit (α 0: all its time put on bandwidth) split into α
+    and β as a fit of several sizes splits its time at that message size (the same op first, then the same
+    group size, then any; the nearest sizes), so that it carries to other sizes: at half a MiB most of a
+    gloo transfer's time is latency, and a one-size fit taken as pure bandwidth halves a 12 MiB gather's
+    speed. Unchanged where no fit has several sizes."""
+    out = fits.copy()
+    if fits.empty:
+        return out
+    beta = fits["beta_bytes_per_s"].astype(float)
+    many = fits[(fits["sizes"] > 1) & (fits["alpha_s"] > 0) & np.isfinite(beta) & (beta > 0)]
+    for i, r in fits[(fits["sizes"] == 1) & (fits["beta_bytes_per_s"] > 0)].iterrows():
+        if many.empty:
+            break
+        pool = next(p for p in (many[many["op"] == r["op"]], many[many["group_size"] == r["group_size"]], many)
+                    if len(p))
+        near = (np.log(pool["bytes_min"].clip(lower=1)) - np.log(max(r["bytes_min"], 1))).abs()
+        c = pool.loc[near.idxmin()]
+        x_c = r["bytes_min"] * busbw_factor(c["op"], int(c["group_size"]))
+        share = min(MAX_LATENCY_SHARE, c["alpha_s"] / (c["alpha_s"] + x_c / c["beta_bytes_per_s"]))
+        x_r = r["bytes_min"] * busbw_factor(r["op"], int(r["group_size"]))
+        t0 = x_r / r["beta_bytes_per_s"]
+        out.loc[i, "alpha_s"], out.loc[i, "beta_bytes_per_s"] = share * t0, x_r / ((1 - share) * t0)
+    return out
+
+
 def nonneg_line(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, float]:
     """Weighted least squares y = a + b·x with a, b ≥ 0."""
     if len(x) == 1 or np.ptp(x) == 0:
@@ -364,9 +393,10 @@ def calibrate(measured: list[dict], *, model: ModelShape, device: str, peak_flop
         runs=tuple(m["run"] for m in measured), device=device, model=model, peak_flops=peak_flops,
         cores=float(cores) if cpu and cores else None, spin=float(np.mean(spins)) if spins else 1.0,
         # one fit per sharing regime: a link between oversubscribed ranks waits for both to be scheduled
-        links=pd.concat([fit_alpha_beta(pd.concat([m["instances"] for m in measured if (m["sharing"] > 1) == shared]))
-                         .assign(shared=shared) for shared in (False, True)
-                         if any((m["sharing"] > 1) == shared for m in measured)], ignore_index=True), traffic=traffic,
+        links=pd.concat([single_size_latency(
+            fit_alpha_beta(pd.concat([m["instances"] for m in measured if (m["sharing"] > 1) == shared])))
+            .assign(shared=shared) for shared in (False, True)
+            if any((m["sharing"] > 1) == shared for m in measured)], ignore_index=True), traffic=traffic,
         counts=counts, pipeline=pipeline,
         warnings=tuple(f"run {m['run']} has only {m['steady_steps']} step{'s' if m['steady_steps'] != 1 else ''} "
                        f"after warm-up: too few to calibrate from (at least {MIN_STEADY_STEPS})"

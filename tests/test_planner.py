@@ -50,6 +50,23 @@ def test_alpha_beta_fit_with_one_size_says_so():
     assert fit["beta_bytes_per_s"] == pytest.approx(2**20 * busbw_factor("all_reduce", 2) / 1e-3)
 
 
+def test_one_size_fit_splits_its_time_as_a_many_size_fit_does_at_that_size():
+    """A one-size fit (α 0) keeps its measured time at its size, takes the latency share a fit of several
+    sizes has there, and so is faster per byte at larger messages than pure bandwidth would say."""
+    rng = np.random.default_rng(1)
+    many = _instances("all_gather", 2, alpha=1e-3, beta=1e9, noise=0.0, rng=rng)
+    one = pd.DataFrame({"op": "all_reduce", "group_size": 2, "bytes": [2**19] * 5, "duration_s": [2e-3] * 5})
+    fits = calibration.single_size_latency(calibration.fit_alpha_beta(pd.concat([many, one]))).set_index("op")
+    ar = fits.loc["all_reduce"]
+    x = 2**19 * busbw_factor("all_reduce", 2)
+    assert ar["alpha_s"] + x / ar["beta_bytes_per_s"] == pytest.approx(2e-3)  # its own measurement kept
+    gather_share = 1e-3 / (1e-3 + 2**19 * busbw_factor("all_gather", 2) / 1e9)
+    assert ar["alpha_s"] == pytest.approx(min(calibration.MAX_LATENCY_SHARE, gather_share) * 2e-3, rel=0.05)
+    assert ar["alpha_s"] + 8 * x / ar["beta_bytes_per_s"] < 8 * 2e-3
+    alone = calibration.fit_alpha_beta(one)
+    assert calibration.single_size_latency(alone).equals(alone)  # nothing to borrow from: unchanged
+
+
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
 def test_shared_pipeline_matches_the_plain_one_with_a_core_each_and_its_bounds_without(schedule, v):
     p, m, f, b = 4, 8, 1.0, 2.0
