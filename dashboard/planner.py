@@ -268,7 +268,9 @@ def most_like(cal: Calibration, lay: Layout, *, shared: bool,
 
 def rate_for(cal: Calibration, lay: Layout, *, held: float, shared: bool, notes: list[str]) -> Rate:
     """The compute rate and host time of the calibration runs most like ``lay`` (``most_like``); the
-    optimizer's fixed and per-parameter seconds fitted over all runs (a line in the parameters held)."""
+    optimizer's fixed and per-parameter seconds fitted over all runs (a line in the parameters held), its
+    fixed part moved by what the line misses on the runs most like ``lay`` (a pipeline stage's optimizer
+    runs beside its schedule's tail; what else differs between layouts is not in the parameters)."""
     m = cal.measured
     best, differ = most_like(cal, lay, shared=shared)
     if differ:
@@ -277,6 +279,8 @@ def rate_for(cal: Calibration, lay: Layout, *, held: float, shared: bool, notes:
     share = share if len(share) else m["forward_share"].dropna()
     x, y = m["held"].to_numpy(float), m["optimizer_s"].to_numpy(float)
     fixed, per_param = nonneg_line(x, y, np.ones_like(x))
+    missed = best["optimizer_s"].to_numpy(float) - (fixed + per_param * best["held"].to_numpy(float))
+    fixed += float(np.nanmean(missed)) if np.isfinite(missed).any() else 0.0
     return Rate(s_per_flop=float(best["s_per_flop"].mean()), forward_share=float(share.mean()) if len(share) else math.nan,
                 optimizer_s=fixed, s_per_param=per_param, other_s=float(best["other_s"].mean()))
 
@@ -394,7 +398,7 @@ def _parts(cal: Calibration, lay: Layout, *, model: ModelShape, links: "_Links",
     schedule simulated with its p ranks sharing ``cores`` (None: each has its device)."""
     rate = rate_for(cal, lay, held=held, shared=phi > 1, notes=notes)
     compute = flops * rate.s_per_flop * phi**SHARING_EXPONENT
-    optimizer = (rate.optimizer_s + held * rate.s_per_param) * phi
+    optimizer = max(0.0, rate.optimizer_s + held * rate.s_per_param) * phi
     raw = transfer_times(cal, lay, model=model, links=links, tokens=tokens, held=held, notes=notes)
     comm = {"dp": raw["dp_grads"] * phi * exposure["dp_grads"], "fsdp": raw["fsdp"] * phi * exposure["fsdp"],
             "tp": raw["tp"] * phi * exposure["tp"]}
