@@ -40,15 +40,14 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from meshscope.dashboard.analysis import bubble_theory, busbw_factor, normalize_schedule
+from meshscope.dashboard.analysis import bubble_theory, normalize_schedule
 from meshscope.dashboard.calibration import SHARED, SHARING_EXPONENT, Calibration, ModelShape, Rate, local_params, nonneg_line
 from meshscope.dashboard.layouts import SIMULATED, Layout, candidates, family, measured_layout
+from meshscope.dashboard.links import NOMINAL_BUS_BW, Links, act_bytes
+from meshscope.dashboard.links import note as _note
 from meshscope.dashboard.memory_model import ModelSpec, memory_model
 from meshscope.dashboard.pipeline_sim import ORDERED, makespan_shared, simulate
 
-# Nominal bus bandwidths of the textbook model (bytes/s): NVLink 4 per direction on an H100 SXM; on CPU a
-# loopback figure for gloo's TCP transport. Nothing here is measured: that is the point of the comparison.
-NOMINAL_BUS_BW = {"cuda": 450e9, "cpu": 10e9}
 TEXTBOOK_OVERLAP = 0.9
 # Exposure where the calibration measured no traffic at all: on GPUs bucketed / prefetched data-parallel
 # traffic overlapped as the textbook says, TP's all-reduces on the critical path (Megatron's are blocking);
@@ -97,76 +96,6 @@ def scaled_model(model: ModelShape, lay: Layout) -> ModelShape:
                                flops_per_token=6 * n_ne + 12 * lay.n_layers * lay.d_model * model.seq_len)
 
 
-class _Links:
-    """Op times from the calibration's fits, noting what had to be borrowed."""
-
-    def __init__(self, cal: Calibration, notes: list[str], *, shared: bool = False) -> None:
-        self.device, self.notes = cal.device, notes
-        # A pipeline's point-to-point transfers: the machine's links where no collective was measured.
-        hop_s, values = cal.pipeline.get("hop_s", math.nan), cal.pipeline.get("hop_values", math.nan)
-        self.p2p_bw = values * act_bytes(cal) / hop_s if hop_s > 0 and values > 0 else math.nan
-        same = cal.links[cal.links["shared"] == shared] if len(cal.links) else cal.links
-        self.fits = same if len(same) else cal.links
-        if len(cal.links) and not len(same):
-            _note(notes, f"links measured only {'with' if not shared else 'without'} ranks sharing cores")
-
-    def time(self, op: str, n: int, nbytes: float) -> float:
-        """α + bytes·f(op, n)/β of the fit for (op, n) when its measured sizes cover ``nbytes`` (within 4×);
-        else the bandwidth of the nearest fit that does (the same op at another group size, another op at
-        this one, then any), with this fit's latency where it measured small messages; noted."""
-        if n <= 1:
-            return 0.0
-        f = self.fits
-        if f.empty:
-            if self.p2p_bw > 0:
-                self._note(f"{op} over {n} ranks: no collective measured, the pipeline's transfers' bandwidth")
-                return nbytes * busbw_factor(op, n) / self.p2p_bw
-            self._note(f"{op} over {n} ranks: no collective measured, nominal bandwidth")
-            return nbytes * busbw_factor(op, n) / NOMINAL_BUS_BW.get(self.device, NOMINAL_BUS_BW["cpu"])
-        covers = (f["bytes_min"] / 4 <= nbytes) & (nbytes <= 4 * f["bytes_max"])
-        exact = f[(f["op"] == op) & (f["group_size"] == n)]
-        if len(exact) and bool(covers[exact.index[0]]):
-            return self._t(exact.iloc[0], op, n, nbytes, alpha=None)
-        if op == "all_reduce":  # a ring all-reduce is a reduce-scatter then an all-gather of the same buffer
-            parts = [f[covers & (f["op"] == o) & (f["group_size"] == n)] for o in ("reduce_scatter", "all_gather")]
-            if all(len(x) for x in parts):
-                self._note(f"all_reduce over {n} ranks at {_mb(nbytes)}: a reduce-scatter and an all-gather as measured")
-                return sum(self._t(x.iloc[0], x.iloc[0]["op"], n, nbytes, alpha=None) for x in parts)
-        for pool in (f[covers & (f["op"] == op)], f[covers & (f["group_size"] == n)], f[covers]):
-            if len(pool):
-                row = pool.iloc[(pool["group_size"] - n).abs().argsort().iloc[0]]
-                break
-        else:  # nothing measured this size: the bandwidth of the largest messages measured, this op's first
-            same = f[f["op"] == op]
-            pool = same if len(same) and same["bytes_max"].max() >= 65536 else f
-            row = pool.loc[pool["bytes_max"].idxmax()]
-        if len(exact) and exact.iloc[0]["bytes_min"] <= 65536:
-            alpha = float(exact.iloc[0]["alpha_s"])
-        else:
-            alpha = None
-        self._note(f"{op} over {n} ranks at {_mb(nbytes)}: bandwidth from {row['op']} over {int(row['group_size'])} "
-                   f"ranks ({_mb(row['bytes_min'])}–{_mb(row['bytes_max'])} measured)")
-        x, x_min = nbytes * busbw_factor(op, n), row["bytes_min"] * busbw_factor(row["op"], int(row["group_size"]))
-        if alpha is None and 0 < x < x_min:
-            # Below the smallest message the fit saw, its α is not a latency it measured (ranks sharing cores
-            # give flat times: α is then the wait for a peer to be scheduled): the throughput it reached there.
-            return self._t(row, row["op"], int(row["group_size"]), row["bytes_min"], alpha=None) * x / x_min
-        return self._t(row, op, n, nbytes, alpha=alpha)
-
-    @staticmethod
-    def _t(row, op: str, n: int, nbytes: float, *, alpha: float | None) -> float:
-        beta = row["beta_bytes_per_s"]
-        a = row["alpha_s"] if alpha is None else alpha
-        return float(a + (nbytes * busbw_factor(op, n) / beta if beta > 0 else 0.0))
-
-    def _note(self, text: str) -> None:
-        _note(self.notes, text)
-
-
-def _mb(x: float) -> str:
-    return f"{x / 2**20:.2g} MiB"
-
-
 def sharing(cal: Calibration, *, k: int, exposed_share: float, residual: float = 1.0) -> float:
     """φ = k·u/C × ``residual`` on a CPU host, u = 1 − (1 − γ) × the step's exposed-communication share
     (``calibration``), 1 where that is at most ``SHARED`` (as the calibration counts its runs: a little
@@ -194,11 +123,6 @@ def sharing_residual(cal: Calibration, lay: Layout) -> float:
     return float(ratio.mean()) if len(ratio) else 1.0
 
 
-def _note(notes: list[str], text: str) -> None:
-    if text not in notes:
-        notes.append(text)
-
-
 def predict(cal: Calibration, lay: Layout, *, ranks_per_host: int | None = None,
             device_bytes: float | None = None) -> Prediction:
     """The calibrated prediction of one layout (module docstring). ``ranks_per_host``: how many of its
@@ -222,7 +146,7 @@ def predict(cal: Calibration, lay: Layout, *, ranks_per_host: int | None = None,
     first = notes
     for _ in range(4):  # φ depends on the exposed share, which depends on φ and on the regime it puts the fits in
         notes = list(first)
-        links = _Links(cal, notes, shared=phi > 1)
+        links = Links(cal, notes, shared=phi > 1)
         exposure = {}
         for kind in DEFAULT_EXPOSURE:
             exposure[kind], how = exposure_for(cal, kind, shared=phi > 1, like=lay)
@@ -285,16 +209,11 @@ def rate_for(cal: Calibration, lay: Layout, *, held: float, shared: bool, notes:
                 optimizer_s=fixed, s_per_param=per_param, other_s=float(best["other_s"].mean()))
 
 
-def act_bytes(cal: Calibration) -> int:
-    """Bytes per activation value: 2 in 16-bit training, 4 in fp32."""
-    return 2 if cal.dtype.lower() in ("bfloat16", "bf16", "float16", "fp16", "torch.bfloat16", "torch.float16") else 4
-
-
 def _uses(lay: Layout, kind: str) -> bool:
     return {"dp_grads": lay.dp > 1 and not lay.fsdp, "fsdp": lay.dp > 1 and lay.fsdp, "tp": lay.tp > 1}[kind]
 
 
-def transfer_times(cal: Calibration, lay: Layout, *, model: ModelShape, links: "_Links", tokens: float, held: float,
+def transfer_times(cal: Calibration, lay: Layout, *, model: ModelShape, links: "Links", tokens: float, held: float,
                    notes: list[str]) -> dict[str, float]:
     """Seconds per rank and step each kind of traffic takes on the fitted links (none of it hidden, no
     processor sharing)."""
@@ -339,7 +258,7 @@ def exposure_of(cal: Calibration, kind: str, *, shared: bool, like: Layout | Non
                  + 2 * ((rows["fsdp"].astype(bool) & (rows["dp"] > 1)) == like.fsdp)
                  + (rows["tp"] == like.tp) + (rows["dp"] == like.dp) + (rows["pp"] == like.pp))
         rows = rows[score == score.max()]
-    links = _Links(cal, [], shared=shared)
+    links = Links(cal, [], shared=shared)
     exposed = modelled = 0.0
     for r in rows.to_dict("records"):
         lay = measured_layout(r, model=cal.model)
@@ -392,7 +311,7 @@ def exposure_for(cal: Calibration, kind: str, *, shared: bool, like: Layout | No
     return DEFAULT_EXPOSURE[kind], "the textbook's"  # not reached: ``cells`` has a regime
 
 
-def _parts(cal: Calibration, lay: Layout, *, model: ModelShape, links: "_Links", flops: float, held: float,
+def _parts(cal: Calibration, lay: Layout, *, model: ModelShape, links: "Links", flops: float, held: float,
            tokens: float, exposure: dict, phi: float, cores: float | None, notes: list[str]) -> dict:
     """The step's parts with every rank's work slowed by ``phi`` (processor sharing), the pipeline's
     schedule simulated with its p ranks sharing ``cores`` (None: each has its device)."""

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from meshscope.dashboard import calibration, layouts, planner, views, whatif
+from meshscope.dashboard import calibration, layouts, links, planner, views, whatif
 from meshscope.dashboard.analysis import busbw_factor
 from meshscope.dashboard.pipeline_sim import makespan_shared, simulate
 from meshscope.trainer import config as trainer_config
@@ -185,22 +185,22 @@ def test_exposure_with_no_traffic_measured_is_a_cpu_hosts_or_the_textbooks():
 def test_links_not_measured_are_composed_scaled_or_taken_from_the_pipeline():
     notes: list[str] = []
     no_ar = LINKS[LINKS["op"] != "all_reduce"]
-    links = planner._Links(_cal([], links=no_ar), notes)
+    lk = links.Links(_cal([], links=no_ar), notes)
     size = 2**22
     # a ring all-reduce: a reduce-scatter then an all-gather of the same buffer
-    assert links.time("all_reduce", 2, size) == pytest.approx(links.time("reduce_scatter", 2, size)
-                                                             + links.time("all_gather", 2, size))
+    assert lk.time("all_reduce", 2, size) == pytest.approx(lk.time("reduce_scatter", 2, size)
+                                                             + lk.time("all_gather", 2, size))
     assert any("reduce-scatter and an all-gather" in n for n in notes)
     # below the smallest message measured: the throughput reached there, not the fit's α
     flat = pd.DataFrame([{"op": "all_gather", "group_size": 4, "alpha_s": 0.03, "beta_bytes_per_s": float("inf"),
                           "n": 9, "sizes": 3, "bytes_min": 2**22, "bytes_max": 2**25, "rmse_rel": 0.1, "shared": True}])
-    links = planner._Links(_cal([], links=flat), [], shared=True)
-    assert links.time("all_gather", 4, 2**22) == pytest.approx(0.03)
-    assert links.time("all_gather", 4, 2**18) == pytest.approx(0.03 / 16)
+    lk = links.Links(_cal([], links=flat), [], shared=True)
+    assert lk.time("all_gather", 4, 2**22) == pytest.approx(0.03)
+    assert lk.time("all_gather", 4, 2**18) == pytest.approx(0.03 / 16)
     # no collective measured: the pipeline's point-to-point transfers (fp32 activations: 4 bytes a value)
     empty = LINKS.iloc[:0]
-    links = planner._Links(_cal([], links=empty, pipeline={"hop_s": 1e-3, "hop_values": 2**16, "gap_s": 0.0}), [])
-    assert links.time("all_reduce", 2, 2**20) == pytest.approx(2**20 * busbw_factor("all_reduce", 2) / (2**18 / 1e-3))
+    lk = links.Links(_cal([], links=empty, pipeline={"hop_s": 1e-3, "hop_values": 2**16, "gap_s": 0.0}), [])
+    assert lk.time("all_reduce", 2, 2**20) == pytest.approx(2**20 * busbw_factor("all_reduce", 2) / (2**18 / 1e-3))
 
 
 # ------------------------------------------------------------------------------------- real runs (gloo)
