@@ -12,9 +12,10 @@ mean over ranks (every rank's wall is the step's, so the means add up to the mea
 - **Processor sharing** (CPU hosts): ranks on one host share its C cores, so the same work takes longer
   with more ranks busy at once. A run's *sharing* φ = 1 / (1 − w), w its CPU wait share (the run-queue
   delay over the time the training thread was not blocked, ``environment.cpu_wait_share``): the factor
-  its threads were slowed by. The rates above are divided by φ (per rank with a core to itself). A rank
-  demands a core a share u of the step: all of it but a pipeline's idle and the part (1 − γ) of its
-  exposed communication it sleeps through (gloo spins a while before it sleeps), so φ = max(1, k·u/C)
+  its threads were slowed by. The compute rate above is divided by φ ** ``SHARING_EXPONENT``, the
+  optimizer's seconds and the links' by φ (per rank with a core to itself). A rank demands a core a
+  share u of the step: all of it but a pipeline's idle and the part (1 − γ) of its exposed communication
+  it sleeps through (gloo spins a while before it sleeps), so φ = k·u/C (``planner.sharing``)
   with k ranks on the host; each oversubscribed run gives γ = 1 − (u₀ − φ·C/k)·step / exposed, u₀ its
   share outside pipeline idle. C is the cores of the machine the planner runs on (the runs' host, as
   the CPU path is used here), or fewer where a run's sharing says it had fewer (k·u₀/φ: another load
