@@ -143,13 +143,13 @@ def predict(cal: Calibration, lay: Layout, *, ranks_per_host: int | None = None,
     cores_sim = cal.cores * lay.pp / k if cal.cores else None
     residual = sharing_residual(cal, lay)
     phi = sharing(cal, k=k, exposed_share=0.0, residual=residual)  # first: every rank busy all the step
-    first = notes
+    first, cells = notes, exposure_cells(cal, like=lay)
     for _ in range(4):  # φ depends on the exposed share, which depends on φ and on the regime it puts the fits in
         notes = list(first)
         links = Links(cal, notes, shared=phi > 1)
         exposure = {}
         for kind in DEFAULT_EXPOSURE:
-            exposure[kind], how = exposure_for(cal, kind, shared=phi > 1, like=lay)
+            exposure[kind], how = exposure_for(cal, kind, shared=phi > 1, cells=cells)
             if how and _uses(lay, kind):
                 _note(notes, f"{kind} exposure not measured: {exposure[kind]:.0%} of its modelled time exposed, {how}")
         parts = _parts(cal, lay, model=model, links=links, flops=flops, held=held, tokens=tokens, exposure=exposure,
@@ -269,7 +269,15 @@ def exposure_of(cal: Calibration, kind: str, *, shared: bool, like: Layout | Non
     return exposed / modelled if modelled > 0 else None
 
 
-def exposure_for(cal: Calibration, kind: str, *, shared: bool, like: Layout | None = None) -> tuple[float, str]:
+def exposure_cells(cal: Calibration, *, like: Layout | None = None) -> dict[tuple[str, bool], float]:
+    """``exposure_of`` of every kind of traffic in both sharing regimes, where measured: (kind, shared) →
+    exposure. ``exposure_for`` reads them; they do not depend on the target's φ, so ``predict`` takes them once."""
+    return {(k, r): e for k in DEFAULT_EXPOSURE for r in (False, True)
+            if (e := exposure_of(cal, k, shared=r, like=like)) is not None and e > 0}
+
+
+def exposure_for(cal: Calibration, kind: str, *, shared: bool, like: Layout | None = None,
+                 cells: dict[tuple[str, bool], float] | None = None) -> tuple[float, str]:
     """The exposure of a kind of traffic in a sharing regime, and how it was found where it was not
     measured there ('' where it was). Each measured exposure is first put in a blocking kind's terms
     (DDP's overlapped buckets expose ``OVERLAPPED_SHARE`` of what FSDP's gathers or TP's all-reduces do).
@@ -281,8 +289,7 @@ def exposure_for(cal: Calibration, kind: str, *, shared: bool, like: Layout | No
     def conv(k: str) -> float:  # a kind's exposure per unit of a blocking kind's
         return share if k in OVERLAPPED else 1.0
 
-    cells = {(k, r): e for k in DEFAULT_EXPOSURE for r in (False, True)
-             if (e := exposure_of(cal, k, shared=r, like=like)) is not None and e > 0}
+    cells = exposure_cells(cal, like=like) if cells is None else cells
     if (kind, shared) in cells:
         return cells[(kind, shared)], ""
     if not cells:
