@@ -45,15 +45,17 @@ bench: install
 # trainer's 1b MFU, collective timing vs the profiler, the allocator and NVML fields, the telemetry overhead;
 # a Markdown report in gpu-check.md. Prints one line and does nothing without a GPU. Installs only what the
 # kit imports (a GPU machine may have no route to PyPI): meshscope without dependencies, then the kit's own
-# imports where missing; GPU_CHECK_PIP passes pip options, e.g. "--no-index --find-links WHEELS" offline.
+# imports where missing; GPU_CHECK_PIP passes pip options, e.g. "--no-index --find-links WHEELS" offline,
+# GPU_CHECK_ARGS the kit's own (--timeout-s, --steps, --out).
 GPU_CHECK_PIP ?=
+GPU_CHECK_ARGS ?=
 gpu-check:
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
 	@$(PY) -c "import os, meshscope.agent; assert os.path.realpath(meshscope.agent.__file__).startswith(os.path.realpath('agent') + os.sep)" 2>/dev/null \
 		|| $(PIP) install -q --no-deps --no-build-isolation -e .
 	@$(PY) -c "import duckdb, pandas, pyarrow, pynvml, tqdm" 2>/dev/null \
 		|| $(PIP) install -q $(GPU_CHECK_PIP) duckdb pandas pyarrow nvidia-ml-py tqdm
-	$(PY) bench/gpu_check.py
+	$(PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf .runs artifacts .pytest_cache

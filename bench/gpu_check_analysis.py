@@ -122,7 +122,9 @@ def render_train(data: dict) -> Rendered:
             ": the trainer's own CUDA path (trainer/train.py) runs forward and loss under "
             "`torch.autocast(device_type=\"cuda\", dtype=torch.bfloat16)` over fp32 parameters and fp32 AdamW "
             "state; the trainer has no other bf16 option." if run.get("dtype") == "bf16-autocast" else
-            " (not bf16: the run did not train on CUDA)."),
+            " (not bf16: the run did not train on CUDA).") + (
+            " Each transformer block is compiled with `torch.compile` (the trainer's `--compile`); the first "
+            "steps, which compile, are warm-up." if data.get("compiled") else " Eager mode (no `torch.compile`)."),
         "",
         md_table(["steps recorded", "warm-up left out", "median step", "median tokens/s", "median MFU (recomputed)",
                   "median MFU (trainer's records)", "peak"],
@@ -417,7 +419,8 @@ def render_overhead(data: dict) -> Rendered:
     s = overhead_summary(data["blocks"])
     line = f"median overhead {100 * s['median']:+.2f} % per step (goal ≤ {100 * OVERHEAD_GOAL:.0f} %)"
     md = [
-        f"The trainer's `1b` flavor in one process (NCCL, world size 1, bf16 autocast): {data['warmup']} warm-up "
+        f"The trainer's `1b` flavor in one process (NCCL, world size 1, bf16 autocast"
+        f"{', blocks compiled' if data.get('compiled') else ', eager'}): {data['warmup']} warm-up "
         f"steps, then {s['pairs']} pairs of {data['block']}-step blocks, telemetry attached in one block of each "
         "pair and detached (`NullTelemetry`) in the other, the order alternating between pairs "
         "(bench/overhead_worker.py's method); block times between `torch.cuda.synchronize()` calls.",

@@ -45,6 +45,7 @@ class ModelConfig:
     flavor: str = "tiny"
     seq_len: int = 0  # 0: the flavor's default
     activation_checkpoint: bool = False
+    compile: bool = False  # torch.compile each transformer block (fuses its norms, rotary and GELU)
 
     def __post_init__(self) -> None:
         _check(self.flavor in FLAVORS, f"unknown model flavor {self.flavor!r} (choose from {', '.join(FLAVORS)})")
@@ -359,6 +360,7 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "--fsdp": ("parallel.fsdp", "shard the dp dimension with FSDP2 (default: DDP)"),
     "--sequence-parallel": ("parallel.sequence_parallel", "sequence parallel with tp"),
     "--activation-checkpoint": ("model.activation_checkpoint", "recompute each block's activations"),
+    "--compile": ("model.compile", "torch.compile each transformer block (for GPUs; compiling takes a while)"),
     "--resume": ("checkpoint.resume", "resume from the latest checkpoint in --checkpoint-dir"),
 }
 

@@ -72,6 +72,12 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(flavor.d_model, eps=1e-6)
         self.mlp = MLP(flavor.d_model, flavor.mlp_ratio * flavor.d_model)
 
+    def compile_body(self) -> None:
+        """torch.compile this block's body, not its ``__call__``: hooks that instrumentation or faults put
+        on the block stay eager, and activation checkpointing wraps the compiled body. Blocks share one
+        compiled graph (their parameters are graph inputs), so compiling costs one block's worth."""
+        self._forward = torch.compile(self._forward)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.activation_checkpoint and torch.is_grad_enabled():
             return checkpoint(self._forward, x, cos, sin, use_reentrant=False)

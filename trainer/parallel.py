@@ -167,10 +167,10 @@ def schedule_stages(schedule: _PipelineSchedule | None) -> list[PipelineStage] |
 
 
 def parallelize(
-    model: GPT, *, layout: Layout, device: torch.device, activation_checkpoint: bool
+    model: GPT, *, layout: Layout, device: torch.device, activation_checkpoint: bool, compile: bool = False
 ) -> list[nn.Module]:
     """Model parts this rank trains (one, or ``virtual_stages`` under interleaved PP), on ``device``,
-    with TP and FSDP2/DDP applied."""
+    with TP, block compilation and FSDP2/DDP applied (torchtitan's order: compile after TP, before FSDP)."""
     p = layout.parallel
     if p.pp > 1:
         ids = layout.stage_ids()
@@ -185,6 +185,9 @@ def parallelize(
             block.activation_checkpoint = activation_checkpoint
         if p.tp > 1:
             apply_tp(part, layout.mesh["tp"], sequence_parallel=p.sequence_parallel)
+        if compile:
+            for block in part.layers.values():
+                block.compile_body()
         if p.fsdp:
             apply_fsdp(part, dp_mesh, pipelined=p.pp > 1)
         elif p.dp > 1:

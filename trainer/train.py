@@ -89,7 +89,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # the same full model on every rank, before any sharding
         full = model_lib.GPT(self.flavor, seq_len=self.seq_len)
         self.parts = parallelize(full, layout=layout, device=device,
-                                 activation_checkpoint=cfg.model.activation_checkpoint)
+                                 activation_checkpoint=cfg.model.activation_checkpoint, compile=cfg.model.compile)
         self.optimizers = optim.build_optimizers(self.parts, cfg.optim)
         self.faults = Faults(cfg.faults, rank=self.rank)
         for part in self.parts:
