@@ -106,6 +106,18 @@ def train_summary(steps: list[dict], *, peak_flops: float) -> dict:
     }
 
 
+def _memory_line(memory: dict | None) -> str:
+    """The allocator under the run, from its memory records: near a full device, allocation retries (free
+    the cache, synchronise, allocate again) slow every step they hit."""
+    if not memory:
+        return "The run recorded no memory samples."
+    total = _num(memory.get("device_total_bytes"))
+    peak = _num(memory.get("reserved_peak_bytes"))
+    share = f" ({100 * peak / total:.0f} % of the device's {total / 2**30:.1f} GiB)" if total > 0 else ""
+    return (f"Allocator: peak reserved {peak / 2**30:.1f} GiB{share}, "
+            f"{int(_num(memory.get('alloc_retries')))} allocation retries over the run.")
+
+
 def render_train(data: dict) -> Rendered:
     run = data["run"]
     s = train_summary(data["steps"], peak_flops=_num(run.get("peak_flops")))
@@ -132,6 +144,8 @@ def render_train(data: dict) -> Rendered:
                    f"{_fmt(1e3 * s['step_s'], '.1f')} ms", _fmt(s["tokens_per_s"], ",.0f"),
                    f"{_fmt(100 * s['mfu'], '.1f')} %", f"{_fmt(100 * s['trainer_mfu'], '.1f')} %",
                    f"{_fmt(_num(run.get('peak_flops')) / 1e12, ',.1f')} TFLOP/s ({run.get('peak_source')})"]]),
+        "",
+        _memory_line(data.get("memory")),
         "",
         "MFU = step FLOPs (6·N_nonembedding + 12·L·D·S per token) / step wall time / the device's dense bf16 "
         "peak (`agent/instrument/flops.py`), median over the steps after warm-up; records read back from the "

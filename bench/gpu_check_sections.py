@@ -87,6 +87,8 @@ def train(*, workdir: Path, steps: int) -> dict:
         raise RuntimeError(caught.message())
     cols = ["step", "wall_s", "tokens", "flops", "mfu"]
     step_df = read_table(store, "step", run=TRAIN_RUN, columns=cols, order_by="step")
+    memory_df = read_table(store, "memory", run=TRAIN_RUN, columns=["step", "reserved_peak_bytes", "alloc_retries",
+                                                                    "device_total_bytes"], order_by="step")
     run_df = read_table(store, "run", run=TRAIN_RUN)
     if run_df.empty:
         raise RuntimeError(f"no run record for {TRAIN_RUN!r} in {store}")
@@ -94,7 +96,11 @@ def train(*, workdir: Path, steps: int) -> dict:
             "backend", "dtype")
     return {"run_name": TRAIN_RUN, "requested_steps": steps, "compiled": COMPILE,
             "steps": [{k: _plain(v) for k, v in row.items()} for row in step_df.to_dict("records")],
-            "run": {k: _plain(run_df.iloc[0][k]) for k in keys}}
+            "run": {k: _plain(run_df.iloc[0][k]) for k in keys},
+            # The allocator under the run: retries (cudaFree and try again) near a full device cost whole syncs.
+            "memory": {"reserved_peak_bytes": _plain(memory_df["reserved_peak_bytes"].max()),
+                       "alloc_retries": _plain(memory_df["alloc_retries"].max()),
+                       "device_total_bytes": _plain(memory_df["device_total_bytes"].max())} if len(memory_df) else None}
 
 
 # ----------------------------------------------------------------------------------- 2. collectives

@@ -172,7 +172,9 @@ def _steps(mfu_wall: float, *, n: int = 10) -> list[dict]:
 def _train_data(wall: float) -> dict:
     return {"run_name": "r", "requested_steps": 10, "steps": _steps(wall),
             "run": {"model": "1b", "n_params": 1.04e9, "seq_len": 2048, "global_batch": 8, "peak_flops": 1e15,
-                    "peak_source": "table:H100", "device": "NVIDIA H100", "backend": "nccl", "dtype": "bf16-autocast"}}
+                    "peak_source": "table:H100", "device": "NVIDIA H100", "backend": "nccl", "dtype": "bf16-autocast"},
+            "compiled": True,
+            "memory": {"reserved_peak_bytes": 60 * 2**30, "alloc_retries": 3, "device_total_bytes": 80 * 2**30}}
 
 
 def test_train_summary_leaves_warmup_out_and_judges_mfu_against_45_percent():
@@ -198,6 +200,8 @@ def test_report_header_summary_and_exit_status(tmp_path):
         assert text in report
     assert "| 1 | Trainer `1b`, 10 steps, bf16 on NCCL, telemetry on | done | PASS | median MFU 45.0 %" in report
     assert "**PASS**" in report and "bf16" in report
+    assert "compiled with `torch.compile`" in report
+    assert "peak reserved 60.0 GiB (75 % of the device's 80.0 GiB), 3 allocation retries" in report
 
     outcomes = [
         gpu_check.Outcome(section=sec["train"], status="done", data=_train_data(1.5), seconds=40),

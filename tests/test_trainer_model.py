@@ -68,3 +68,30 @@ def test_corpus_source_is_real_text():
     x, _ = data.batch(0, micro_step=0, grad_accum=1, global_batch=2, dp_rank=0, dp=1, source="corpus", seed=0,
                       seq_len=32, vocab=256, device=torch.device("cpu"))
     assert x.shape == (2, 32)
+
+
+def test_compiled_blocks_train_as_eager_blocks_do_with_one_graph_for_all():
+    """`--compile` (each block's body through torch.compile): the same loss and gradients as eager on the
+    same weights and batch, and one compiled graph serves every block (parameters are graph inputs), so
+    compiling costs one block's worth whatever the depth."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    f = FLAVORS["tiny"]
+    torch.manual_seed(0)
+    eager = GPT(f, seq_len=32)
+    compiled = GPT(f, seq_len=32)
+    compiled.load_state_dict(eager.state_dict())
+    for block in compiled.layers.values():
+        block.compile_body()
+    tokens = torch.randint(0, f.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for model in (eager, compiled):
+        loss = loss_fn(model(tokens), tokens)
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert f.n_layers > 1 and counters["stats"]["unique_graphs"] == 1
