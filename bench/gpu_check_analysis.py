@@ -97,11 +97,17 @@ def train_summary(steps: list[dict], *, peak_flops: float) -> dict:
     mfu = (statistics.median(s["flops"] / s["wall_s"] / peak_flops for s in steady) if peak_flops > 0
            else float("nan"))
     own = [_num(s.get("mfu")) for s in steady if math.isfinite(_num(s.get("mfu")))]
+    cpu = [_num(s.get("cpu_s")) for s in steady if math.isfinite(_num(s.get("cpu_s")))]
+    cpu_wait = [_num(s.get("cpu_wait_s")) for s in steady if math.isfinite(_num(s.get("cpu_wait_s")))]
     return {
         "steps": len(rows), "first_steady_step": first, "steady_steps": len(steady), "warmup": len(rows) - len(steady),
         "step_s": statistics.median(s["wall_s"] for s in steady),
         "tokens_per_s": statistics.median(s["tokens"] / s["wall_s"] for s in steady),
         "mfu": mfu, "trainer_mfu": statistics.median(own) if own else float("nan"),
+        # The training thread's CPU time and run-queue wait per step: near the step's wall time, the host
+        # (launches, Python) bounds the step, not the GPU.
+        "cpu_s": statistics.median(cpu) if cpu else float("nan"),
+        "cpu_wait_s": statistics.median(cpu_wait) if cpu_wait else float("nan"),
         "verdict": "PASS" if mfu >= MFU_GOAL else "FAIL",
     }
 
@@ -144,6 +150,10 @@ def render_train(data: dict) -> Rendered:
                    f"{_fmt(1e3 * s['step_s'], '.1f')} ms", _fmt(s["tokens_per_s"], ",.0f"),
                    f"{_fmt(100 * s['mfu'], '.1f')} %", f"{_fmt(100 * s['trainer_mfu'], '.1f')} %",
                    f"{_fmt(_num(run.get('peak_flops')) / 1e12, ',.1f')} TFLOP/s ({run.get('peak_source')})"]]),
+        "",
+        f"Training thread per step (median): {_fmt(1e3 * s['cpu_s'], '.1f')} ms of CPU, "
+        f"{_fmt(1e3 * s['cpu_wait_s'], '.1f')} ms runnable but waiting for a core, of "
+        f"{_fmt(1e3 * s['step_s'], '.1f')} ms.",
         "",
         _memory_line(data.get("memory")),
         "",

@@ -85,7 +85,7 @@ def train(*, workdir: Path, steps: int) -> dict:
     caught = catch_up(store)
     if caught.outcome == "failed":
         raise RuntimeError(caught.message())
-    cols = ["step", "wall_s", "tokens", "flops", "mfu"]
+    cols = ["step", "wall_s", "tokens", "flops", "mfu", "cpu_s", "cpu_wait_s"]
     step_df = read_table(store, "step", run=TRAIN_RUN, columns=cols, order_by="step")
     memory_df = read_table(store, "memory", run=TRAIN_RUN, columns=["step", "reserved_peak_bytes", "alloc_retries",
                                                                     "device_total_bytes"], order_by="step")

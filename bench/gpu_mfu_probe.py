@@ -59,12 +59,12 @@ def measure(mode: str, *, flavor: str, steps: int, top: int, device) -> dict:
         torch.cuda.synchronize()
         first.append(time.perf_counter() - t)
         step += 1
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.thread_time()
     for _ in range(steps):
         r = trainer.train_step(step, tel)
         step += 1
     torch.cuda.synchronize()
-    step_s = (time.perf_counter() - t) / steps
+    step_s, cpu_s = (time.perf_counter() - t) / steps, (time.thread_time() - c) / steps
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(2):
             trainer.train_step(step, tel)
@@ -76,6 +76,7 @@ def measure(mode: str, *, flavor: str, steps: int, top: int, device) -> dict:
     for name, ms, _ in kernels:
         by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + ms
     out = {"mode": mode, "build_s": build_s, "warmup_steps_s": first, "step_ms": 1e3 * step_s,
+           "thread_cpu_ms": 1e3 * cpu_s,
            "tokens_per_s": trainer.tokens_per_step / step_s, "mfu": r["flops"] / step_s / peak,
            "gpu_busy_ms": sum(ms for _, ms, _ in kernels), "by_kind_ms": by_kind,
            "top": [{"kernel": n[:110], "ms_per_step": round(ms, 3), "calls_per_step": c} for n, ms, c in kernels[:top]]}

@@ -165,8 +165,8 @@ def test_header_tolerates_a_copy_without_git_and_a_machine_without_nvml(tmp_path
 def _steps(mfu_wall: float, *, n: int = 10) -> list[dict]:
     flops = 0.45e15  # with a 1e15 FLOP/s peak: MFU 45 % at 1 s per step
     return ([{"step": 0, "wall_s": 9.0, "tokens": 1000, "flops": flops, "mfu": flops / 9.0 / 1e15}]
-            + [{"step": i, "wall_s": mfu_wall, "tokens": 1000, "flops": flops, "mfu": flops / mfu_wall / 1e15}
-               for i in range(1, n)])
+            + [{"step": i, "wall_s": mfu_wall, "tokens": 1000, "flops": flops, "mfu": flops / mfu_wall / 1e15,
+                "cpu_s": 0.25 * mfu_wall, "cpu_wait_s": 0.001} for i in range(1, n)])
 
 
 def _train_data(wall: float) -> dict:
@@ -201,6 +201,7 @@ def test_report_header_summary_and_exit_status(tmp_path):
     assert "| 1 | Trainer `1b`, 10 steps, bf16 on NCCL, telemetry on | done | PASS | median MFU 45.0 %" in report
     assert "**PASS**" in report and "bf16" in report
     assert "compiled with `torch.compile`" in report
+    assert "Training thread per step (median): 250.0 ms of CPU, 1.0 ms runnable but waiting for a core, of 1000.0 ms" in report
     assert "peak reserved 60.0 GiB (75 % of the device's 80.0 GiB), 3 allocation retries" in report
 
     outcomes = [
