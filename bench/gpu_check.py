@@ -1,5 +1,5 @@
 """One-command GPU check of meshscope (``make gpu-check``): on a machine with an NVIDIA GPU and its own torch,
-five sections, then a Markdown report written to ``--out`` and printed:
+six sections, then a Markdown report written to ``--out`` and printed:
 
 1. the trainer's ``1b`` flavor for ``--steps`` steps, bf16 autocast on NCCL (world size 1), telemetry on:
    median tokens/s and MFU after warm-up, PASS when MFU >= 45 % (the goal on one H100);
@@ -7,7 +7,9 @@ five sections, then a Markdown report written to ``--out`` and printed:
    every ratio is within 0.8-1.25;
 3. the memory sampler's allocator fields against torch.cuda's own reads;
 4. the agent's NVML sampler against nvidia-smi read at the same time;
-5. telemetry overhead, on vs off in alternating blocks of the same trainer steps.
+5. telemetry overhead, on vs off in alternating blocks of the same trainer steps;
+6. where a step goes: ``Trainer.train_step`` in a bare loop, eager and compiled (kernel time by kind, thread
+   CPU), PASS when section 1's command runs within 5 % of the bare compiled loop per step.
 
 Each section runs in a process of its own (``bench/gpu_check_sections.py``) under its own time budget,
 all within one global deadline (``--timeout-s``): a section that crashes or outlives its budget is
@@ -37,10 +39,14 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.gpu_check_analysis import RENDERERS, Rendered, md_table  # noqa: E402
+from bench.gpu_check_analysis import RENDERERS as CHECK_RENDERERS, Rendered, md_table  # noqa: E402
+from bench.gpu_check_breakdown import render_breakdown  # noqa: E402
 from meshscope.agent.cliargs import ArgParser, UsageError, run_command  # noqa: E402
 
 PROG = "gpu-check"
+RENDERERS = {**CHECK_RENDERERS, "breakdown": render_breakdown}
+# A section whose verdict sets its figures against another section's: key -> the other's key.
+COMPARED_WITH = {"breakdown": "train"}
 WORKER = ROOT / "bench" / "gpu_check_sections.py"
 RESERVE_S = 15.0  # kept back from the deadline for the header and the report
 MIN_TIMEOUT_S = 60.0
@@ -52,7 +58,7 @@ LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_R
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Section:
-    key: str  # gpu_check_analysis.RENDERERS key
+    key: str  # RENDERERS key
     title: str
     budget_s: float
     min_s: float  # with less time than this left before the deadline, the section is skipped
@@ -73,18 +79,21 @@ def plan(*, steps: int, workdir: Path, python: str = sys.executable) -> list[Sec
     def argv(key: str) -> tuple[str, ...]:
         return (python, str(WORKER), key, "--workdir", str(workdir / key), "--steps", str(steps))
 
-    # Budgets: about twice an estimate for one H100, never measured (1b: ~15 s of model init on the CPU, then
-    # ~0.3 s per step), together within the default deadline; the deadline caps each in any case.
+    # Budgets: about twice what one H100 took on 2026-11-26 (train 38 s eager / 66 s compiling, collectives
+    # 9-14 s, memory 5-6 s, NVML 18 s, overhead 34-55 s; breakdown estimated at 40-60 s, its compiles cached
+    # by then), together within the default deadline; the deadline caps each in any case.
     return [
         Section(key="train", title=f"Trainer `1b`, {steps} steps, bf16 on NCCL, telemetry on",
                 budget_s=110 + 1.2 * steps, min_s=60, argv=argv("train")),
-        Section(key="collectives", title="Collective timing: CUDA events vs torch.profiler", budget_s=70, min_s=30,
+        Section(key="collectives", title="Collective timing: CUDA events vs torch.profiler", budget_s=40, min_s=20,
                 argv=argv("collectives")),
-        Section(key="memory", title="CUDA allocator fields: meshscope's sample vs torch.cuda", budget_s=40, min_s=15,
+        Section(key="memory", title="CUDA allocator fields: meshscope's sample vs torch.cuda", budget_s=20, min_s=10,
                 argv=argv("memory")),
-        Section(key="nvml", title="NVML sampler vs nvidia-smi", budget_s=50, min_s=25, argv=argv("nvml")),
-        Section(key="overhead", title="Telemetry overhead on GPU, on vs off", budget_s=130, min_s=60,
+        Section(key="nvml", title="NVML sampler vs nvidia-smi", budget_s=40, min_s=25, argv=argv("nvml")),
+        Section(key="overhead", title="Telemetry overhead on GPU, on vs off", budget_s=110, min_s=60,
                 argv=argv("overhead")),
+        Section(key="breakdown", title="Where a step goes: the bare train_step loop, eager vs compiled",
+                budget_s=80, min_s=50, argv=argv("breakdown")),
     ]
 
 
@@ -226,10 +235,14 @@ def header_facts() -> dict[str, str]:
     return facts
 
 
-def _rendered(outcome: Outcome) -> Rendered | str:
-    """The section's verdict, or why its results could not be analysed (a FAILED section then)."""
+def _rendered(outcome: Outcome, others: dict[str, dict]) -> Rendered | str:
+    """The section's verdict, or why its results could not be analysed (a FAILED section then); ``others``:
+    the data of the sections that ran, by key (``COMPARED_WITH``)."""
+    key = outcome.section.key
     try:
-        return RENDERERS[outcome.section.key](outcome.data)
+        if key in COMPARED_WITH:
+            return RENDERERS[key](outcome.data, others.get(COMPARED_WITH[key]))
+        return RENDERERS[key](outcome.data)
     except Exception as exc:  # one section's odd results must not cost the report of the others
         return f"its results could not be analysed: {type(exc).__name__}: {exc}"
 
@@ -242,11 +255,12 @@ def render_report(facts: dict[str, str], *, outcomes: list[Outcome]) -> tuple[st
     if "elapsed" in facts:
         header.append(["time", facts["elapsed"]])
     summary, bodies, ok = [], [], True
+    others = {o.section.key: o.data for o in outcomes if o.status == "done" and o.data is not None}
     for i, outcome in enumerate(outcomes, 1):
         status, reason, verdict, detail = outcome.status, outcome.reason, "—", outcome.reason
         body = []
         if status == "done":
-            got = _rendered(outcome)
+            got = _rendered(outcome, others)
             if isinstance(got, str):
                 status, reason, detail = "FAILED", got, got
             else:

@@ -2,7 +2,7 @@
 NCCL call or a leaked allocation in one cannot take the others down, and its budget is enforced by
 killing the process.
 
-    python bench/gpu_check_sections.py {train,collectives,memory,nvml,overhead} --workdir DIR --result FILE
+    python bench/gpu_check_sections.py {train,collectives,memory,nvml,overhead,breakdown} --workdir DIR --result FILE
         [--steps N]
 
 A section writes its measurements as JSON to ``--result``; ``bench/gpu_check_analysis.py`` turns them
@@ -335,7 +335,27 @@ def overhead(*, workdir: Path, steps: int) -> dict:
             "errors": on.errors}
 
 
-SECTIONS = {"train": train, "collectives": collectives, "memory": memory, "nvml": nvml, "overhead": overhead}
+# ---------------------------------------------------------------------------------- 6. breakdown
+def breakdown(*, workdir: Path, steps: int) -> dict:
+    """``Trainer.train_step`` in a bare loop, eager then compiled (bench/gpu_mfu_probe.py's ``measure``):
+    step time, thread CPU, kernel time by kind and the top kernels; a mode that fails says why."""
+    import torch.distributed as dist
+
+    from bench import gpu_mfu_probe as probe
+
+    device = world_of_one()
+    modes = []
+    for mode in ("eager", "compiled"):
+        try:
+            modes.append(probe.measure(mode, flavor="1b", steps=8, top=10, device=device))
+        except Exception as exc:  # the other mode's figures still count
+            modes.append({"mode": mode, "error": f"{type(exc).__name__}: {exc}"})
+    dist.destroy_process_group()
+    return {"modes": modes}
+
+
+SECTIONS = {"train": train, "collectives": collectives, "memory": memory, "nvml": nvml, "overhead": overhead,
+            "breakdown": breakdown}
 
 
 def main(argv: list[str] | None = None) -> int:

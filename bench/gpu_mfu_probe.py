@@ -18,8 +18,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.gpu_check_sections import world_of_one  # noqa: E402
-
 WARMUP = 3  # the compiled mode compiles in its first step
 # Kernel names -> the work they do, for a per-kind total (first match wins).
 KINDS = (("matmul", r"gemm|sm90_|cutlass|nvjet|cublas"), ("attention", r"flash|fmha|attention|sdpa"),
@@ -103,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu_mfu_probe: no CUDA GPU on this machine; nothing to measure")
         return 0
+    from bench.gpu_check_sections import world_of_one
+
     device = world_of_one()
     results = []
     for mode in ns.modes.split(","):

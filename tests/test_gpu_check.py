@@ -149,7 +149,7 @@ def test_worker_env_leaves_the_callers_job_behind():
 
 def test_default_plan_fits_the_default_deadline(tmp_path):
     plan = gpu_check.plan(steps=50, workdir=tmp_path)
-    assert [s.key for s in plan] == list(analysis.RENDERERS)
+    assert [s.key for s in plan] == list(gpu_check.RENDERERS)
     assert sum(s.budget_s for s in plan) <= 480 - gpu_check.RESERVE_S
     assert plan[0].argv[1:] == (str(gpu_check.WORKER), "train", "--workdir", str(tmp_path / "train"), "--steps", "50")
 
@@ -398,3 +398,33 @@ def test_overhead_is_the_median_over_ab_pairs():
     assert analysis.overhead_summary(worse)["verdict"] == "FAIL"
     with pytest.raises(ValueError, match="no complete"):
         analysis.overhead_summary(blocks[-1:])
+
+
+def _mode(mode: str, step_ms: float) -> dict:
+    # Shaped as bench/gpu_mfu_probe.measure returns it (figures of the H100 run of 2026-11-26).
+    return {"mode": mode, "step_ms": step_ms, "mfu": 0.599, "thread_cpu_ms": 40.0, "gpu_busy_ms": 179.4,
+            "by_kind_ms": {"matmul": 131.7, "triton (fused)": 31.8}, "warmup_steps_s": [1.4, 0.19, 0.19],
+            "top": [{"kernel": "nvjet_sm90_tst_256x128", "ms_per_step": 33.4, "calls_per_step": 108}]}
+
+
+def test_breakdown_sets_the_trainers_command_against_its_bare_loop(tmp_path):
+    from bench.gpu_check_breakdown import render_breakdown
+
+    train = _train_data(0.2082)  # section 1: 208.2 ms per step, compiled
+    data = {"modes": [_mode("eager", 249.5), _mode("compiled", 186.3)]}
+    slow = render_breakdown(data, train)
+    assert slow.verdict == "FAIL" and "208.2 ms per step (section 1) against the bare compiled loop's 186.3 ms: +11.8 %" in slow.summary
+    assert "| compiled | 186.3 | 59.9 % | 40.0 | 179.4 | 6.9 | matmul 131.7, triton (fused) 31.8 |" in slow.markdown
+    assert "`nvjet_sm90_tst_256x128`" in slow.markdown
+    assert render_breakdown(data, _train_data(0.19)).verdict == "PASS"  # +2.0 %
+    eager_train = {**train, "compiled": False}
+    assert render_breakdown(data, eager_train).verdict == "PASS"  # nothing compiled to compare with
+    broken = {"modes": [_mode("eager", 249.5), {"mode": "compiled", "error": "BackendCompilerFailed: x"}]}
+    assert render_breakdown(broken, train).verdict == "FAIL"
+    # Through the report: the breakdown's renderer is handed section 1's data.
+    sec = {s.key: s for s in gpu_check.plan(steps=10, workdir=tmp_path)}
+    outcomes = [gpu_check.Outcome(section=sec["train"], status="done", data=_train_data(1.0), seconds=40),
+                gpu_check.Outcome(section=sec["breakdown"], status="done",
+                                  data={"modes": [_mode("compiled", 1000.0 / 1.2)]}, seconds=50)]
+    report, code = gpu_check.render_report({}, outcomes=outcomes)
+    assert code == 1 and "+20.0 % (limit +5 %)" in report
