@@ -43,6 +43,7 @@ def resolve(argv: list[str], world: int):
         (["--set", "optim.nope=1"], 1, "unknown config key(s) optim.nope"),
         (["--set", "nonsense"], 1, "--set 'nonsense' must look like KEY=VALUE"),
         (["--config", "/no/such/file.toml"], 1, "config file '/no/such/file.toml' does not exist"),
+        (["--compile", "--tp", "2"], 2, "model.compile with tp=2: compiled blocks do not support tensor parallelism"),
     ],
 )
 def test_bad_config_names_the_value(argv, world, message):
