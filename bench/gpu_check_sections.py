@@ -16,6 +16,7 @@ here have not been run by their author (the no-GPU path and the analysis are tes
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -42,8 +43,9 @@ BUSY_N = 8192  # side of the bf16 matmul queued ahead of a `queued-*` op: ~1-2 m
 # Section 5: the A/B schedule of bench/overhead_worker.py, shortened to fit the check's budget.
 OVERHEAD_WARMUP, OVERHEAD_PAIRS, OVERHEAD_BLOCK = 3, 4, 5
 # Sections 1 and 5 train with each transformer block compiled (the trainer's --compile), as a job that cares
-# about MFU runs; the first steps, which compile, fall in the warm-up the analysis leaves out.
-COMPILE = True
+# about MFU runs; the first steps, which compile, fall in the warm-up the analysis leaves out. Without
+# Triton (inductor's GPU code generator) they train eager, and the report says which.
+COMPILE = importlib.util.find_spec("triton") is not None
 # Section 4: seconds of matmuls queued so that the readings under load see a busy GPU.
 NVML_LOAD_S = 8.0
 
