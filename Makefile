@@ -9,10 +9,15 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # a range, so pip never resolves a newer torch with gigabytes of CUDA packages. Then meshscope itself,
 # editable from this checkout (a clone elsewhere on the same machine must not test another checkout's
 # code), then whatever of the rest is missing.
+# The C form of the tracer's hot path (agent/instrument/_hot.c) is built by the editable install next to its
+# source; rebuilt when the source is newer than this interpreter's build (no C compiler: the Python path).
+NATIVE_CURRENT = $(PY) -c "import os, sys, sysconfig; so = 'agent/instrument/_hot' + sysconfig.get_config_var('EXT_SUFFIX'); sys.exit(not (os.path.exists(so) and os.path.getmtime(so) >= os.path.getmtime('agent/instrument/_hot.c')))"
+
 install:
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
 	@$(PY) -c "import os, meshscope.agent; assert os.path.realpath(meshscope.agent.__file__).startswith(os.path.realpath('agent') + os.sep)" 2>/dev/null \
 		|| $(PIP) install -q --no-deps -e .
+	@$(NATIVE_CURRENT) || ! command -v cc >/dev/null || $(PIP) install -q --no-deps --no-build-isolation -e .
 	@$(PY) -c "import meshscope.agent, meshscope.dashboard, streamlit, duckdb, pyarrow, prometheus_client, pytest_timeout, hypothesis, playwright, yaml, cryptography, psutil, plotly, pynvml, tqdm, setuptools.command.bdist_wheel, transformers, accelerate, lightning, moto.server, opentelemetry.sdk, opentelemetry.exporter.otlp.proto.http" 2>/dev/null \
 		|| $(PIP) install -e '.[test]'
 

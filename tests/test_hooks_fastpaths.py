@@ -5,10 +5,12 @@ inside another op's issuing call, keyword calls and ``Work.wait(timeout=...)``, 
 op nobody waits in Python, a call that raises after the wait torch makes inside it, a funcol op inside
 ``torch.compile`` (one graph: the wrappers step aside before Dynamo traces anything of theirs) — and that
 the ``fake`` backend's own ``FakeWork.wait`` is timed (a patch of ``Work.wait`` alone never saw it: the
-per-op cost benchmark then timed the issue without its wait)."""
+per-op cost benchmark then timed the issue without its wait). Each in both forms of the sites, C
+(agent/instrument/_hot.c) and Python (``MESHSCOPE_NATIVE=0``), and the two forms record the same ops."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -17,16 +19,48 @@ from pathlib import Path
 
 import pytest
 
+from meshscope.agent.instrument import native
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def cases() -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+@functools.lru_cache(maxsize=None)
+def _worker(form: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               MESHSCOPE_NATIVE="1" if form == "c" else "0")
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / "hooks_fastpaths.py")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module", params=["c", "python"])
+def cases(request: pytest.FixtureRequest) -> dict:
+    if request.param == "c" and not native._USABLE:
+        pytest.skip("the C sites are not built here (tests/test_hooks_native.py says whether they must be)")
+    got = _worker(request.param)
+    assert got.pop("_form")["active"] == (request.param == "c")
+    return got
+
+
+def test_both_forms_record_the_same_ops() -> None:
+    """Everything but the clock readings is the same, op for op, in C and in Python; and the C form is the
+    one patched in (its objects, not Python functions) when active."""
+    if not native._USABLE:
+        pytest.skip("the C sites are not built here")
+    c, py = _worker("c"), _worker("python")
+    assert c["_form"] == {"c10d": "Site", "wait": "Wait", "active": True}
+    assert py["_form"] == {"c10d": "function", "wait": "function", "active": False}
+    timing = {"t_start", "t_end", "wait_s"}
+
+    def shape(case: dict) -> tuple:
+        return ([{k: v for k, v in r.items() if k not in timing} | {"waited": r["wait_s"] > 0}
+                 for r in case["records"]], case["errors"], case["pending"], case["stats"])
+
+    assert set(c) == set(py)
+    for name in c:
+        if name != "_form":
+            assert shape(c[name]) == shape(py[name]), name
 
 
 def _clean(case: dict) -> None:

@@ -1,12 +1,14 @@
 """Every traced issue wrapper (``traced_call`` at each site) around stand-in originals, without a process
 group: what a working site records, that a telemetry failure is counted through ``record_error`` and never
 reaches the caller (who gets the real call's result, the call made once), that the real call's own
-exception reaches the caller unchanged, and that the wrapper steps aside when detached or nested. Plus the
+exception reaches the caller unchanged, and that the wrapper steps aside when detached or nested — each in
+both forms of the fast sites, C (``agent/instrument/_hot.c``) and Python (``MESHSCOPE_NATIVE=0``). Plus the
 import graph of ``agent/instrument``: no module imports one that imports it back."""
 
 from __future__ import annotations
 
 import functools
+import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshscope.agent.instrument import comm_c10d, comm_funcol
+from meshscope.agent.instrument import comm_c10d, comm_funcol, native
 from meshscope.agent.instrument.collectives import CollectiveTracer
 from meshscope.agent.instrument.comm_fsdp import TracedAllGather, TracedReduceScatter
 from meshscope.agent.instrument.meshinfo import GroupInfo, MeshInfo
@@ -199,6 +201,27 @@ SITES = [
 ]
 
 
+class PerfClock:
+    """The recorder's clock: ``time.perf_counter`` itself, the clock the C sites are made for (a Telemetry's
+    tracer reads it; a ListRecorder's AnchoredClock would keep the tracer on the Python sites)."""
+
+    now = staticmethod(time.perf_counter)
+
+
+def _recorder(cls: type = ListRecorder) -> ListRecorder:
+    return cls(clock=PerfClock())
+
+
+@pytest.fixture(autouse=True, params=["c", "python"])
+def form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs on both forms of the fast sites (``native.active`` reads the switch when a site
+    is made)."""
+    if request.param == "c" and not native._USABLE:
+        pytest.skip("the C sites are not built here (tests/test_hooks_native.py says whether they must be)")
+    monkeypatch.setenv("MESHSCOPE_NATIVE", "1" if request.param == "c" else "0")
+    return request.param
+
+
 @pytest.fixture(autouse=True)
 def nccl_like_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     """batch_isend_irecv traces a batch only on a backend that coalesces it (NCCL); no such backend on CPU,
@@ -207,7 +230,7 @@ def nccl_like_batches(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _tracer(*, mesh: MeshInfo | None = None, recorder: ListRecorder | None = None) -> CollectiveTracer:
-    tracer = CollectiveTracer(recorder or ListRecorder(), mesh_info=mesh or FixedMesh())
+    tracer = CollectiveTracer(recorder or _recorder(), mesh_info=mesh or FixedMesh())
     tracer.enabled = True  # what attach sets, without patching torch
     return tracer
 
@@ -238,7 +261,7 @@ def _same_result(got: Any, want: Any) -> bool:
 
 @pytest.mark.parametrize("site", SITES, ids=lambda s: s.name)
 def test_a_working_site_records_its_ops(site: Site) -> None:
-    rec = ListRecorder()
+    rec = _recorder()
     tracer = _tracer(recorder=rec)
     original = Original(site.result)
     result = _run(site, tracer, original)
@@ -255,7 +278,7 @@ def test_a_working_site_records_its_ops(site: Site) -> None:
 
 @pytest.mark.parametrize("site", SITES, ids=lambda s: s.name)
 def test_a_failing_lookup_is_counted_and_the_call_made_as_the_caller_made_it(site: Site) -> None:
-    rec = ListRecorder()
+    rec = _recorder()
     original = Original(site.result)
     result = _run(site, _tracer(mesh=ExplodingMesh(), recorder=rec), original)
     assert _shape(original.calls) == _untraced(site)  # once, with the caller's arguments (no async rewrite)
@@ -266,7 +289,7 @@ def test_a_failing_lookup_is_counted_and_the_call_made_as_the_caller_made_it(sit
 
 @pytest.mark.parametrize("site", SITES, ids=lambda s: s.name)
 def test_a_failing_recorder_is_counted_not_raised(site: Site) -> None:
-    rec = FailingRecorder()
+    rec = _recorder(FailingRecorder)
     original = Original(site.result)
     result = _run(site, _tracer(recorder=rec), original)
     assert len(original.calls) == 1 and _same_result(result, _expected_result(site, original))
@@ -275,7 +298,7 @@ def test_a_failing_recorder_is_counted_not_raised(site: Site) -> None:
 
 @pytest.mark.parametrize("site", SITES, ids=lambda s: s.name)
 def test_failing_bookkeeping_after_the_call_is_counted_not_raised(site: Site) -> None:
-    rec = ListRecorder()
+    rec = _recorder()
     tracer = _tracer(recorder=rec)
 
     def broken(*args: Any, **kwargs: Any) -> None:
@@ -300,7 +323,7 @@ def test_failing_bookkeeping_after_the_call_is_counted_not_raised(site: Site) ->
 
 @pytest.mark.parametrize("site", SITES, ids=lambda s: s.name)
 def test_the_calls_own_exception_propagates_unchanged(site: Site) -> None:
-    rec = ListRecorder()
+    rec = _recorder()
     tracer = _tracer(recorder=rec)
     error = UserError("from the real collective")
     with pytest.raises(UserError) as raised:
@@ -312,7 +335,7 @@ def test_the_calls_own_exception_propagates_unchanged(site: Site) -> None:
 
 @pytest.mark.parametrize("site", SITES, ids=lambda s: s.name)
 def test_the_wrapper_steps_aside_when_detached_or_nested(site: Site) -> None:
-    rec = ListRecorder()
+    rec = _recorder()
     tracer = _tracer(recorder=rec)
     tracer.enabled = False
     detached = Original(site.result)
@@ -334,7 +357,7 @@ def test_c10d_steps_aside_inside_a_coalescing_manager(monkeypatch: pytest.Monkey
     from torch.distributed import distributed_c10d as c10d
 
     monkeypatch.setitem(c10d._world.pg_coalesce_state, "pg", [])  # the call only queues its op there
-    rec = ListRecorder()
+    rec = _recorder()
     original = Original(_none)
     SITES[0].call(SITES[0].build(_tracer(recorder=rec), original))
     assert original.calls == [((T,), {"group": "g"})] and rec.collectives == []

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from meshscope.agent.instrument import native
 from meshscope.agent.instrument.traced_call import Issue, traced_call
 
 
@@ -181,7 +182,8 @@ def _fast_one(original: Callable, slow: Callable, *, tracer: Any, op: str, where
     """The CPU path of a one-tensor collective or P2P op (``spec``: where its arguments are), everything
     ``traced_call`` does written out in one frame: per op the training thread resolves the group (a dict
     hit), takes its sequence number and two clock readings and appends one tuple (``collectives.Issued`` /
-    ``Entry``). CUDA tensors take ``slow``."""
+    ``Entry``). CUDA tensors take ``slow``. Made in C where ``native`` says so (this
+    wrapper is then its ``slow``)."""
     ti, gi, ai, tname, fixed_async, pi = spec
     (_, main, main_tid, local, get_ident, groups, resolve, now, live, push, done, max_done, pending,
      max_pending, stats) = tracer.hot
@@ -242,7 +244,8 @@ def _fast_one(original: Callable, slow: Callable, *, tracer: Any, op: str, where
             tracer.error(where, exc)
         return result
 
-    return wrapper
+    return native.c10d_site(original, wrapper, tracer=tracer, op=op, where=where, spec=spec, works=works,
+                            coalesce=_coalesce_state)
 
 
 def p2p(original: Callable, *, tracer: Any, op: str, is_async: bool) -> Callable:
@@ -330,50 +333,54 @@ def install(tracer: Any) -> None:
     tracer.patch(owners, "recv", functools.partial(p2p, tracer=tracer, op="recv", is_async=False))
     tracer.patch(owners, "batch_isend_irecv", functools.partial(batch, tracer=tracer, isend=isend, irecv=irecv))
 
-    def wait(original: Callable) -> Callable:
-        # take_work and the Entry's hand-over, inline: every Work.wait of the process comes here.
-        (_, _, _, _, _, _, _, now, live, push, done, max_done, pending, _, stats) = tracer.hot
+    tracer_wait = functools.partial(wait, tracer=tracer)
+    for work_type in _work_classes():
+        tracer.patch((work_type,), "wait", tracer_wait)
 
-        def traced_wait(self: Any, timeout: Any = _NO_TIMEOUT) -> Any:
-            # torch's own signature, ``wait(self, timeout=timedelta(0))``: a ``*args, **kwargs`` pass-through
-            # builds a tuple and a dict on every wait of the process.
-            entry = pending.pop(id(self), None) if pending else None
-            if entry is None or entry[0] is not self:
-                if entry is not None:  # another work's entry under a reused id: not ours to take
-                    pending[id(entry[0])] = entry
-                return original(self) if timeout is _NO_TIMEOUT else original(self, timeout)
-            ops = entry[1]
-            if type(ops) is tuple:  # one CPU op of a fast site (its Issued)
-                t0 = now()
-                result = original(self) if timeout is _NO_TIMEOUT else original(self, timeout)
-                try:
-                    t1 = now()
-                    if len(done) < max_done:
-                        push(ops + (t1, t1 - t0, live.key))
-                    else:
-                        stats["dropped_done"] += 1
-                except Exception as exc:
-                    tracer.error("wait", exc)
-                return result
-            args: tuple = () if timeout is _NO_TIMEOUT else (timeout,)
-            kwargs: dict = {}
-            if ops[0].cuda is not None:
-                return tracer.cuda_timer().wait(tracer, ops, original, self, args, kwargs)
+
+def wait(original: Callable, *, tracer: Any) -> Callable:
+    """``Work.wait`` (``original``) completing the op its work was tracked with: timed, recorded through
+    ``tracer``; any other work's wait goes through untouched."""
+    # take_work and the Entry's hand-over, inline: every Work.wait of the process comes here.
+    (_, _, _, _, _, _, _, now, live, push, done, max_done, pending, _, stats) = tracer.hot
+
+    def traced_wait(self: Any, timeout: Any = _NO_TIMEOUT) -> Any:
+        # torch's own signature, ``wait(self, timeout=timedelta(0))``: a ``*args, **kwargs`` pass-through
+        # builds a tuple and a dict on every wait of the process.
+        entry = pending.pop(id(self), None) if pending else None
+        if entry is None or entry[0] is not self:
+            if entry is not None:  # another work's entry under a reused id: not ours to take
+                pending[id(entry[0])] = entry
+            return original(self) if timeout is _NO_TIMEOUT else original(self, timeout)
+        ops = entry[1]
+        if type(ops) is tuple:  # one CPU op of a fast site (its Issued)
             t0 = now()
-            result = original(self, *args, **kwargs)
+            result = original(self) if timeout is _NO_TIMEOUT else original(self, timeout)
             try:
                 t1 = now()
-                if len(ops) == 1:  # tracer.waited, inline for the common single-op work
-                    tracer.emit(ops[0], t1, t1 - t0)
+                if len(done) < max_done:
+                    push(ops + (t1, t1 - t0, live.key))
                 else:
-                    tracer.waited(ops, t0, t1)
+                    stats["dropped_done"] += 1
             except Exception as exc:
                 tracer.error("wait", exc)
             return result
-        return traced_wait
-
-    for work_type in _work_classes():
-        tracer.patch((work_type,), "wait", wait)
+        args: tuple = () if timeout is _NO_TIMEOUT else (timeout,)
+        kwargs: dict = {}
+        if ops[0].cuda is not None:
+            return tracer.cuda_timer().wait(tracer, ops, original, self, args, kwargs)
+        t0 = now()
+        result = original(self, *args, **kwargs)
+        try:
+            t1 = now()
+            if len(ops) == 1:  # tracer.waited, inline for the common single-op work
+                tracer.emit(ops[0], t1, t1 - t0)
+            else:
+                tracer.waited(ops, t0, t1)
+        except Exception as exc:
+            tracer.error("wait", exc)
+        return result
+    return native.work_wait(original, traced_wait, tracer=tracer)
 
 
 def _work_classes() -> list[type]:

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
+from meshscope.agent.instrument import native
 from meshscope.agent.instrument.traced_call import Issue, traced_call
 
 
@@ -33,7 +34,8 @@ def _traced(call: Callable, *, tracer: Any, op: str, buffer: int) -> Callable:
     positional arguments: cheaper to pass on than keywords) recording ``op`` through ``tracer``; its bytes
     are the size of the tensor at position ``buffer`` (nccl-tests: all-gather output, reduce-scatter
     input). A blocking call on CPU returns once its op completed: the whole call is blocked time. The CPU
-    path is written out in one frame (as ``comm_c10d._fast_one``); CUDA tensors take ``traced_call``."""
+    path is written out in one frame (as ``comm_c10d._fast_one``; in C where ``native`` says so); CUDA
+    tensors take ``traced_call``."""
     where = f"fsdp_{op}"
 
     def describe(args: tuple, kwargs: dict) -> Issue:
@@ -92,7 +94,7 @@ def _traced(call: Callable, *, tracer: Any, op: str, buffer: int) -> Callable:
             tracer.error(where, exc)
         return work
 
-    return fast
+    return native.fsdp_site(call, fast, tracer=tracer, op=op, where=where, buffer=buffer)
 
 
 class TracedAllGather(DefaultAllGather):

@@ -1,10 +1,12 @@
 """The fast CPU sites against the real torch API on the ``fake`` backend (one process, no network): prints
-one JSON object of what each case recorded. Used by tests/test_hooks_fastpaths.py."""
+one JSON object of what each case recorded, and which form of the sites ran (``MESHSCOPE_NATIVE``: C or
+Python, see agent/instrument/native.py). Used by tests/test_hooks_fastpaths.py."""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -13,6 +15,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from meshscope.agent.instrument import native
 from meshscope.agent.instrument.collectives import CollectiveTracer
 from meshscope.agent.instrument.recorder import ListRecorder
 
@@ -22,8 +25,14 @@ def records(rec: ListRecorder) -> list[dict[str, Any]]:
     return [{k: r[k] for k in keep if k in r} for r in rec.collectives]
 
 
+class PerfClock:
+    """``time.perf_counter`` itself: the clock a Telemetry's tracer reads, for which the C sites are made."""
+
+    now = staticmethod(time.perf_counter)
+
+
 def case(name: str, fn: Any, out: dict) -> None:
-    rec = ListRecorder()
+    rec = ListRecorder(clock=PerfClock())
     tracer = CollectiveTracer(rec)
     tracer.attach(None)
     try:
@@ -89,6 +98,14 @@ def main() -> None:
             pass
         funcol.all_reduce(t, "sum", world).wait()
     case("funcol_raises_after_inner_wait", raising_then_next, out)
+    # Which form ran: the patched functions are the C sites' objects, or Python functions.
+    tracer = CollectiveTracer(ListRecorder(clock=PerfClock()))
+    tracer.attach(None)
+    try:
+        out["_form"] = {"c10d": type(dist.all_reduce).__name__, "wait": type(vars(dist.Work)["wait"]).__name__,
+                        "active": native.active(tracer)}
+    finally:
+        tracer.detach()
     print(json.dumps(out))
     dist.destroy_process_group()
 

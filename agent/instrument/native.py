@@ -1,0 +1,87 @@
+"""Which form of the collective tracer's per-op sites a process runs: the C one (``_hot``, built from
+agent/instrument/_hot.c by ``pip install``) or the pure-Python one of the ``comm_*`` modules.
+
+The Python sites are the reference: each C site does what its Python site does on the case it handles and
+hands every other case to it (``slow``). The C form is used where it was built, where its clock is the
+tracer's (``time.perf_counter``, CLOCK_MONOTONIC on Linux: the entries of both forms are compared and
+accounted together), and unless ``MESHSCOPE_NATIVE=0`` is set (the off switch, read when a tracer
+attaches). What a C site saves is the interpreter's share of the path — a frame, ``*args`` / ``**kwargs``
+packing, a call per clock reading: bench/hooks_overhead.py measures both forms (``_python`` paths).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+try:
+    from meshscope.agent.instrument import _hot
+except ImportError:  # not built (no C compiler where meshscope was installed): the Python sites
+    _hot = None
+
+
+def _same_clock() -> bool:
+    if _hot is None or time.get_clock_info("perf_counter").implementation != "clock_gettime(CLOCK_MONOTONIC)":
+        return False
+    before = time.perf_counter()
+    mine = _hot.perf_counter()
+    return before <= mine <= time.perf_counter()
+
+
+_USABLE = _same_clock()
+
+
+def active(tracer: Any) -> bool:
+    """Whether ``tracer``'s sites are made in C."""
+    return (_USABLE and os.environ.get("MESHSCOPE_NATIVE", "1") != "0"
+            and getattr(tracer, "now", None) is time.perf_counter)
+
+
+def c10d_site(original: Callable, python: Callable, *, tracer: Any, op: str, where: str, spec: Any,
+              works: Any, coalesce: dict) -> Callable:
+    """``comm_c10d._fast_one``'s wrapper (``python``) in C, or ``python`` itself."""
+    if not active(tracer):
+        return python
+    ti, gi, ai, tname, fixed_async, pi = spec
+    return _hot.Site(_hot.KIND_C10D, original, python, tracer.hot, op, "c10d", where, tensor=ti, group=gi,
+                     async_op=ai, tensor_kw=tname, fixed_async=-1 if fixed_async is None else int(fixed_async),
+                     peer=-1 if pi is None else pi, coalesce=coalesce, works=works, learn=works.learn)
+
+
+def fsdp_site(original: Callable, python: Callable, *, tracer: Any, op: str, where: str, buffer: int) -> Callable:
+    """``comm_fsdp._traced``'s ``fast`` (``python``) in C, or ``python`` itself."""
+    if not active(tracer):
+        return python
+    return _hot.Site(_hot.KIND_FSDP, original, python, tracer.hot, op, "fsdp_comm", where, buffer=buffer)
+
+
+def funcol_site(original: Callable, python: Callable, *, tracer: Any, op: str, group_index: int, output: bool,
+                act: type) -> Callable | None:
+    """``comm_funcol.single``'s wrapper past its torch.compile check, in C; None where the Python one runs."""
+    if not active(tracer):
+        return None
+    return _hot.Site(_hot.KIND_FUNCOL, original, python, tracer.hot, op, "funcol", op, group=group_index,
+                     output=output, act=act, pending=tracer._pending_tensors)
+
+
+def work_wait(original: Callable, python: Callable, *, tracer: Any) -> Callable:
+    """``comm_c10d``'s ``traced_wait`` (``python``) in C (bound as a method on the Work class), or ``python``."""
+    if not active(tracer):
+        return python
+    return _hot.Wait(_hot.WAIT_WORK, original, python, tracer.hot, "wait")
+
+
+def tensor_wait(original: Callable, python: Callable, *, tracer: Any, act: type) -> Callable | None:
+    """``comm_funcol``'s ``wait_tensor`` past its torch.compile check, in C; None where the Python one runs."""
+    if not active(tracer):
+        return None
+    return _hot.Wait(_hot.WAIT_TENSOR, original, python, tracer.hot, "wait_tensor", act=act,
+                     pending=tracer._pending_tensors)
+
+
+def read_fd() -> Callable[[int, int], bytes] | None:
+    """``pread(fd, n, 0)`` keeping the GIL, in C (``cpu.ThreadCPU``); None where not built or switched off."""
+    if _hot is None or os.environ.get("MESHSCOPE_NATIVE", "1") == "0":
+        return None
+    return _hot.read_fd

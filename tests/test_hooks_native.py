@@ -1,0 +1,129 @@
+"""The C form of the fast sites (agent/instrument/_hot.c, chosen by agent/instrument/native.py): built
+wherever a C compiler is (a silent fall back to Python would pass every other test and lose the cost
+figures), switched off by ``MESHSCOPE_NATIVE=0``, its schedstat read the kernel's line, and no reference
+leaked or stolen over many calls (what C can get wrong and Python cannot). What each site records, in both
+forms, is tested by tests/test_hooks_wrappers.py and tests/test_hooks_fastpaths.py."""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import sys
+import sysconfig
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshscope.agent.instrument import comm_c10d, comm_fsdp, native
+from meshscope.agent.instrument.collectives import CollectiveTracer
+from meshscope.agent.instrument.cpu import ThreadCPU, parse
+from meshscope.agent.instrument.meshinfo import GroupInfo, MeshInfo
+from meshscope.agent.instrument.recorder import ListRecorder
+
+
+class PerfClock:
+    now = staticmethod(time.perf_counter)
+
+
+class OneMesh(MeshInfo):
+    def lookup(self, group):
+        return GroupInfo(dim="dp", size=2, name="g", ranks=(0, 1))
+
+
+class Work(dist.Work):
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
+def _tracer(monkeypatch: pytest.MonkeyPatch, form: str) -> tuple[CollectiveTracer, ListRecorder]:
+    monkeypatch.setenv("MESHSCOPE_NATIVE", "1" if form == "c" else "0")
+    rec = ListRecorder(clock=PerfClock())
+    tracer = CollectiveTracer(rec, mesh_info=OneMesh())
+    tracer.enabled = True
+    return tracer, rec
+
+
+def test_built_wherever_a_c_compiler_is() -> None:
+    if not (shutil.which(sysconfig.get_config_var("CC").split()[0] if sysconfig.get_config_var("CC") else "cc")
+            or shutil.which("cc")):
+        pytest.skip("no C compiler here: the Python sites are the whole path")
+    assert native._hot is not None, "agent/instrument/_hot.c is not built: run `make install`"
+    assert native._USABLE, "the C module's clock is not time.perf_counter's"
+
+
+def test_the_switch_and_the_clock_choose_the_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not native._USABLE:
+        pytest.skip("the C sites are not built here")
+    tracer, _ = _tracer(monkeypatch, "c")
+    assert native.active(tracer)
+    monkeypatch.setenv("MESHSCOPE_NATIVE", "0")
+    assert not native.active(tracer) and native.read_fd() is None
+    # A recorder on another clock (a test's fake, an AnchoredClock) keeps the tracer on the Python sites.
+    monkeypatch.setenv("MESHSCOPE_NATIVE", "1")
+    assert not native.active(CollectiveTracer(ListRecorder(), mesh_info=OneMesh()))
+
+
+def test_the_schedstat_read_is_the_kernels_line() -> None:
+    if native.read_fd() is None or not os.path.exists("/proc/thread-self/schedstat"):
+        pytest.skip("no C read or no schedstat here")
+    cpu = ThreadCPU()
+    try:
+        first = cpu.read()
+        assert type(first) is bytes and len(first.split()) == 3
+        sum(i * i for i in range(200_000))  # some CPU time
+        on_cpu, delay = (b - a for a, b in zip(parse(first), parse(cpu.read())))
+        assert on_cpu > 0 and delay >= 0
+    finally:
+        cpu.close()
+    with pytest.raises(OSError):
+        native.read_fd()(-1, 96)
+
+
+@pytest.mark.parametrize("form", ["c", "python"])
+def test_no_reference_is_leaked_or_stolen(monkeypatch: pytest.MonkeyPatch, form: str) -> None:
+    """Thousands of blocking, async (+ wait) and FSDP calls: the tensor, group and work references are where
+    they were, and the objects of the process do not grow with the calls."""
+    if form == "c" and not native._USABLE:
+        pytest.skip("the C sites are not built here")
+    tracer, rec = _tracer(monkeypatch, form)
+    works: list[Work] = []
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        if async_op:
+            works.append(Work())
+            return works[-1]
+        return None
+
+    def fsdp_call(output_tensor, input_tensor, group, async_op=False):
+        return None
+
+    bind = comm_c10d._COLLECTIVES["all_reduce"][1]
+    site = comm_c10d.collective(all_reduce, tracer=tracer, op="all_reduce", bind=bind)
+    fsdp = comm_fsdp._traced(fsdp_call, tracer=tracer, op="all_gather", buffer=0)
+    waited = comm_c10d.wait(Work.wait, tracer=tracer)
+    assert (type(site).__name__ == "Site") == (form == "c")
+    t, group = torch.ones(4), object()
+
+    def burst(n: int) -> None:
+        for _ in range(n):
+            site(t, group=group)
+            work = site(t, None, group, True)
+            waited(work)
+            fsdp(t, t, group, False)
+        works.clear()
+        tracer.drain()
+        rec.collectives.clear()
+
+    burst(200)  # warm: the group resolved, caches filled
+    gc.collect()
+    refs = (sys.getrefcount(t), sys.getrefcount(group), sys.getrefcount(None))
+    objects = len(gc.get_objects())
+    burst(3000)
+    gc.collect()
+    assert (sys.getrefcount(t), sys.getrefcount(group)) == refs[:2]
+    assert abs(sys.getrefcount(None) - refs[2]) < 100  # None is everyone's: only a steady count matters
+    assert len(gc.get_objects()) - objects < 100
+    assert rec.errors == [] and not tracer._pending_works
