@@ -11,6 +11,7 @@
  *   Site(KIND_FUNCOL, ...) comm_funcol.single's wrapper    (after the Python check for torch.compile)
  *   Wait(WAIT_WORK, ...)   comm_c10d's ``traced_wait``     (Work.wait, bound as a method)
  *   Wait(WAIT_TENSOR, ...) comm_funcol's ``wait_tensor``  (after the Python check for torch.compile)
+ *   Stamp(op)              ops.stamp_unwrap     (a DDP bucket's completion callback)
  *   read_fd(fd, n)         a pread that keeps the GIL      (cpu.ThreadCPU: /proc/thread-self/schedstat)
  *
  * Timestamps are CLOCK_MONOTONIC converted as time.perf_counter converts it (native.py uses this module
@@ -698,6 +699,74 @@ static PyTypeObject WaitType = {
     .tp_descr_get = bind_method,
 };
 
+/* ------------------------------------------------------------------------------------------ Stamp */
+/* ops.stamp_unwrap bound to its op: Stamp(p)(fut) stores p.t_done = now and returns
+ * fut.value()[0] (the then-callback of a DDP bucket's future, run by the backend's thread at completion). */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *op;
+} Stamp;
+
+static PyObject *s_t_done, *s_value;
+
+static PyObject *stamp_call(Stamp *st, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    if (PyVectorcall_NARGS(nargsf) != 1 || kwnames) {
+        PyErr_SetString(PyExc_TypeError, "Stamp takes the future only");
+        return NULL;
+    }
+    PyObject *t = PyFloat_FromDouble(now_s());
+    if (!t) return NULL;
+    int r = PyObject_SetAttr(st->op, s_t_done, t);
+    Py_DECREF(t);
+    if (r < 0) return NULL;
+    PyObject *value = PyObject_CallMethodNoArgs(args[0], s_value);
+    if (!value) return NULL;
+    PyObject *first = PySequence_GetItem(value, 0);
+    Py_DECREF(value);
+    return first;
+}
+
+static PyObject *stamp_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *op;
+    if (!PyArg_ParseTuple(args, "O:Stamp", &op)) return NULL;
+    Stamp *st = (Stamp *)type->tp_alloc(type, 0);
+    if (!st) return NULL;
+    st->vectorcall = (vectorcallfunc)stamp_call;
+    st->op = Py_NewRef(op);
+    return (PyObject *)st;
+}
+
+static int stamp_traverse(Stamp *st, visitproc visit, void *arg) {
+    Py_VISIT(st->op);
+    return 0;
+}
+
+static int stamp_clear(Stamp *st) {
+    Py_CLEAR(st->op);
+    return 0;
+}
+
+static void stamp_dealloc(Stamp *st) {
+    PyObject_GC_UnTrack(st);
+    stamp_clear(st);
+    Py_TYPE(st)->tp_free((PyObject *)st);
+}
+
+static PyTypeObject StampType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "meshscope.agent.instrument._hot.Stamp",
+    .tp_doc = "Stamp(op)(fut): op.t_done = now; fut.value()[0] (comm_ddp).",
+    .tp_basicsize = sizeof(Stamp),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_new = stamp_new,
+    .tp_traverse = (traverseproc)stamp_traverse,
+    .tp_clear = (inquiry)stamp_clear,
+    .tp_dealloc = (destructor)stamp_dealloc,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(Stamp, vectorcall),
+};
+
 /* ---------------------------------------------------------------------------------------- read_fd */
 static PyObject *read_fd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
@@ -740,16 +809,17 @@ PyMODINIT_FUNC PyInit__hot(void) {
     INTERN(s_data_ptr, "data_ptr"); INTERN(s_size, "size"); INTERN(s_global_rank, "global_rank");
     INTERN(s_error, "error"); INTERN(s_track_work, "track_work"); INTERN(s_track_tensor, "track_tensor");
     INTERN(s_dropped_done, "dropped_done"); INTERN(s_group, "group"); INTERN(s_async_op, "async_op");
-    INTERN(s_self, "self");
+    INTERN(s_self, "self"); INTERN(s_t_done, "t_done"); INTERN(s_value, "value");
 #undef INTERN
     if (!(k_zero_float = PyFloat_FromDouble(0.0)) || !(k_minus_one = PyLong_FromLong(-1))
         || !(k_zero = PyLong_FromLong(0)) || !(k_one = PyLong_FromLong(1)))
         return NULL;
-    if (PyType_Ready(&SiteType) < 0 || PyType_Ready(&WaitType) < 0) return NULL;
+    if (PyType_Ready(&SiteType) < 0 || PyType_Ready(&WaitType) < 0 || PyType_Ready(&StampType) < 0) return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
     if (PyModule_AddObjectRef(m, "Site", (PyObject *)&SiteType) < 0
         || PyModule_AddObjectRef(m, "Wait", (PyObject *)&WaitType) < 0
+        || PyModule_AddObjectRef(m, "Stamp", (PyObject *)&StampType) < 0
         || PyModule_AddIntConstant(m, "KIND_C10D", KIND_C10D) < 0
         || PyModule_AddIntConstant(m, "KIND_FSDP", KIND_FSDP) < 0
         || PyModule_AddIntConstant(m, "KIND_FUNCOL", KIND_FUNCOL) < 0

@@ -84,7 +84,7 @@ def traced_allreduce_hook(state, bucket):  # no annotations: DDP compares them t
             p = tracer.Op("all_reduce", hit[1], hit[3], buffer.nbytes, -1, "ddp_comm_hook", next(hit[2]), hot.now())
     except Exception as exc:
         tracer.error("ddp_comm_hook", exc)
-    fut, work = _allreduce(buffer, group, None if p is None or p.cuda is not None else (p, tracer.now))
+    fut, work = _allreduce(buffer, group, None if p is None or p.cuda is not None else tracer.ddp_stamp(p))
     if p is not None:
         try:
             # The work is read by the CUDA timing only (comm_nccl): on CPU it is not kept past the hook.
@@ -96,29 +96,22 @@ def traced_allreduce_hook(state, bucket):  # no annotations: DDP compares them t
     return fut
 
 
-def _allreduce(buffer: Any, group: Any, stamp: tuple[Any, Any] | None = None) -> tuple[Any, Any]:
-    """``default_hooks._allreduce_fut`` after its division, keeping the work. With ``stamp`` (op, clock),
-    the one Python callback the default hook already has (unwrapping the result list: DDP's Python hook
-    result must be a Python object, not the work's list future) also stamps completion. One callback, not
-    two: each one runs on the gloo worker thread and has to take the GIL, so a second one is a second
-    wait behind the training thread (up to the 5 ms switch interval) before gloo's worker can go on.
+def _allreduce(buffer: Any, group: Any, stamp: Any = None) -> tuple[Any, Any]:
+    """``default_hooks._allreduce_fut`` after its division, keeping the work. With ``stamp`` (the op's
+    ``tracer.ddp_stamp(p)``: ``ops.stamp_unwrap`` bound to it, in C where ``native`` says so), the one Python
+    callback the default hook already has (unwrapping the result list: DDP's Python hook result must be a
+    Python object, not the work's list future) also stamps completion. One callback, not two: each one runs
+    on the gloo worker thread and has to take the GIL, so a second one is a second wait behind the training
+    thread (up to the 5 ms switch interval) before gloo's worker can go on.
 
     The ProcessGroup is called directly, as DDP's C++ reducer does without a hook: ``dist.all_reduce``'s
     Python layer (argument checks, options, logging wrapper: 5 µs of training-thread CPU per bucket on the
     dev VM) would be paid on every bucket for nothing, the bucket being a dense tensor of the group."""
     work = group.allreduce([buffer])
-    done = work.get_future()
-    if stamp is None:
-        return done.then(_unwrap), work
-    return done.then(functools.partial(_stamp_unwrap, *stamp)), work
+    return work.get_future().then(_unwrap if stamp is None else stamp), work
 
 
 def _unwrap(fut: Any) -> Any:
-    return fut.value()[0]
-
-
-def _stamp_unwrap(p: Any, now: Any, fut: Any) -> Any:
-    p.t_done = now()  # runs on the gloo worker thread: one attribute store, atomic under the GIL
     return fut.value()[0]
 
 

@@ -80,6 +80,12 @@ def tensor_wait(original: Callable, python: Callable, *, tracer: Any, act: type)
                      pending=tracer._pending_tensors)
 
 
+def ddp_stamp(tracer: Any, python: Callable[[Any], Callable]) -> Callable[[Any], Callable]:
+    """``op`` → the completion callback of a DDP bucket's future (``ops.stamp_unwrap`` bound to it):
+    ``_hot.Stamp``, or ``python`` (the Python form)."""
+    return _hot.Stamp if active(tracer) else python
+
+
 def read_fd() -> Callable[[int, int], bytes] | None:
     """``pread(fd, n, 0)`` keeping the GIL, in C (``cpu.ThreadCPU``); None where not built or switched off."""
     if _hot is None or os.environ.get("MESHSCOPE_NATIVE", "1") == "0":
