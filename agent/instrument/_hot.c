@@ -11,7 +11,7 @@
  *   Site(KIND_FUNCOL, ...) comm_funcol.single's wrapper    (after the Python check for torch.compile)
  *   Wait(WAIT_WORK, ...)   comm_c10d's ``traced_wait``     (Work.wait, bound as a method)
  *   Wait(WAIT_TENSOR, ...) comm_funcol's ``wait_tensor``  (after the Python check for torch.compile)
- *   Stamp(op)              ops.stamp_unwrap     (a DDP bucket's completion callback)
+ *   DdpOp(hot, group, n)   comm_ddp's op + ops.stamp_unwrap (a DDP bucket's op and its completion callback)
  *   read_fd(fd, n)         a pread that keeps the GIL      (cpu.ThreadCPU: /proc/thread-self/schedstat)
  *
  * Timestamps are CLOCK_MONOTONIC converted as time.perf_counter converts it (native.py uses this module
@@ -699,27 +699,28 @@ static PyTypeObject WaitType = {
     .tp_descr_get = bind_method,
 };
 
-/* ------------------------------------------------------------------------------------------ Stamp */
-/* ops.stamp_unwrap bound to its op: Stamp(p)(fut) stores p.t_done = now and returns
- * fut.value()[0] (the then-callback of a DDP bucket's future, run by the backend's thread at completion). */
+/* ------------------------------------------------------------------------------------------ DdpOp */
+/* A DDP bucket's op on CPU (comm_ddp): DdpOp(hot, group, nbytes) is the op record ``tracer.begin`` makes
+ * (ops._Op's fields, ``cuda`` None), issued now, and also its future's completion callback, which stamps
+ * ``t_done`` and returns the bucket's tensor (ops.stamp_unwrap bound to the op). */
+#include <structmember.h>
+
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
-    PyObject *op;
-} Stamp;
+    PyObject *op, *key, *nbytes, *peer, *source, *seq, *t_start, *t_done, *cuda, *info;
+} DdpOp;
 
-static PyObject *s_t_done, *s_value;
+static PyObject *s_value, *s_all_reduce, *s_ddp_comm_hook;
 
-static PyObject *stamp_call(Stamp *st, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+static PyObject *ddpop_call(DdpOp *d, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     if (PyVectorcall_NARGS(nargsf) != 1 || kwnames) {
-        PyErr_SetString(PyExc_TypeError, "Stamp takes the future only");
+        PyErr_SetString(PyExc_TypeError, "a DdpOp is called with the future only");
         return NULL;
     }
-    PyObject *t = PyFloat_FromDouble(now_s());
+    PyObject *t = PyFloat_FromDouble(now_s());  /* on the backend's thread, holding the GIL */
     if (!t) return NULL;
-    int r = PyObject_SetAttr(st->op, s_t_done, t);
-    Py_DECREF(t);
-    if (r < 0) return NULL;
+    Py_XSETREF(d->t_done, t);
     PyObject *value = PyObject_CallMethodNoArgs(args[0], s_value);
     if (!value) return NULL;
     PyObject *first = PySequence_GetItem(value, 0);
@@ -727,44 +728,90 @@ static PyObject *stamp_call(Stamp *st, PyObject *const *args, size_t nargsf, PyO
     return first;
 }
 
-static PyObject *stamp_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    PyObject *op;
-    if (!PyArg_ParseTuple(args, "O:Stamp", &op)) return NULL;
-    Stamp *st = (Stamp *)type->tp_alloc(type, 0);
-    if (!st) return NULL;
-    st->vectorcall = (vectorcallfunc)stamp_call;
-    st->op = Py_NewRef(op);
-    return (PyObject *)st;
+static PyObject *ddpop_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *hot, *group, *nbytes;
+    if (!PyArg_ParseTuple(args, "OOO:DdpOp", &hot, &group, &nbytes)) return NULL;
+    Hot h;
+    if (!PyTuple_Check(hot) || PyTuple_GET_SIZE(hot) != 15 || !PyDict_Check(PyTuple_GET_ITEM(hot, 5))) {
+        PyErr_SetString(PyExc_TypeError, "hot must be an ops.Hot");
+        return NULL;
+    }
+    h.groups = PyTuple_GET_ITEM(hot, 5);
+    h.resolve = PyTuple_GET_ITEM(hot, 6);
+    PyObject *hit = group_entry(&h, group);
+    if (!hit) return NULL;
+    PyObject *seq = PyIter_Next(PyTuple_GET_ITEM(hit, 2));
+    if (!seq) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_StopIteration, "group counter exhausted");
+        Py_DECREF(hit);
+        return NULL;
+    }
+    PyObject *t0 = PyFloat_FromDouble(now_s());
+    DdpOp *d = t0 ? (DdpOp *)type->tp_alloc(type, 0) : NULL;
+    if (!d) {
+        Py_DECREF(hit); Py_DECREF(seq); Py_XDECREF(t0);
+        return NULL;
+    }
+    d->vectorcall = (vectorcallfunc)ddpop_call;
+    d->op = Py_NewRef(s_all_reduce);
+    d->info = Py_NewRef(PyTuple_GET_ITEM(hit, 1));
+    d->key = Py_NewRef(PyTuple_GET_ITEM(hit, 3));
+    d->nbytes = Py_NewRef(nbytes);
+    d->peer = Py_NewRef(k_minus_one);
+    d->source = Py_NewRef(s_ddp_comm_hook);
+    d->seq = seq;
+    d->t_start = t0;
+    d->t_done = Py_NewRef(Py_None);
+    d->cuda = Py_NewRef(Py_None);
+    Py_DECREF(hit);
+    return (PyObject *)d;
 }
 
-static int stamp_traverse(Stamp *st, visitproc visit, void *arg) {
-    Py_VISIT(st->op);
+static int ddpop_traverse(DdpOp *d, visitproc visit, void *arg) {
+    Py_VISIT(d->op); Py_VISIT(d->key); Py_VISIT(d->nbytes); Py_VISIT(d->peer); Py_VISIT(d->source);
+    Py_VISIT(d->seq); Py_VISIT(d->t_start); Py_VISIT(d->t_done); Py_VISIT(d->cuda); Py_VISIT(d->info);
     return 0;
 }
 
-static int stamp_clear(Stamp *st) {
-    Py_CLEAR(st->op);
+static int ddpop_clear(DdpOp *d) {
+    Py_CLEAR(d->op); Py_CLEAR(d->key); Py_CLEAR(d->nbytes); Py_CLEAR(d->peer); Py_CLEAR(d->source);
+    Py_CLEAR(d->seq); Py_CLEAR(d->t_start); Py_CLEAR(d->t_done); Py_CLEAR(d->cuda); Py_CLEAR(d->info);
     return 0;
 }
 
-static void stamp_dealloc(Stamp *st) {
-    PyObject_GC_UnTrack(st);
-    stamp_clear(st);
-    Py_TYPE(st)->tp_free((PyObject *)st);
+static void ddpop_dealloc(DdpOp *d) {
+    PyObject_GC_UnTrack(d);
+    ddpop_clear(d);
+    Py_TYPE(d)->tp_free((PyObject *)d);
 }
 
-static PyTypeObject StampType = {
+static PyMemberDef ddpop_members[] = {
+    {"op", T_OBJECT, offsetof(DdpOp, op), READONLY, NULL},
+    {"info", T_OBJECT, offsetof(DdpOp, info), READONLY, NULL},
+    {"key", T_OBJECT, offsetof(DdpOp, key), READONLY, NULL},
+    {"nbytes", T_OBJECT, offsetof(DdpOp, nbytes), READONLY, NULL},
+    {"peer", T_OBJECT, offsetof(DdpOp, peer), READONLY, NULL},
+    {"source", T_OBJECT, offsetof(DdpOp, source), READONLY, NULL},
+    {"seq", T_OBJECT, offsetof(DdpOp, seq), READONLY, NULL},
+    {"t_start", T_OBJECT, offsetof(DdpOp, t_start), READONLY, NULL},
+    {"t_done", T_OBJECT, offsetof(DdpOp, t_done), 0, NULL},
+    {"cuda", T_OBJECT, offsetof(DdpOp, cuda), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject DdpOpType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "meshscope.agent.instrument._hot.Stamp",
-    .tp_doc = "Stamp(op)(fut): op.t_done = now; fut.value()[0] (comm_ddp).",
-    .tp_basicsize = sizeof(Stamp),
+    .tp_name = "meshscope.agent.instrument._hot.DdpOp",
+    .tp_doc = "DdpOp(hot, group, nbytes): a DDP bucket's op, and its completion callback (comm_ddp).",
+    .tp_basicsize = sizeof(DdpOp),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_new = stamp_new,
-    .tp_traverse = (traverseproc)stamp_traverse,
-    .tp_clear = (inquiry)stamp_clear,
-    .tp_dealloc = (destructor)stamp_dealloc,
+    .tp_new = ddpop_new,
+    .tp_traverse = (traverseproc)ddpop_traverse,
+    .tp_clear = (inquiry)ddpop_clear,
+    .tp_dealloc = (destructor)ddpop_dealloc,
     .tp_call = PyVectorcall_Call,
-    .tp_vectorcall_offset = offsetof(Stamp, vectorcall),
+    .tp_vectorcall_offset = offsetof(DdpOp, vectorcall),
+    .tp_members = ddpop_members,
 };
 
 /* ---------------------------------------------------------------------------------------- read_fd */
@@ -809,17 +856,18 @@ PyMODINIT_FUNC PyInit__hot(void) {
     INTERN(s_data_ptr, "data_ptr"); INTERN(s_size, "size"); INTERN(s_global_rank, "global_rank");
     INTERN(s_error, "error"); INTERN(s_track_work, "track_work"); INTERN(s_track_tensor, "track_tensor");
     INTERN(s_dropped_done, "dropped_done"); INTERN(s_group, "group"); INTERN(s_async_op, "async_op");
-    INTERN(s_self, "self"); INTERN(s_t_done, "t_done"); INTERN(s_value, "value");
+    INTERN(s_self, "self"); INTERN(s_value, "value");
+    INTERN(s_all_reduce, "all_reduce"); INTERN(s_ddp_comm_hook, "ddp_comm_hook");
 #undef INTERN
     if (!(k_zero_float = PyFloat_FromDouble(0.0)) || !(k_minus_one = PyLong_FromLong(-1))
         || !(k_zero = PyLong_FromLong(0)) || !(k_one = PyLong_FromLong(1)))
         return NULL;
-    if (PyType_Ready(&SiteType) < 0 || PyType_Ready(&WaitType) < 0 || PyType_Ready(&StampType) < 0) return NULL;
+    if (PyType_Ready(&SiteType) < 0 || PyType_Ready(&WaitType) < 0 || PyType_Ready(&DdpOpType) < 0) return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
     if (PyModule_AddObjectRef(m, "Site", (PyObject *)&SiteType) < 0
         || PyModule_AddObjectRef(m, "Wait", (PyObject *)&WaitType) < 0
-        || PyModule_AddObjectRef(m, "Stamp", (PyObject *)&StampType) < 0
+        || PyModule_AddObjectRef(m, "DdpOp", (PyObject *)&DdpOpType) < 0
         || PyModule_AddIntConstant(m, "KIND_C10D", KIND_C10D) < 0
         || PyModule_AddIntConstant(m, "KIND_FSDP", KIND_FSDP) < 0
         || PyModule_AddIntConstant(m, "KIND_FUNCOL", KIND_FUNCOL) < 0

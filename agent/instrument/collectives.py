@@ -67,7 +67,7 @@ from typing import Any, Callable, Iterator
 
 from meshscope.agent.instrument import native
 from meshscope.agent.instrument.meshinfo import GroupInfo, MeshInfo
-from meshscope.agent.instrument.ops import Hot, _Direct, _Nesting, _Op, _TLS, stamp_unwrap
+from meshscope.agent.instrument.ops import Hot, _Direct, _Nesting, _Op, _TLS
 from meshscope.agent.instrument.recorder import DIRECT
 
 _MAX_PENDING = 4096  # async ops waiting for their wait(); beyond this the oldest are dropped (and counted)
@@ -396,8 +396,8 @@ class CollectiveTracer:
         self._begin = self.begin = begin
         self._emit = self.emit = emit
         self.put = put
-        # A DDP bucket's completion callback for its op (comm_ddp): made here, once per tracer, not per bucket.
-        self.ddp_stamp = native.ddp_stamp(self, lambda p: functools.partial(stamp_unwrap, p, now))
+        # A DDP bucket's op in C, or None (comm_ddp's Python form): decided once per tracer, not per bucket.
+        self.ddp_op = native.ddp_op(self)
         self.hot = Hot(tracer=self, main=self._main, main_tid=self._main_tid, local=self._tls,
                        get_ident=threading.get_ident, groups=groups, resolve=resolve, now=now, live=live,
                        push=push, done=done, max_done=_MAX_DONE, pending=self._pending_works,

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from meshscope.agent.instrument.ops import stamp_unwrap
+
 _NAN = float("nan")
 _default_group = dist.distributed_c10d._get_default_group
 
@@ -72,19 +74,22 @@ def traced_allreduce_hook(state, bucket):  # no annotations: DDP compares them t
     buffer.div_(group.size())  # divide first, as the default hook does (fp16 overflow); compute, not comm
     if tracer is None or not tracer.enabled:
         return _allreduce(buffer, group)[0]
-    p = None
+    p = stamp = None
     try:
         if buffer.is_cuda:
             p = tracer.begin("all_reduce", group, buffer.nbytes, "ddp_comm_hook", cuda=True)
+        elif tracer.ddp_op is not None:  # C (``native``): the op is also its completion callback
+            p = stamp = tracer.ddp_op(tracer.hot, group, buffer.nbytes)
         else:  # tracer.begin, inline (a frame and a keyword call less per bucket)
             hot = tracer.hot
             hit = hot.groups.get(id(group))
             if hit is None or hit[0] is not group:
                 hit = hot.resolve(group)
             p = tracer.Op("all_reduce", hit[1], hit[3], buffer.nbytes, -1, "ddp_comm_hook", next(hit[2]), hot.now())
+            stamp = functools.partial(stamp_unwrap, p, hot.now)
     except Exception as exc:
         tracer.error("ddp_comm_hook", exc)
-    fut, work = _allreduce(buffer, group, None if p is None or p.cuda is not None else tracer.ddp_stamp(p))
+    fut, work = _allreduce(buffer, group, stamp)
     if p is not None:
         try:
             # The work is read by the CUDA timing only (comm_nccl): on CPU it is not kept past the hook.
@@ -97,8 +102,8 @@ def traced_allreduce_hook(state, bucket):  # no annotations: DDP compares them t
 
 
 def _allreduce(buffer: Any, group: Any, stamp: Any = None) -> tuple[Any, Any]:
-    """``default_hooks._allreduce_fut`` after its division, keeping the work. With ``stamp`` (the op's
-    ``tracer.ddp_stamp(p)``: ``ops.stamp_unwrap`` bound to it, in C where ``native`` says so), the one Python
+    """``default_hooks._allreduce_fut`` after its division, keeping the work. With ``stamp`` (``ops.stamp_unwrap``
+    bound to the bucket's op; in C the op itself, see ``native.ddp_op``), the one Python
     callback the default hook already has (unwrapping the result list: DDP's Python hook result must be a
     Python object, not the work's list future) also stamps completion. One callback, not two: each one runs
     on the gloo worker thread and has to take the GIL, so a second one is a second wait behind the training

@@ -80,10 +80,11 @@ def tensor_wait(original: Callable, python: Callable, *, tracer: Any, act: type)
                      pending=tracer._pending_tensors)
 
 
-def ddp_stamp(tracer: Any, python: Callable[[Any], Callable]) -> Callable[[Any], Callable]:
-    """``op`` → the completion callback of a DDP bucket's future (``ops.stamp_unwrap`` bound to it):
-    ``_hot.Stamp``, or ``python`` (the Python form)."""
-    return _hot.Stamp if active(tracer) else python
+def ddp_op(tracer: Any) -> type | None:
+    """What comm_ddp makes a CPU bucket's op with, in C: ``_hot.DdpOp(hot, group, nbytes)``, the op record
+    (``ops._Op``'s fields) that is also its future's completion callback (``ops.stamp_unwrap``); None where
+    the Python form runs."""
+    return _hot.DdpOp if active(tracer) else None
 
 
 def read_fd() -> Callable[[int, int], bytes] | None:
