@@ -9,6 +9,9 @@ per op on every collective / P2P path and DDP bucket, ≤ 0.3 µs per pipeline s
 floors: the barest Python recording wrappers of the same calls (``floor_*``), what no Python design of the
 path can go below. The DDP comm hook is also timed on a gloo world of one
 (``ddp_comm_hook_gloo_world1``: a real future, its callback on gloo's thread; far noisier, a cross-check).
+Each traced path is measured in the form of the sites this checkout runs (C, agent/instrument/_hot.c,
+where built: ``sites``) and again in the pure-Python form (``per_call_python_us``, ``MESHSCOPE_NATIVE=0``;
+the per-step attribution in that form is the ``*_python`` figures).
 The per-call blocks pause the garbage collector, so ``sustained`` (``meshscope.testing.gccost``) adds what
 they cannot see: 100,000 traced all-reduces in one loop with the GC on, a step every 10 ops, against the
 same loop untraced, with the time the GC ran on the training thread per generation.
@@ -42,6 +45,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from meshscope.agent.instrument import native  # noqa: E402
 from meshscope.testing.gccost import sustained_isolated  # noqa: E402
 from meshscope.testing.hookcost import _ab, free_port, init_gloo, light_profiler, per_call_isolated  # noqa: E402
 
@@ -343,7 +347,13 @@ def _path(source_op: str) -> str:
     return "c10d_all_reduce_blocking"
 
 
-def attribute(steps: dict[str, Any], calls_us: dict[str, Any]) -> None:
+# The traced paths measured again in the Python form of the sites (floors and the profiler do not change).
+PYTHON_FORM_PATHS = ("c10d_all_reduce_blocking", "c10d_all_reduce_async_wait", "funcol_all_reduce_wait",
+                     "fsdp_all_gather", "fsdp_reduce_scatter", "p2p_isend_wait", "p2p_irecv_wait", "ddp_comm_hook",
+                     "step_boundary")
+
+
+def attribute(steps: dict[str, Any], calls_us: dict[str, Any], *, suffix: str = "") -> None:
     """Per arm, the training-thread CPU telemetry adds to a step as its parts cost them: each op at its
     path's per-call cost, each span, the step's boundaries — against the untraced step's CPU. The direct
     A/B on 2 gloo ranks sharing 2 cores varies by ±10 % between blocks (its IQR is printed), far above the
@@ -352,15 +362,16 @@ def attribute(steps: dict[str, Any], calls_us: dict[str, Any]) -> None:
         us = sum(n * calls_us[_path(k)]["overhead_cpu_us"] for k, n in row["ops_by_source"].items())
         us += row["spans_per_step"] * calls_us["pipeline_span"]["overhead_cpu_us"]
         us += calls_us["step_boundary"]["overhead_cpu_us"]
-        row["attributed_us"] = round(us, 1)
-        row["attributed_pct"] = round(us / (row["step_cpu_ms"] * 1e3) * 100, 3)
+        row["attributed_us" + suffix] = round(us, 1)
+        row["attributed_pct" + suffix] = round(us / (row["step_cpu_ms"] * 1e3) * 100, 3)
         # torch.profiler the same way: each event it records on the training thread in the step at its
         # per-event cost (an aten op's, the same A/B). Its start and stop (and the trace's post-processing,
         # tens of ms) are not counted: a floor of what it costs a profiled step.
         prof_us = row["profiler_events_per_step"] * calls_us["profiler_aten_op"]["overhead_cpu_us"]
-        row["profiler_attributed_us"] = round(prof_us, 1)
-        row["profiler_attributed_pct"] = round(prof_us / (row["step_cpu_ms"] * 1e3) * 100, 3)
-        row["profiler_over_meshscope_attributed"] = round(prof_us / us, 2) if us > 0 else None
+        if not suffix:
+            row["profiler_attributed_us"] = round(prof_us, 1)
+            row["profiler_attributed_pct"] = round(prof_us / (row["step_cpu_ms"] * 1e3) * 100, 3)
+        row["profiler_over_meshscope_attributed" + suffix] = round(prof_us / us, 2) if us > 0 else None
 
 
 def main() -> None:
@@ -381,9 +392,13 @@ def main() -> None:
     import torch
 
     load_start = os.getloadavg()
-    calls_us, steps, sustained = None, None, None
+    calls_us, calls_python, steps, sustained = None, None, None, None
     if args.part in ("all", "calls"):
         calls_us = per_call_isolated(calls=args.calls, blocks=args.blocks)
+        # The same traced paths in the Python form of the sites (agent/instrument/native.py): what C saves.
+        if native._USABLE:
+            calls_python = per_call_isolated(calls=args.calls, blocks=args.blocks, paths=PYTHON_FORM_PATHS,
+                                             env={"MESHSCOPE_NATIVE": "0"})
         child = subprocess.run([sys.executable, __file__, "--ddp-hook-child", "--calls", str(max(1, args.calls // 4)),
                                 "--blocks", str(args.blocks)], capture_output=True, text=True, check=True)
         calls_us["ddp_comm_hook_gloo_world1"] = json.loads(child.stdout.strip().splitlines()[-1])
@@ -392,11 +407,15 @@ def main() -> None:
         steps = per_step(args.steps, args.step_blocks)
     if calls_us is not None and steps is not None:
         attribute(steps, calls_us)
+        if calls_python is not None:
+            attribute(steps, {**calls_us, **calls_python}, suffix="_python")
     result = {
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
         "load_avg_start": load_start,
+        "sites": "C (agent/instrument/_hot.c)" if native._USABLE else "Python (the C sites are not built)",
         "per_call_us": calls_us,
+        "per_call_python_us": calls_python,
         "sustained_per_op": sustained,
         "per_step_2ranks": steps,
         "goals": {"per_call_cpu_us": 2.0, "pipeline_span_cpu_us": 0.3, "per_step_cpu_pct": 1.0,

@@ -378,7 +378,7 @@ def torch_work_type() -> type:
 
 
 def per_call_isolated(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] = PATHS,
-                      timeout_s: float = 240.0) -> dict[str, Any]:
+                      timeout_s: float = 240.0, env: dict[str, str] | None = None) -> dict[str, Any]:
     """``per_call`` with each path in a process of its own (a fresh interpreter and ``fake`` group per
     path). In one process a path's figure depended on the paths measured before it (the pipeline span read
     0.32 µs alone and 0.48 µs after the other nine in the same minute: the heap and caches they leave
@@ -388,7 +388,7 @@ def per_call_isolated(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, 
     for path in paths:
         got = run_isolated("from meshscope.testing.hookcost import per_call; "
                            f"result = per_call(calls={calls}, blocks={blocks}, paths=({path!r},))",
-                           what=f"hook cost of {path}", timeout_s=timeout_s)
+                           what=f"hook cost of {path}", timeout_s=timeout_s, env=env)
         out[path] = got[path]
         for key in recorded:
             recorded[key] += got["_recorded"][key]
@@ -396,16 +396,17 @@ def per_call_isolated(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, 
     return out
 
 
-def run_isolated(code: str, *, what: str, timeout_s: float) -> dict[str, Any]:
-    """Run ``code`` (which sets ``result``, a JSON-able dict) in a fresh interpreter, one BLAS thread;
-    its ``result``. A failure raises ``RuntimeError`` naming ``what``."""
+def run_isolated(code: str, *, what: str, timeout_s: float, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``code`` (which sets ``result``, a JSON-able dict) in a fresh interpreter, one BLAS thread, with
+    ``env`` added to the environment (``MESHSCOPE_NATIVE=0``: the Python form of the sites); its
+    ``result``. A failure raises ``RuntimeError`` naming ``what``."""
     import json
     import subprocess
     import sys
 
     program = f"import json\n{code}\nprint(json.dumps(result))"
     proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=timeout_s,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed: {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
