@@ -71,6 +71,13 @@ class ThreadCPU:
         # is this thread's. An ident can be reused by a later thread, whose read of the old file then fails
         # (its task is gone): the file is reopened once for the calling thread before giving up on it.
         tid = threading.get_ident()
+        if tid == self._tid and _READ_FD is not None and self._fd is not None:  # the common case, one frame
+            try:
+                data = _READ_FD(self._fd, 96)
+                if data:
+                    return data
+            except OSError:
+                pass  # handled below: reopened once
         for retry in (False, True):
             if tid != self._tid:
                 self._open(tid)

@@ -203,7 +203,8 @@ class Telemetry:
         state = self._pending.begin(step, t_start, cpu0)
         self._cur = self.live.step = state
         self.live.key = state.key
-        self._progress(state.t_start)
+        if t_start >= self._progress_t:  # _progress, inline
+            self._progress_t, self._hang_reported = t_start, False
         return StepContext(state)
 
     def end_step(self) -> None:
