@@ -241,3 +241,44 @@ def test_collectives_are_accounted_to_the_phase_and_step_they_completed_in():
     assert step["compute_s"] == pytest.approx(step["forward_s"] + step["optimizer_s"] - 0.02, abs=1e-6)
     colls = w.table("collective")
     assert [c["step"] for c in colls] == [0, 0] and [c["seq"] for c in colls] == [1, 2]
+
+
+def test_back_to_back_steps_share_their_boundary_and_a_gap_does_not():
+    """A step begun right after the last one ended (same thread) begins at that end, with that end's CPU
+    reading (one /proc read saved: ``SHARED_BOUNDARY_S``); after a gap, after an aborted step, or on another
+    thread it takes its own. Either way every step's CPU time is its own interval's."""
+    from meshscope.agent.instrument.cpu import parse
+    from meshscope.agent.instrument.telemetry import SHARED_BOUNDARY_S
+
+    tel, w = make()
+
+    def step(n: int, *, end: bool = True):
+        tel.begin_step(n)
+        state = tel._cur  # kept here: the flusher takes ended steps from the telemetry's queue
+        if end:
+            tel.end_step()
+        return state
+
+    try:
+        tel.begin_step(0)
+        first = tel._cur
+        sum(i * i for i in range(100_000))  # CPU time in the step
+        tel.end_step()
+        second = step(1)  # back to back
+        assert second.t_start == first.t_end and second.cpu0 is first.cpu_end
+        time.sleep(SHARED_BOUNDARY_S * 20)
+        third = step(2, end=False)  # after a gap: its own readings
+        assert third.t_start > second.t_end and third.cpu0 is not second.cpu_end
+        tel.abort_step(RuntimeError("peer died"))
+        fourth = step(3)  # right after an aborted step: nothing to share
+        assert fourth.cpu0 is not third.cpu0 and fourth.t_start > third.t_start
+        got: list = []
+        worker = threading.Thread(target=lambda: got.append(step(4, end=False)))  # another thread
+        worker.start()
+        worker.join()
+        assert got[0].t_start > fourth.t_end and got[0].cpu0 is not fourth.cpu_end
+        tel.end_step()
+        cpu_first = parse(first.cpu_end)[0] - parse(first.cpu0)[0]
+        assert 0 < cpu_first <= first.t_end - first.t_start + 1e-3
+    finally:
+        tel.close()
