@@ -8,11 +8,13 @@
  *
  *   Site(KIND_C10D, ...)   comm_c10d._fast_one's wrapper   (one-tensor collectives, P2P)
  *   Site(KIND_FSDP, ...)   comm_fsdp._traced's ``fast``    (FSDP2's custom all-gather / reduce-scatter)
- *   Site(KIND_FUNCOL, ...) comm_funcol.single's wrapper    (after the Python check for torch.compile)
- *   Wait(WAIT_WORK, ...)   comm_c10d's ``traced_wait``     (Work.wait, bound as a method)
- *   Wait(WAIT_TENSOR, ...) comm_funcol's ``wait_tensor``  (after the Python check for torch.compile)
+ *   Wait(...)              comm_c10d.wait's ``traced_wait`` (Work.wait, bound as a method)
  *   DdpOp(hot, group, n)   comm_ddp's op + ops.stamp_unwrap (a DDP bucket's op and its completion callback)
  *   read_fd(fd, n)         a pread that keeps the GIL      (cpu.ThreadCPU: /proc/thread-self/schedstat)
+ *
+ * Not here: the functional collectives (TP). Their wrappers must stay Python functions that Dynamo inlines
+ * (a C callable in compiled TP code is a graph break), and a C site behind such a Python check measured
+ * 0.4-1.0 us more per op than the Python site alone (bench/hooks_overhead.py, 3 pairs of runs).
  *
  * Timestamps are CLOCK_MONOTONIC converted as time.perf_counter converts it (native.py uses this module
  * only where perf_counter is that clock and the tracer's clock is perf_counter). The tuples built are the
@@ -28,13 +30,11 @@
 #include <time.h>
 #include <unistd.h>
 
-enum { KIND_C10D = 0, KIND_FSDP = 1, KIND_FUNCOL = 2 };
-enum { WAIT_WORK = 0, WAIT_TENSOR = 1 };
+enum { KIND_C10D = 0, KIND_FSDP = 1 };
 
-static PyObject *s_depth, *s_current, *s_nested_end, *s_nested_wait, *s_enabled, *s_nesting, *s_is_cuda,
-    *s_nbytes, *s_key, *s_elem, *s_data_ptr, *s_size, *s_global_rank, *s_error, *s_track_work,
-    *s_track_tensor, *s_dropped_done, *s_group, *s_async_op, *s_self;
-static PyObject *k_zero_float, *k_minus_one, *k_zero, *k_one;
+static PyObject *s_depth, *s_enabled, *s_nesting, *s_is_cuda, *s_nbytes, *s_key, *s_global_rank, *s_error,
+    *s_track_work, *s_dropped_done, *s_group, *s_async_op;
+static PyObject *k_minus_one, *k_one;
 
 static inline double now_s(void) {
     struct timespec ts;
@@ -51,16 +51,16 @@ typedef struct {
     Py_ssize_t max_done, max_pending;
 } Hot;
 
-static int hot_from(Hot *h, PyObject *hot, PyObject *pending) {
+static int hot_from(Hot *h, PyObject *hot) {
     /* ``hot``: ops.Hot (tracer, main, main_tid, local, get_ident, groups, resolve, now, live, push, done,
-     * max_done, pending, max_pending, stats); ``pending``: the pending map, if not hot's */
+     * max_done, pending, max_pending, stats) */
     if (!PyTuple_Check(hot) || PyTuple_GET_SIZE(hot) != 15) {
         PyErr_SetString(PyExc_TypeError, "hot must be an ops.Hot");
         return -1;
     }
 #define H(i) PyTuple_GET_ITEM(hot, i)
     h->tracer = H(0); h->main = H(1); h->local = H(3); h->groups = H(5); h->resolve = H(6); h->live = H(8);
-    h->push = H(9); h->done = H(10); h->pending = pending ? pending : H(12); h->stats = H(14);
+    h->push = H(9); h->done = H(10); h->pending = H(12); h->stats = H(14);
     h->main_tid = PyLong_AsUnsignedLong(H(2));
     h->max_done = PyLong_AsSsize_t(H(11));
     h->max_pending = PyLong_AsSsize_t(H(13));
@@ -240,22 +240,20 @@ typedef struct {
     PyObject *dict;
     Hot h;
     int kind;
-    PyObject *original, *slow, *op, *source, *where, *tname, *coalesce, *works, *learn, *act;
+    PyObject *original, *slow, *op, *source, *where, *tname, *coalesce, *works, *learn;
     Py_ssize_t ti, gi, ai, pi, buffer;
-    int fixed_async, output;
+    int fixed_async;
 } Site;
 
 static PyObject *call_original(Site *s, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     return PyObject_Vectorcall(s->original, args, nargsf, kwnames);
 }
 
-/* Restore the nesting state after the real call (depth; for funcol also ``current``), keeping the call's
- * own exception, if any, pending. */
-static void leave(PyObject *tls, long depth, PyObject *prev_current) {
+/* Restore the nesting depth after the real call, keeping the call's own exception, if any, pending. */
+static void leave(PyObject *tls, long depth) {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     if (set_long_attr(tls, s_depth, depth) < 0) PyErr_Clear();
-    if (prev_current && PyObject_SetAttr(tls, s_current, prev_current) < 0) PyErr_Clear();
     PyErr_Restore(type, value, tb);
 }
 
@@ -291,17 +289,12 @@ static PyObject *site_call(Site *s, PyObject *const *args, size_t nargsf, PyObje
         t = arg(args, nargs, kwnames, s->ti, s->tname);
         if (!t) goto slow;
         group = arg(args, nargs, kwnames, s->gi, s_group);
-        if (!group) {
-            if (s->kind == KIND_FUNCOL) goto slow;  /* required there: the Python site reports it */
-            group = Py_None;
-        }
-        if (s->kind == KIND_C10D) {
-            if (s->fixed_async >= 0) {
-                async_op = s->fixed_async;
-            } else {
-                PyObject *a = arg(args, nargs, kwnames, s->ai, s_async_op);
-                async_op = a ? PyObject_IsTrue(a) : 0;
-            }
+        if (!group) group = Py_None;
+        if (s->fixed_async >= 0) {
+            async_op = s->fixed_async;
+        } else {
+            PyObject *a = arg(args, nargs, kwnames, s->ai, s_async_op);
+            async_op = a ? PyObject_IsTrue(a) : 0;
         }
     }
     PyObject *hit = NULL, *issued = NULL, *nbytes = NULL, *peer = NULL, *seq = NULL, *t0 = NULL;
@@ -319,14 +312,6 @@ static PyObject *site_call(Site *s, PyObject *const *args, size_t nargsf, PyObje
     if (!hit) goto describe_failed;
     nbytes = PyObject_GetAttr(t, s_nbytes);
     if (!nbytes) goto describe_failed;
-    if (s->kind == KIND_FUNCOL && s->output) {
-        PyObject *size = PyObject_GetAttr(PyTuple_GET_ITEM(hit, 1), s_size);
-        if (!size) goto describe_failed;
-        PyObject *total = PyNumber_Multiply(nbytes, size);
-        Py_DECREF(size);
-        Py_SETREF(nbytes, total);
-        if (!nbytes) goto describe_failed;
-    }
     if (s->kind == KIND_C10D && s->pi >= 0) {  /* P2P: the peer's global rank, or the group peer's */
         peer = args[s->pi];
         if (peer == Py_None) {
@@ -358,58 +343,21 @@ static PyObject *site_call(Site *s, PyObject *const *args, size_t nargsf, PyObje
     Py_CLEAR(hit); Py_CLEAR(nbytes); Py_CLEAR(peer); Py_CLEAR(seq); Py_CLEAR(t0);
 
     /* the real call, inside the op: a traced call it makes is this op */
-    PyObject *prev = NULL;
     if (set_long_attr(tls, s_depth, depth + 1) < 0) {
         Py_DECREF(issued);
         goto describe_failed;
     }
-    if (s->kind == KIND_FUNCOL) {
-        prev = PyObject_GetAttr(tls, s_current);
-        if (!prev || PyObject_SetAttr(tls, s_current, issued) < 0) {
-            Py_XDECREF(prev);
-            set_long_attr(tls, s_depth, depth);
-            Py_DECREF(issued);
-            goto describe_failed;
-        }
-    }
     PyObject *result = call_original(s, args, nargsf, kwnames);
-    leave(tls, depth, prev);
-    Py_XDECREF(prev);
-    PyObject *end = NULL, *blocked = NULL;
-    if (s->kind == KIND_FUNCOL) {  /* a wait inside the call (tls.nested_*), taken and reset */
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        end = PyObject_GetAttr(tls, s_nested_end);
-        blocked = PyObject_GetAttr(tls, s_nested_wait);
-        if (PyObject_SetAttr(tls, s_nested_end, Py_None) < 0 || PyObject_SetAttr(tls, s_nested_wait, k_zero_float) < 0
-            || !end || !blocked) {
-            PyErr_Clear();
-            Py_CLEAR(end); Py_CLEAR(blocked);
-        }
-        PyErr_Restore(type, value, tb);
-    }
+    leave(tls, depth);
     Py_DECREF(tls);
     if (!result) {
-        Py_DECREF(issued); Py_XDECREF(end); Py_XDECREF(blocked);
+        Py_DECREF(issued);
         return NULL;
     }
 
     /* finish */
     int r = 0;
-    if (s->kind == KIND_FUNCOL) {
-        if ((end == NULL || end == Py_None) && (PyObject *)Py_TYPE(result) == s->act) {
-            PyObject *elem = PyObject_GetAttr(result, s_elem);
-            PyObject *key = elem ? PyObject_CallMethodNoArgs(elem, s_data_ptr) : NULL;
-            r = key ? track(h, key, issued, s_track_tensor, key, issued) : -1;
-            Py_XDECREF(elem); Py_XDECREF(key);
-        } else if (end == NULL || end == Py_None) {
-            r = put_timed(h, issued, now_s(), 0.0);
-        } else {
-            PyObject *e = entry_of(h, issued, end, blocked);
-            r = e ? put(h, e) : -1;
-            Py_XDECREF(e);
-        }
-    } else if (!async_op || (s->kind == KIND_FSDP && result == Py_None)) {
+    if (!async_op || (s->kind == KIND_FSDP && result == Py_None)) {
         /* returned once its op completed: the whole call was blocked time */
         double t_end = now_s();
         r = put_timed(h, issued, t_end, t_end - t_start);
@@ -439,7 +387,7 @@ static PyObject *site_call(Site *s, PyObject *const *args, size_t nargsf, PyObje
             r = is_work;
         }
     }
-    Py_DECREF(issued); Py_XDECREF(end); Py_XDECREF(blocked);
+    Py_DECREF(issued);
     if (r < 0 && report(h, s->where) < 0) {
         Py_DECREF(result);
         return NULL;
@@ -459,17 +407,17 @@ slow:
 
 static PyObject *site_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"kind", "original", "slow", "hot", "op", "source", "where", "tensor", "group",
-                             "async_op", "tensor_kw", "fixed_async", "peer", "buffer", "output", "coalesce",
-                             "works", "learn", "act", "pending", NULL};
-    int kind, fixed_async = -1, output = 0;
+                             "async_op", "tensor_kw", "fixed_async", "peer", "buffer", "coalesce", "works",
+                             "learn", NULL};
+    int kind, fixed_async = -1;
     PyObject *original, *slow, *hot, *op, *source, *where, *tname = Py_None, *coalesce = Py_None,
-        *works = Py_None, *learn = Py_None, *act = Py_None, *pending = Py_None;
+        *works = Py_None, *learn = Py_None;
     Py_ssize_t ti = -1, gi = -1, ai = -1, pi = -1, buffer = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOOUUU|nnnOinnpOOOOO:Site", kwlist, &kind, &original, &slow,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOOUUU|nnnOinnOOO:Site", kwlist, &kind, &original, &slow,
                                      &hot, &op, &source, &where, &ti, &gi, &ai, &tname, &fixed_async, &pi,
-                                     &buffer, &output, &coalesce, &works, &learn, &act, &pending))
+                                     &buffer, &coalesce, &works, &learn))
         return NULL;
-    if (kind < KIND_C10D || kind > KIND_FUNCOL || !PyCallable_Check(original) || !PyCallable_Check(slow)) {
+    if (kind < KIND_C10D || kind > KIND_FSDP || !PyCallable_Check(original) || !PyCallable_Check(slow)) {
         PyErr_SetString(PyExc_ValueError, "Site: bad kind, or original / slow not callable");
         return NULL;
     }
@@ -481,17 +429,13 @@ static PyObject *site_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_ValueError, "Site: an FSDP site's buffer is 0 or 1");
         return NULL;
     }
-    if (kind == KIND_FUNCOL && (!PyType_Check(act) || gi < 0)) {
-        PyErr_SetString(PyExc_ValueError, "Site: a funcol site needs group and act (a type)");
-        return NULL;
-    }
     if (coalesce != Py_None && !PyDict_Check(coalesce)) {
         PyErr_SetString(PyExc_TypeError, "Site: coalesce must be a dict");
         return NULL;
     }
     Site *s = (Site *)type->tp_alloc(type, 0);
     if (!s) return NULL;
-    if (hot_from(&s->h, hot, pending == Py_None ? NULL : pending) < 0) {
+    if (hot_from(&s->h, hot) < 0) {
         Py_DECREF(s);
         return NULL;
     }
@@ -503,23 +447,20 @@ static PyObject *site_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     s->coalesce = coalesce == Py_None ? NULL : Py_NewRef(coalesce);
     s->works = works == Py_None ? NULL : Py_NewRef(works);
     s->learn = learn == Py_None ? NULL : Py_NewRef(learn);
-    s->act = act == Py_None ? NULL : Py_NewRef(act);
     s->ti = ti; s->gi = gi; s->ai = ai; s->pi = pi; s->buffer = buffer;
-    s->fixed_async = fixed_async; s->output = output;
+    s->fixed_async = fixed_async;
     return (PyObject *)s;
 }
 
 static int site_traverse(Site *s, visitproc visit, void *arg) {
     Py_VISIT(s->dict); Py_VISIT(s->original); Py_VISIT(s->slow); Py_VISIT(s->op); Py_VISIT(s->source);
     Py_VISIT(s->where); Py_VISIT(s->tname); Py_VISIT(s->coalesce); Py_VISIT(s->works); Py_VISIT(s->learn);
-    Py_VISIT(s->act);
     return hot_traverse(&s->h, visit, arg);
 }
 
 static int site_clear(Site *s) {
     Py_CLEAR(s->dict); Py_CLEAR(s->original); Py_CLEAR(s->slow); Py_CLEAR(s->op); Py_CLEAR(s->source);
     Py_CLEAR(s->where); Py_CLEAR(s->tname); Py_CLEAR(s->coalesce); Py_CLEAR(s->works); Py_CLEAR(s->learn);
-    Py_CLEAR(s->act);
     hot_clear(&s->h);
     return 0;
 }
@@ -562,8 +503,7 @@ typedef struct {
     vectorcallfunc vectorcall;
     PyObject *dict;
     Hot h;
-    int kind;
-    PyObject *original, *slow, *act, *where;
+    PyObject *original, *slow, *where;
 } Wait;
 
 /* The pending entry of ``key``, popped (a new reference), or NULL (none; or an error pending). */
@@ -582,20 +522,9 @@ static PyObject *wait_call(Wait *w, PyObject *const *args, size_t nargsf, PyObje
     Hot *h = &w->h;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (nargs < 1 || kwnames || nargs > 2) return PyObject_Vectorcall(w->slow, args, nargsf, kwnames);
-    PyObject *target = args[0];
-    if (w->kind == WAIT_TENSOR) {
-        PyObject *en = PyObject_GetAttr(h->tracer, s_enabled);
-        int on = en ? PyObject_IsTrue(en) : -1;
-        Py_XDECREF(en);
-        if (on < 0) PyErr_Clear();
-        if (on <= 0 || (PyObject *)Py_TYPE(target) == w->act)
-            return PyObject_Vectorcall(w->original, args, nargsf, NULL);
-    }
-    if (PyDict_GET_SIZE(h->pending) == 0) {
-        if (w->kind == WAIT_WORK) return PyObject_Vectorcall(w->original, args, nargsf, NULL);
-        return PyObject_Vectorcall(w->slow, args, nargsf, NULL);  /* maybe a wait inside an issuing call */
-    }
-    PyObject *key = w->kind == WAIT_WORK ? PyLong_FromVoidPtr(target) : PyObject_CallMethodNoArgs(target, s_data_ptr);
+    PyObject *work = args[0];
+    if (PyDict_GET_SIZE(h->pending) == 0) return PyObject_Vectorcall(w->original, args, nargsf, NULL);
+    PyObject *key = PyLong_FromVoidPtr(work);
     if (!key) {
         if (report(h, w->where) < 0) return NULL;
         return PyObject_Vectorcall(w->original, args, nargsf, NULL);
@@ -604,19 +533,15 @@ static PyObject *wait_call(Wait *w, PyObject *const *args, size_t nargsf, PyObje
     if (!entry) {
         Py_DECREF(key);
         if (PyErr_Occurred() && report(h, w->where) < 0) return NULL;
-        if (w->kind == WAIT_WORK) return PyObject_Vectorcall(w->original, args, nargsf, NULL);
-        return PyObject_Vectorcall(w->slow, args, nargsf, NULL);
+        return PyObject_Vectorcall(w->original, args, nargsf, NULL);
     }
+    /* (work, ops): a fast site's Issued when ops is a tuple; anything else (an op list; another work's
+     * entry under a reused id) goes back where it was found, for the Python wait */
     PyObject *issued = NULL;
-    if (w->kind == WAIT_WORK) {
-        /* (work, ops): a fast site's Issued when ops is a tuple, else an op list (the Python wait's) */
-        if (PyTuple_Check(entry) && PyTuple_GET_SIZE(entry) == 2 && PyTuple_GET_ITEM(entry, 0) == target
-            && PyTuple_CheckExact(PyTuple_GET_ITEM(entry, 1)))
-            issued = PyTuple_GET_ITEM(entry, 1);
-    } else if (PyTuple_CheckExact(entry)) {
-        issued = entry;
-    }
-    if (!issued) {  /* not ours to time here: back where it was found, for the Python wait */
+    if (PyTuple_Check(entry) && PyTuple_GET_SIZE(entry) == 2 && PyTuple_GET_ITEM(entry, 0) == work
+        && PyTuple_CheckExact(PyTuple_GET_ITEM(entry, 1)))
+        issued = PyTuple_GET_ITEM(entry, 1);
+    if (!issued) {
         int r = PyObject_SetItem(h->pending, key, entry);
         Py_DECREF(key); Py_DECREF(entry);
         if (r < 0 && report(h, w->where) < 0) return NULL;
@@ -639,37 +564,31 @@ static PyObject *wait_call(Wait *w, PyObject *const *args, size_t nargsf, PyObje
 }
 
 static PyObject *wait_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"kind", "original", "slow", "hot", "where", "act", "pending", NULL};
-    int kind;
-    PyObject *original, *slow, *hot, *where, *act = Py_None, *pending = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOOU|OO:Wait", kwlist, &kind, &original, &slow, &hot, &where,
-                                     &act, &pending))
-        return NULL;
-    if ((kind != WAIT_WORK && kind != WAIT_TENSOR) || !PyCallable_Check(original) || !PyCallable_Check(slow)
-        || (kind == WAIT_TENSOR && !PyType_Check(act))) {
-        PyErr_SetString(PyExc_ValueError, "Wait: bad kind, original / slow not callable, or no act type");
+    static char *kwlist[] = {"original", "slow", "hot", "where", NULL};
+    PyObject *original, *slow, *hot, *where;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOU:Wait", kwlist, &original, &slow, &hot, &where)) return NULL;
+    if (!PyCallable_Check(original) || !PyCallable_Check(slow)) {
+        PyErr_SetString(PyExc_ValueError, "Wait: original / slow not callable");
         return NULL;
     }
     Wait *w = (Wait *)type->tp_alloc(type, 0);
     if (!w) return NULL;
-    if (hot_from(&w->h, hot, pending == Py_None ? NULL : pending) < 0) {
+    if (hot_from(&w->h, hot) < 0) {
         Py_DECREF(w);
         return NULL;
     }
     w->vectorcall = (vectorcallfunc)wait_call;
-    w->kind = kind;
     w->original = Py_NewRef(original); w->slow = Py_NewRef(slow); w->where = Py_NewRef(where);
-    w->act = act == Py_None ? NULL : Py_NewRef(act);
     return (PyObject *)w;
 }
 
 static int wait_traverse(Wait *w, visitproc visit, void *arg) {
-    Py_VISIT(w->dict); Py_VISIT(w->original); Py_VISIT(w->slow); Py_VISIT(w->act); Py_VISIT(w->where);
+    Py_VISIT(w->dict); Py_VISIT(w->original); Py_VISIT(w->slow); Py_VISIT(w->where);
     return hot_traverse(&w->h, visit, arg);
 }
 
 static int wait_clear(Wait *w) {
-    Py_CLEAR(w->dict); Py_CLEAR(w->original); Py_CLEAR(w->slow); Py_CLEAR(w->act); Py_CLEAR(w->where);
+    Py_CLEAR(w->dict); Py_CLEAR(w->original); Py_CLEAR(w->slow); Py_CLEAR(w->where);
     hot_clear(&w->h);
     return 0;
 }
@@ -850,17 +769,14 @@ static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_hot", NULL, -1, 
 
 PyMODINIT_FUNC PyInit__hot(void) {
 #define INTERN(var, text) if (!(var = PyUnicode_InternFromString(text))) return NULL
-    INTERN(s_depth, "depth"); INTERN(s_current, "current"); INTERN(s_nested_end, "nested_end");
-    INTERN(s_nested_wait, "nested_wait"); INTERN(s_enabled, "enabled"); INTERN(s_nesting, "nesting");
-    INTERN(s_is_cuda, "is_cuda"); INTERN(s_nbytes, "nbytes"); INTERN(s_key, "key"); INTERN(s_elem, "elem");
-    INTERN(s_data_ptr, "data_ptr"); INTERN(s_size, "size"); INTERN(s_global_rank, "global_rank");
-    INTERN(s_error, "error"); INTERN(s_track_work, "track_work"); INTERN(s_track_tensor, "track_tensor");
+    INTERN(s_depth, "depth"); INTERN(s_enabled, "enabled"); INTERN(s_nesting, "nesting");
+    INTERN(s_is_cuda, "is_cuda"); INTERN(s_nbytes, "nbytes"); INTERN(s_key, "key");
+    INTERN(s_global_rank, "global_rank"); INTERN(s_error, "error"); INTERN(s_track_work, "track_work");
     INTERN(s_dropped_done, "dropped_done"); INTERN(s_group, "group"); INTERN(s_async_op, "async_op");
-    INTERN(s_self, "self"); INTERN(s_value, "value");
+    INTERN(s_value, "value");
     INTERN(s_all_reduce, "all_reduce"); INTERN(s_ddp_comm_hook, "ddp_comm_hook");
 #undef INTERN
-    if (!(k_zero_float = PyFloat_FromDouble(0.0)) || !(k_minus_one = PyLong_FromLong(-1))
-        || !(k_zero = PyLong_FromLong(0)) || !(k_one = PyLong_FromLong(1)))
+    if (!(k_minus_one = PyLong_FromLong(-1)) || !(k_one = PyLong_FromLong(1)))
         return NULL;
     if (PyType_Ready(&SiteType) < 0 || PyType_Ready(&WaitType) < 0 || PyType_Ready(&DdpOpType) < 0) return NULL;
     PyObject *m = PyModule_Create(&moduledef);
@@ -869,10 +785,7 @@ PyMODINIT_FUNC PyInit__hot(void) {
         || PyModule_AddObjectRef(m, "Wait", (PyObject *)&WaitType) < 0
         || PyModule_AddObjectRef(m, "DdpOp", (PyObject *)&DdpOpType) < 0
         || PyModule_AddIntConstant(m, "KIND_C10D", KIND_C10D) < 0
-        || PyModule_AddIntConstant(m, "KIND_FSDP", KIND_FSDP) < 0
-        || PyModule_AddIntConstant(m, "KIND_FUNCOL", KIND_FUNCOL) < 0
-        || PyModule_AddIntConstant(m, "WAIT_WORK", WAIT_WORK) < 0
-        || PyModule_AddIntConstant(m, "WAIT_TENSOR", WAIT_TENSOR) < 0) {
+        || PyModule_AddIntConstant(m, "KIND_FSDP", KIND_FSDP) < 0) {
         Py_DECREF(m);
         return NULL;
     }

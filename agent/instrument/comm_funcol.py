@@ -31,7 +31,6 @@ from typing import Any, Callable
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from meshscope.agent.instrument import native
 from meshscope.agent.instrument.traced_call import Issue, traced_call
 
 # Inside torch.compile'd code the functional collectives become graph nodes; a Python timestamp there would
@@ -135,19 +134,7 @@ def single(original: Callable, *, tracer: Any, op: str, group_index: int,
             tracer.error(op, exc)
         return out
 
-    site = native.funcol_site(original, wrapper, tracer=tracer, op=op, group_index=group_index, output=output,
-                              act=_ACT)
-    if site is None:
-        return wrapper
-
-    def native_wrapper(*args: Any, **kwargs: Any) -> Any:
-        # The compile check stays in Python: Dynamo inlines this function and folds the check (a C callable
-        # would be a graph break in compiled TP code); past it, the C site.
-        if _compiling():
-            return original(*args, **kwargs)
-        return site(*args, **kwargs)
-
-    return native_wrapper
+    return wrapper
 
 
 def coalesced(original: Callable, *, tracer: Any, op: str, group_index: int, output_bytes: bool) -> Callable:
@@ -268,15 +255,6 @@ def install(tracer: Any) -> None:
             except Exception as exc:
                 tracer.error("wait_tensor", exc)
             return out
-
-        site = native.tensor_wait(original, wait_tensor, tracer=tracer, act=_ACT)
-        if site is None:
-            return wait_tensor
-
-        def native_wait_tensor(tensor: Any) -> Any:
-            if _compiling():  # in Python, as in native_wrapper (see single)
-                return original(tensor)
-            return site(tensor)
-        return native_wait_tensor
+        return wait_tensor
 
     tracer.patch(owners, "wait_tensor", wait)

@@ -56,28 +56,11 @@ def fsdp_site(original: Callable, python: Callable, *, tracer: Any, op: str, whe
     return _hot.Site(_hot.KIND_FSDP, original, python, tracer.hot, op, "fsdp_comm", where, buffer=buffer)
 
 
-def funcol_site(original: Callable, python: Callable, *, tracer: Any, op: str, group_index: int, output: bool,
-                act: type) -> Callable | None:
-    """``comm_funcol.single``'s wrapper past its torch.compile check, in C; None where the Python one runs."""
-    if not active(tracer):
-        return None
-    return _hot.Site(_hot.KIND_FUNCOL, original, python, tracer.hot, op, "funcol", op, group=group_index,
-                     output=output, act=act, pending=tracer._pending_tensors)
-
-
 def work_wait(original: Callable, python: Callable, *, tracer: Any) -> Callable:
     """``comm_c10d``'s ``traced_wait`` (``python``) in C (bound as a method on the Work class), or ``python``."""
     if not active(tracer):
         return python
-    return _hot.Wait(_hot.WAIT_WORK, original, python, tracer.hot, "wait")
-
-
-def tensor_wait(original: Callable, python: Callable, *, tracer: Any, act: type) -> Callable | None:
-    """``comm_funcol``'s ``wait_tensor`` past its torch.compile check, in C; None where the Python one runs."""
-    if not active(tracer):
-        return None
-    return _hot.Wait(_hot.WAIT_TENSOR, original, python, tracer.hot, "wait_tensor", act=act,
-                     pending=tracer._pending_tensors)
+    return _hot.Wait(original, python, tracer.hot, "wait")
 
 
 def ddp_op(tracer: Any) -> type | None:
