@@ -161,6 +161,8 @@ def account(state: StepState, op: str, wait_s: float, phase: str | None, outside
 def flat_segments(segments: list[tuple[str, float, float]]) -> tuple:
     """A step's phase segments as one flat tuple ``(phase, t0, t1, phase, t0, t1, ...)``: plain values,
     which the GC stops tracking the first time it sees them (``StepState``)."""
+    if len(segments) == 1:  # one phase in the step: its segment is that tuple already
+        return segments[0]
     return tuple(_chain(segments))
 
 

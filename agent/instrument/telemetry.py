@@ -380,7 +380,8 @@ class Telemetry:
         try:
             while state.phase is not None:  # phases still open (zero-code: a step ended inside one) end here
                 _pop_phase(state)
-            self._each_tracer("flush")  # async ops that completed without a Python-visible wait
+            if self._tracers:
+                self._each_tracer("flush")  # async ops that completed without a Python-visible wait
             state.t_end = self.clock.now()
             state.cpu_end = self._cpu.read()
             self._last_end = (state.t_end, state.cpu_end, threading.get_ident())
