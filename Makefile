@@ -10,8 +10,8 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # editable from this checkout (a clone elsewhere on the same machine must not test another checkout's
 # code), then whatever of the rest is missing.
 # The C form of the tracer's hot path (agent/instrument/_hot.c) is built by the editable install next to its
-# source; rebuilt when the source is newer than this interpreter's build (no C compiler: the Python path).
-NATIVE_CURRENT = $(PY) -c "import os, sys, sysconfig; so = 'agent/instrument/_hot' + sysconfig.get_config_var('EXT_SUFFIX'); sys.exit(not (os.path.exists(so) and os.path.getmtime(so) >= os.path.getmtime('agent/instrument/_hot.c')))"
+# sources; rebuilt when one is newer than this interpreter's build (no C compiler: the Python path).
+NATIVE_CURRENT = $(PY) -c "import glob, os, sys, sysconfig; so = 'agent/instrument/_hot' + sysconfig.get_config_var('EXT_SUFFIX'); sys.exit(not (os.path.exists(so) and all(os.path.getmtime(so) >= os.path.getmtime(f) for f in glob.glob('agent/instrument/_hot*.[ch]'))))"
 
 install:
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0

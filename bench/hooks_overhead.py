@@ -333,8 +333,14 @@ def per_step(steps: int, blocks: int) -> dict[str, Any]:
         return json.loads(Path(out).read_text())
 
 
-def _path(source_op: str) -> str:
-    """The per-call path that times an op of this ``source/op`` (see ``meshscope.testing.hookcost``)."""
+# Arms whose P2P ops are all issued through ``batch_isend_irecv`` (torch.distributed.pipelining does so):
+# their sends and receives are attributed at the batched paths' cost.
+BATCHED_P2P_ARMS = frozenset({"pp_1f1b"})
+
+
+def _path(source_op: str, *, batched: bool = False) -> str:
+    """The per-call path that times an op of this ``source/op`` (see ``meshscope.testing.hookcost``);
+    ``batched``: P2P ops come through ``batch_isend_irecv``."""
     source, op = source_op.split("/")
     if source == "ddp_comm_hook":
         return "ddp_comm_hook"
@@ -343,14 +349,14 @@ def _path(source_op: str) -> str:
     if source == "funcol":
         return "funcol_all_reduce_wait"
     if op in ("send", "recv"):
-        return f"p2p_i{op}_wait"
+        return f"p2p_batch_i{op}_wait" if batched else f"p2p_i{op}_wait"
     return "c10d_all_reduce_blocking"
 
 
 # The traced paths measured again in the Python form of the sites (floors and the profiler do not change).
 PYTHON_FORM_PATHS = ("c10d_all_reduce_blocking", "c10d_all_reduce_async_wait", "funcol_all_reduce_wait",
-                     "fsdp_all_gather", "fsdp_reduce_scatter", "p2p_isend_wait", "p2p_irecv_wait", "ddp_comm_hook",
-                     "step_boundary")
+                     "fsdp_all_gather", "fsdp_reduce_scatter", "p2p_isend_wait", "p2p_irecv_wait",
+                     "p2p_batch_isend_wait", "p2p_batch_irecv_wait", "ddp_comm_hook", "step_boundary")
 
 
 def attribute(steps: dict[str, Any], calls_us: dict[str, Any], *, suffix: str = "") -> None:
@@ -358,8 +364,9 @@ def attribute(steps: dict[str, Any], calls_us: dict[str, Any], *, suffix: str = 
     path's per-call cost, each span, the step's boundaries — against the untraced step's CPU. The direct
     A/B on 2 gloo ranks sharing 2 cores varies by ±10 % between blocks (its IQR is printed), far above the
     1 % it would have to resolve; these parts are each measured to a few tens of ns."""
-    for row in steps.values():
-        us = sum(n * calls_us[_path(k)]["overhead_cpu_us"] for k, n in row["ops_by_source"].items())
+    for arm, row in steps.items():
+        batched = arm in BATCHED_P2P_ARMS
+        us = sum(n * calls_us[_path(k, batched=batched)]["overhead_cpu_us"] for k, n in row["ops_by_source"].items())
         us += row["spans_per_step"] * calls_us["pipeline_span"]["overhead_cpu_us"]
         us += calls_us["step_boundary"]["overhead_cpu_us"]
         row["attributed_us" + suffix] = round(us, 1)

@@ -116,6 +116,14 @@ def test_p2p_peers_are_global_ranks_and_every_op_is_timed(cases: dict) -> None:
     assert all(r["wait_s"] > 0 for r in case["records"])
 
 
+def test_a_batch_is_one_record_per_op_each_timed_by_its_wait(cases: dict) -> None:
+    case = cases["p2p_batch"]
+    _clean(case)
+    assert [(r["op"], r["peer"], r["nbytes"]) for r in case["records"]] == [("send", 1, 64), ("recv", 2, 64),
+                                                                            ("send", 3, 64)]
+    assert all(r["wait_s"] > 0 for r in case["records"])
+
+
 def test_an_async_op_never_waited_is_completed_by_the_flush(cases: dict) -> None:
     case = cases["async_never_waited"]
     _clean(case)

@@ -204,6 +204,34 @@ def test_tensor_census_counts_parameters_gradients_and_optimizer_state_once():
         census.close()
 
 
+def test_tensor_census_taken_inside_an_optimizer_post_hook_leaves_the_step_alone():
+    """The zero-code driver ends a step in its own global optimizer post hook, so the census is taken while
+    torch iterates those hooks: taking it must not remove a hook then ("OrderedDict mutated during
+    iteration" raised into the user's optimizer.step() once, in CI)."""
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from meshscope.agent.instrument.memory import NOT_MEASURED, TensorCensus
+
+    errors, taken = [], []
+    census = TensorCensus(on_error=lambda where, exc: errors.append((where, exc)))
+    handle = register_optimizer_step_post_hook(lambda *_: taken.append(census.take()))
+    later = register_optimizer_step_post_hook(lambda *_: None)  # a hook after ours: the dict's next() checks
+    try:
+        model = torch.nn.Linear(8, 4)
+        census.add_modules([model])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for _ in range(3):
+            model(torch.randn(2, 8)).sum().backward()
+            opt.step()
+        assert [t != NOT_MEASURED for t in taken] == [True, False, False]
+        assert errors == []
+    finally:
+        handle.remove()
+        later.remove()
+        census.close()
+
+
 def test_ddp_comm_hook_off_leaves_ddp_models_to_the_builtin_all_reduce():
     tel, _ = make(ddp_comm_hook=False)
     tel.attach(model_parts=[])

@@ -22,7 +22,8 @@ Timing on CPU (gloo):
 CUDA tensors: see ``comm_nccl`` (events around the call / the wait; UNTESTED).
 
 ``P2POp`` identity: ``batch_isend_irecv`` picks the peer keyword with ``op.op is isend``. P2POps built
-before ``attach`` hold the original functions; the wrapper of ``batch_isend_irecv`` swaps them for the
+before ``attach``, or while attached from a name imported before it, hold the original functions (P2POp's
+own check accepts both while attached); the wrapper of ``batch_isend_irecv`` swaps them for the
 wrappers, and the ``isend`` wrapper accepts ``group_src`` so that ops built while attached still work with
 the original ``batch_isend_irecv`` after ``detach``.
 """
@@ -272,15 +273,21 @@ def p2p(original: Callable, *, tracer: Any, op: str, is_async: bool) -> Callable
     issue = _fast_one(original, slow, tracer=tracer, op=op, where=op, spec=_P2P_ASYNC if is_async else _P2P_BLOCKING)
 
     if op == "send":
-        def send(tensor: Any, dst: Any = None, group: Any = None, tag: int = 0, group_dst: Any = None,
-                 group_src: Any = None) -> Any:
+        def public(tensor: Any, dst: Any = None, group: Any = None, tag: int = 0, group_dst: Any = None,
+                   group_src: Any = None) -> Any:
             # group_src: the original batch_isend_irecv's keyword for an op it does not recognise.
             return issue(tensor, dst, group, tag, group_dst if group_dst is not None else group_src)
-        return send
-
-    def recv(tensor: Any, src: Any = None, group: Any = None, tag: int = 0, group_src: Any = None) -> Any:
-        return issue(tensor, src, group, tag, group_src)
-    return recv
+        peer_kw, group_peer_kw = "dst", "group_dst"
+    else:
+        def public(tensor: Any, src: Any = None, group: Any = None, tag: int = 0, group_src: Any = None) -> Any:
+            return issue(tensor, src, group, tag, group_src)
+        peer_kw, group_peer_kw = "src", "group_src"
+    # In C, the public signature itself (batch_isend_irecv calls it by keyword on every op: a Python frame
+    # less per op); any call outside torch's own signature goes to ``public``.
+    return native.c10d_site(original, public, tracer=tracer, op=op, where=op,
+                            spec=_P2P_ASYNC if is_async else _P2P_BLOCKING,
+                            works=_WorkTypes(), coalesce=_coalesce_state, peer_kw=peer_kw,
+                            group_peer_kw=group_peer_kw, known=("tensor", peer_kw, "group", "tag", group_peer_kw))
 
 
 def _coalesced(p2p_op_list: list) -> bool:
@@ -292,14 +299,26 @@ def _coalesced(p2p_op_list: list) -> bool:
 
 def batch(original: Callable, *, tracer: Any, isend: Callable, irecv: Callable) -> Callable:
     """``batch_isend_irecv`` recording a coalesced batch through ``tracer``; ``isend`` / ``irecv``: the
-    installed P2P wrappers, swapped into P2POps built before ``attach``."""
+    installed P2P wrappers, swapped into P2POps built before ``attach``. On a backend that does not coalesce
+    (gloo: every pipeline-parallel P2P op on CPU comes through here) the batch is one call per op, each seen
+    by those wrappers, and this one only swaps: whether a group coalesces is asked once per group and device
+    kind (a ``_get_backend`` per batch cost 1.7 µs of the training thread's CPU per op)."""
     swap = {isend.__wrapped__: isend, irecv.__wrapped__: irecv}
+    coalesces: dict[tuple[int, bool], tuple[Any, bool]] = {}  # (id(group), CUDA) → (group, coalesces)
+
+    def coalesced(p2p_op_list: list) -> bool:
+        first = p2p_op_list[0]
+        key = (id(first.group), first.tensor.is_cuda)
+        hit = coalesces.get(key)
+        if hit is None or hit[0] is not first.group:
+            hit = coalesces[key] = (first.group, _coalesced(p2p_op_list))
+        return hit[1]
 
     def describe(args: tuple, kwargs: dict) -> Issue | None:
         p2p_op_list = args[0] if args else kwargs["p2p_op_list"]
         for p2p_op in p2p_op_list:
             p2p_op.op = swap.get(p2p_op.op, p2p_op.op)
-        if not _coalesced(p2p_op_list):  # gloo: one call per op, each seen by the isend / irecv wrappers
+        if not coalesced(p2p_op_list):  # gloo: one call per op, each seen by the isend / irecv wrappers
             return None
         # NCCL: the per-op calls only queue inside a coalescing manager; one work for the batch.
         ops = [tracer.begin("send" if o.op is isend else "recv", o.group, o.tensor.nbytes, "c10d", peer=o.peer,
@@ -313,7 +332,39 @@ def batch(original: Callable, *, tracer: Any, isend: Callable, irecv: Callable) 
         elif works:
             tracer.track_work(works[-1], ops)
 
-    return traced_call(original, tracer=tracer, where="batch_isend_irecv", describe=describe, finish=finish)
+    slow = traced_call(original, tracer=tracer, where="batch_isend_irecv", describe=describe, finish=finish)
+
+    def wrapper(p2p_op_list: list) -> Any:
+        # The gloo case in one frame: the swap, the cached answer, the original; anything else (a batch to
+        # record as one, a nested call) is traced_call's.
+        if not p2p_op_list or not tracer.enabled:
+            return original(p2p_op_list)
+        try:
+            for p2p_op in p2p_op_list:
+                op = p2p_op.op
+                if op is not isend and op is not irecv:
+                    p2p_op.op = swap.get(op, op)
+            if not coalesced(p2p_op_list):
+                return original(p2p_op_list)
+        except Exception as exc:
+            tracer.error("batch_isend_irecv", exc)
+            return original(p2p_op_list)
+        return slow(p2p_op_list)
+
+    return native.batch(original, wrapper, tracer=tracer, swap=swap, isend=isend, irecv=irecv, coalesced=_coalesced)
+
+
+def check_op(original: Callable, *, isend: Callable, irecv: Callable) -> Callable:
+    """``P2POp``'s check of its ``op``, accepting torch's own ``isend`` / ``irecv`` as well as the wrappers:
+    a name imported before ``attach`` (``from torch.distributed import isend``) still builds a P2POp while
+    attached, as it does untraced; ``batch_isend_irecv``'s wrapper swaps it for ours."""
+    known = (isend, irecv, isend.__wrapped__, irecv.__wrapped__)
+
+    def check(op: Any) -> None:
+        if not any(op is k for k in known):
+            original(op)
+
+    return check
 
 
 def install(tracer: Any) -> None:
@@ -332,6 +383,8 @@ def install(tracer: Any) -> None:
     tracer.patch(owners, "send", functools.partial(p2p, tracer=tracer, op="send", is_async=False))
     tracer.patch(owners, "recv", functools.partial(p2p, tracer=tracer, op="recv", is_async=False))
     tracer.patch(owners, "batch_isend_irecv", functools.partial(batch, tracer=tracer, isend=isend, irecv=irecv))
+    if hasattr(c10d, "_check_op"):
+        tracer.patch((c10d,), "_check_op", functools.partial(check_op, isend=isend, irecv=irecv))
 
     tracer_wait = functools.partial(wait, tracer=tracer)
     for work_type in _work_classes():

@@ -112,6 +112,8 @@ class TensorCensus:
             on_error("optimizer_hook", exc)
 
     def _saw(self, opt, *_) -> None:
+        if self._taken:
+            return
         self._optimizers.add(opt)
         self._stepped = True
 
@@ -123,8 +125,10 @@ class TensorCensus:
         # Plain flags first: even len() of a WeakSet costs ~0.3 µs, and this runs at every step's end.
         if self._taken or not self._stepped or not any(opt.state for opt in self._optimizers):
             return NOT_MEASURED
+        # The hook stays until close(): take() may run inside torch's loop over its global step hooks (the
+        # zero-code driver ends a step in its own post hook), where removing one raises "OrderedDict mutated
+        # during iteration" into the user's optimizer.step(). Once taken, _saw returns at its first test.
         self._taken = True
-        self.close()  # taken: the optimizers' steps no longer need to be seen
         try:
             return tensor_bytes(modules=list(self._modules), optimizers=list(self._optimizers))
         except Exception as exc:

@@ -39,14 +39,18 @@ def active(tracer: Any) -> bool:
 
 
 def c10d_site(original: Callable, python: Callable, *, tracer: Any, op: str, where: str, spec: Any,
-              works: Any, coalesce: dict) -> Callable:
-    """``comm_c10d._fast_one``'s wrapper (``python``) in C, or ``python`` itself."""
+              works: Any, coalesce: dict, peer_kw: str | None = None, group_peer_kw: str | None = None,
+              known: tuple[str, ...] | None = None) -> Callable:
+    """``comm_c10d._fast_one``'s wrapper (``python``) in C, or ``python`` itself. For P2P called as torch's
+    API is (``known``: its parameters, in order; ``peer_kw`` / ``group_peer_kw``: the peer's keywords),
+    ``python`` is the public-signature wrapper, which takes any other call."""
     if not active(tracer):
         return python
     ti, gi, ai, tname, fixed_async, pi = spec
     return _hot.Site(_hot.KIND_C10D, original, python, tracer.hot, op, "c10d", where, tensor=ti, group=gi,
                      async_op=ai, tensor_kw=tname, fixed_async=-1 if fixed_async is None else int(fixed_async),
-                     peer=-1 if pi is None else pi, coalesce=coalesce, works=works, learn=works.learn)
+                     peer=-1 if pi is None else pi, coalesce=coalesce, works=works, learn=works.learn,
+                     peer_kw=peer_kw, group_peer_kw=group_peer_kw, known=known)
 
 
 def fsdp_site(original: Callable, python: Callable, *, tracer: Any, op: str, where: str, buffer: int) -> Callable:
@@ -54,6 +58,15 @@ def fsdp_site(original: Callable, python: Callable, *, tracer: Any, op: str, whe
     if not active(tracer):
         return python
     return _hot.Site(_hot.KIND_FSDP, original, python, tracer.hot, op, "fsdp_comm", where, buffer=buffer)
+
+
+def batch(original: Callable, python: Callable, *, tracer: Any, swap: dict, isend: Callable, irecv: Callable,
+          coalesced: Callable[[list], bool]) -> Callable:
+    """``comm_c10d.batch``'s ``wrapper`` (``python``) in C, or ``python`` itself; ``coalesced(list)``: whether
+    the list's group coalesces (asked once per group and device kind); a coalescing batch goes to ``python``."""
+    if not active(tracer):
+        return python
+    return _hot.Batch(original, python, tracer, swap, isend, irecv, coalesced)
 
 
 def work_wait(original: Callable, python: Callable, *, tracer: Any) -> Callable:

@@ -181,6 +181,10 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
                                                                                    dist.ReduceOp.SUM), on, off),
         "p2p_isend_wait": (lambda: dist.isend(t, 1).wait(), on, off),
         "p2p_irecv_wait": (lambda: dist.irecv(t, 1).wait(), on, off),
+        # As torch.distributed.pipelining issues every P2P op: a batch of one (the op built in the call, with
+        # whichever isend / irecv is installed), then its wait.
+        "p2p_batch_isend_wait": (lambda: dist.batch_isend_irecv([dist.P2POp(dist.isend, t, 1)])[0].wait(), on, off),
+        "p2p_batch_irecv_wait": (lambda: dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, 1)])[0].wait(), on, off),
         "ddp_comm_hook": (ddp_hook, ddp_on, ddp_off),
         "pipeline_span": (lambda: stage.forward_one_chunk(0), pp_on, pp_off),
         "step_boundary": (step_boundary, steps_on, steps_off),
@@ -207,7 +211,8 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
 
 
 PATHS = ("c10d_all_reduce_blocking", "c10d_all_reduce_async_wait", "funcol_all_reduce_wait", "work_wait_untracked",
-         "fsdp_all_gather", "fsdp_reduce_scatter", "p2p_isend_wait", "p2p_irecv_wait", "ddp_comm_hook",
+         "fsdp_all_gather", "fsdp_reduce_scatter", "p2p_isend_wait", "p2p_irecv_wait", "p2p_batch_isend_wait",
+         "p2p_batch_irecv_wait", "ddp_comm_hook",
          "pipeline_span", "step_boundary", "floor_blocking", "floor_async_wait", "floor_funcol", "profiler_aten_op")
 
 

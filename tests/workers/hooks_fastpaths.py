@@ -72,6 +72,18 @@ def main() -> None:
     # P2P: the global peer from a group peer; the blocking send recorded at its return.
     case("p2p", lambda: (dist.isend(t, group_dst=3, group=world).wait(), dist.send(t, dst=1),
                          dist.irecv(t, src=2).wait()), out)
+    # A batch as torch.distributed.pipelining issues it (the fake backend does not coalesce, as gloo):
+    # one record per op, through the isend / irecv sites called by keyword, each timed by its wait; an op
+    # built from torch's own isend (a name imported before attach) is accepted and swapped to ours.
+    def batched() -> None:
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, 1), dist.P2POp(dist.irecv, t, group_peer=2)])
+        for work in works:
+            work.wait()
+        early = dist.P2POp(original_isend, t, 3)
+        for work in dist.batch_isend_irecv([early]):
+            work.wait()
+    original_isend = dist.isend
+    case("p2p_batch", batched, out)
     # An async op never waited in Python: completed by the step-end flush.
     case("async_never_waited", lambda: dist.all_reduce(t, async_op=True), out)
     # A funcol op inside torch.compile'd code is a graph node: the wrappers step aside before anything of
