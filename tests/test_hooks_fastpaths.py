@@ -112,7 +112,8 @@ def test_p2p_peers_are_global_ranks_and_every_op_is_timed(cases: dict) -> None:
     case = cases["p2p"]
     _clean(case)
     assert [(r["op"], r["peer"], r["nbytes"]) for r in case["records"]] == [("send", 3, 64), ("send", 1, 64),
-                                                                            ("recv", 2, 64)]
+                                                                            ("recv", 2, 64), ("send", 3, 64),
+                                                                            ("recv", 3, 64)]
     assert all(r["wait_s"] > 0 for r in case["records"])
 
 
@@ -120,7 +121,8 @@ def test_a_batch_is_one_record_per_op_each_timed_by_its_wait(cases: dict) -> Non
     case = cases["p2p_batch"]
     _clean(case)
     assert [(r["op"], r["peer"], r["nbytes"]) for r in case["records"]] == [("send", 1, 64), ("recv", 2, 64),
-                                                                            ("send", 3, 64)]
+                                                                            ("send", 3, 64), ("recv", 3, 64),
+                                                                            ("send", 2, 64)]
     assert all(r["wait_s"] > 0 for r in case["records"])
 
 

@@ -183,7 +183,7 @@ PyMODINIT_FUNC PyInit__hot(void) {
 #define INTERN(var, text) if (!(var = PyUnicode_InternFromString(text))) return NULL
     INTERN(s_depth, "depth"); INTERN(s_enabled, "enabled"); INTERN(s_nesting, "nesting");
     INTERN(s_is_cuda, "is_cuda"); INTERN(s_nbytes, "nbytes"); INTERN(s_key, "key");
-    INTERN(s_global_rank, "global_rank"); INTERN(s_error, "error"); INTERN(s_track_work, "track_work");
+    INTERN(s_global_rank, "global_rank"); INTERN(s_ranks, "ranks"); INTERN(s_error, "error"); INTERN(s_track_work, "track_work");
     INTERN(s_dropped_done, "dropped_done"); INTERN(s_group, "group"); INTERN(s_async_op, "async_op");
     INTERN(s_value, "value");
     INTERN(s_all_reduce, "all_reduce"); INTERN(s_ddp_comm_hook, "ddp_comm_hook");

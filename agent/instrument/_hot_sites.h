@@ -93,7 +93,7 @@ static PyObject *site_call(Site *s, PyObject *const *args, size_t nargsf, PyObje
                 peer = k_minus_one;
                 Py_INCREF(peer);
             } else {
-                peer = PyObject_CallMethodOneArg(PyTuple_GET_ITEM(hit, 1), s_global_rank, group_peer);
+                peer = global_rank(PyTuple_GET_ITEM(hit, 1), group_peer);
                 if (!peer) goto describe_failed;
             }
         } else {
@@ -221,13 +221,21 @@ static PyObject *site_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     s->kind = kind;
     s->original = Py_NewRef(original); s->slow = Py_NewRef(slow); s->op = Py_NewRef(op);
     s->source = Py_NewRef(source); s->where = Py_NewRef(where);
-    s->tname = tname == Py_None ? NULL : Py_NewRef(tname);
     s->coalesce = coalesce == Py_None ? NULL : Py_NewRef(coalesce);
     s->works = works == Py_None ? NULL : Py_NewRef(works);
     s->learn = learn == Py_None ? NULL : Py_NewRef(learn);
-    s->peer_kw = peer_kw == Py_None ? NULL : Py_NewRef(peer_kw);
-    s->group_peer_kw = group_peer_kw == Py_None ? NULL : Py_NewRef(group_peer_kw);
-    s->known = known == Py_None ? NULL : Py_NewRef(known);
+    s->peer_kw = peer_kw == Py_None ? NULL : interned(peer_kw);
+    s->group_peer_kw = group_peer_kw == Py_None ? NULL : interned(group_peer_kw);
+    s->tname = tname == Py_None ? NULL : interned(tname);
+    if (known != Py_None) {
+        Py_ssize_t n = PyTuple_GET_SIZE(known);
+        s->known = PyTuple_New(n);
+        if (!s->known) {
+            Py_DECREF(s);
+            return NULL;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) PyTuple_SET_ITEM(s->known, i, interned(PyTuple_GET_ITEM(known, i)));
+    }
     s->ti = ti; s->gi = gi; s->ai = ai; s->pi = pi; s->buffer = buffer;
     s->fixed_async = fixed_async;
     return (PyObject *)s;
@@ -412,6 +420,10 @@ typedef struct {
     vectorcallfunc vectorcall;
     PyObject *dict;
     PyObject *original, *slow, *tracer, *swap, *isend, *irecv, *coalesces, *coalesced, *where;
+    /* the last answer that did not coalesce, for its group and device kind: a pipeline stage sends on one
+     * group, so this is the common case, without the key tuple and the dict look-up */
+    PyObject *last_group;
+    int last_cuda;
 } Batch;
 
 static PyObject *s_op, *s_group_attr, *s_tensor;
@@ -447,8 +459,13 @@ static PyObject *batch_call(Batch *b, PyObject *const *args, size_t nargsf, PyOb
     PyObject *tensor = group ? PyObject_GetAttr(first, s_tensor) : NULL;
     PyObject *cuda = tensor ? PyObject_GetAttr(tensor, s_is_cuda) : NULL;
     Py_XDECREF(tensor);
+    if (cuda && group == b->last_group && (cuda == Py_True) == b->last_cuda) {
+        Py_DECREF(cuda); Py_DECREF(group);
+        return PyObject_Vectorcall(b->original, args, nargsf, NULL);
+    }
     PyObject *gid = cuda ? PyLong_FromVoidPtr(group) : NULL;
     PyObject *key = gid ? PyTuple_Pack(2, gid, cuda) : NULL;
+    int is_cuda = cuda == Py_True;
     Py_XDECREF(gid); Py_XDECREF(cuda);
     if (!key) {
         Py_XDECREF(group);
@@ -463,7 +480,13 @@ static PyObject *batch_call(Batch *b, PyObject *const *args, size_t nargsf, PyOb
         if (entry && PyDict_SetItem(b->coalesces, key, entry) == 0) coalesce = PyObject_IsTrue(answer);
         Py_XDECREF(answer); Py_XDECREF(entry);
     }
-    Py_DECREF(key); Py_DECREF(group);
+    Py_DECREF(key);
+    if (coalesce == 0) {  /* remembered (a strong reference, so that its address is never another group's) */
+        Py_XSETREF(b->last_group, group);
+        b->last_cuda = is_cuda;
+    } else {
+        Py_DECREF(group);
+    }
     if (coalesce < 0) goto failed;
     if (coalesce) return PyObject_Vectorcall(b->slow, args, nargsf, NULL);
     return PyObject_Vectorcall(b->original, args, nargsf, NULL);
@@ -506,12 +529,14 @@ static PyObject *batch_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
 static int batch_traverse(Batch *b, visitproc visit, void *arg) {
     Py_VISIT(b->dict); Py_VISIT(b->original); Py_VISIT(b->slow); Py_VISIT(b->tracer); Py_VISIT(b->swap);
     Py_VISIT(b->isend); Py_VISIT(b->irecv); Py_VISIT(b->coalesces); Py_VISIT(b->coalesced); Py_VISIT(b->where);
+    Py_VISIT(b->last_group);
     return 0;
 }
 
 static int batch_clear(Batch *b) {
     Py_CLEAR(b->dict); Py_CLEAR(b->original); Py_CLEAR(b->slow); Py_CLEAR(b->tracer); Py_CLEAR(b->swap);
     Py_CLEAR(b->isend); Py_CLEAR(b->irecv); Py_CLEAR(b->coalesces); Py_CLEAR(b->coalesced); Py_CLEAR(b->where);
+    Py_CLEAR(b->last_group);
     return 0;
 }
 

@@ -70,8 +70,13 @@ def main() -> None:
                                    dist.all_reduce(t, async_op=True, group=world).wait(timeout=timedelta(seconds=30))),
          out)
     # P2P: the global peer from a group peer; the blocking send recorded at its return.
+    # A subgroup's group peer maps through its ranks; a keyword name built at run time (not interned) is
+    # still recognised.
+    sub = dist.new_group([0, 3])
+    built = "".join(["group_", "src"])
     case("p2p", lambda: (dist.isend(t, group_dst=3, group=world).wait(), dist.send(t, dst=1),
-                         dist.irecv(t, src=2).wait()), out)
+                         dist.irecv(t, src=2).wait(), dist.isend(t, group_dst=1, group=sub).wait(),
+                         dist.irecv(t, group=sub, **{built: 1}).wait()), out)
     # A batch as torch.distributed.pipelining issues it (the fake backend does not coalesce, as gloo):
     # one record per op, through the isend / irecv sites called by keyword, each timed by its wait; an op
     # built from torch's own isend (a name imported before attach) is accepted and swapped to ours.
@@ -82,6 +87,10 @@ def main() -> None:
         early = dist.P2POp(original_isend, t, 3)
         for work in dist.batch_isend_irecv([early]):
             work.wait()
+        # another group, then the first again: each batch's group is its own (the last one is remembered)
+        for ops in ([dist.P2POp(dist.irecv, t, group=sub, group_peer=1)], [dist.P2POp(dist.isend, t, 2)]):
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
     original_isend = dist.isend
     case("p2p_batch", batched, out)
     # An async op never waited in Python: completed by the step-end flush.
