@@ -127,3 +127,53 @@ def test_no_reference_is_leaked_or_stolen(monkeypatch: pytest.MonkeyPatch, form:
     assert abs(sys.getrefcount(None) - refs[2]) < 100  # None is everyone's: only a steady count matters
     assert len(gc.get_objects()) - objects < 100
     assert rec.errors == [] and not tracer._pending_works
+
+
+@pytest.mark.parametrize("form", ["c", "python"])
+def test_a_pipeline_span_is_the_same_in_both_forms(monkeypatch: pytest.MonkeyPatch, form: str) -> None:
+    """The deferred span around a stage's compute: the microbatch positional or by keyword, the method's
+    result and exception passed through, a span recorded either way, spans beyond the limit counted as
+    dropped, and no reference kept by the calls."""
+    from meshscope.agent.instrument import pipeline
+
+    if form == "c" and not native._USABLE:
+        pytest.skip("the C sites are not built here")
+    monkeypatch.setenv("MESHSCOPE_NATIVE", "1" if form == "c" else "0")
+    monkeypatch.setattr(pipeline, "_MAX_SPANS", 4)
+
+    class Stage:
+        stage_index = 1
+
+        def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+            if fwd_chunk_id == 7:
+                raise ValueError("the user's own error")
+            return fwd_chunk_id * 2
+
+    class Schedule:
+        def __init__(self, stage):
+            self._stage, self.pipeline_order = stage, None
+
+    stage = Stage()
+    tracer = pipeline.PipelineTracer(ListRecorder(clock=PerfClock()), deferred=True)
+    tracer.attach(Schedule(stage))
+    try:
+        wrapped = stage.forward_one_chunk
+        assert (type(wrapped).__name__ == "Span") == (form == "c")
+        assert wrapped.__wrapped__ == stage.__class__.forward_one_chunk.__get__(stage)
+        assert wrapped(3) == 6 and wrapped(fwd_chunk_id=4) == 8
+        with pytest.raises(ValueError, match="the user's own error"):
+            wrapped(7)
+        t0 = time.perf_counter()
+        wrapped(5), wrapped(6)  # the 5th span is beyond the limit of 4
+        spans = tracer.take()
+        assert [s[:3] for s in spans] == [(1, 3, "forward"), (1, 4, "forward"), (1, 7, "forward"), (1, 5, "forward")]
+        assert all(a <= b for *_, a, b in spans) and spans[-1][3] >= t0 and tracer.dropped == 1
+        arg = object()
+        before = sys.getrefcount(arg)
+        for _ in range(1000):
+            wrapped(0, arg)
+            tracer.take()
+        assert sys.getrefcount(arg) == before
+    finally:
+        tracer.detach()
+    assert "forward_one_chunk" not in vars(stage)

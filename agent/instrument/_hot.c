@@ -7,13 +7,14 @@
  * is not built: ``agent/instrument/native.py``):
  *
  * (one translation unit: _hot_common.h holds what the sites share, _hot_sites.h Site and Wait, this file
- * DdpOp, read_fd and the module)
+ * DdpOp, Span, read_fd and the module)
  *
  *   Site(KIND_C10D, ...)   comm_c10d._fast_one's wrapper   (one-tensor collectives, P2P)
  *   Site(KIND_FSDP, ...)   comm_fsdp._traced's ``fast``    (FSDP2's custom all-gather / reduce-scatter)
  *   Wait(...)              comm_c10d.wait's ``traced_wait`` (Work.wait, bound as a method)
  *   Batch(...)             comm_c10d.batch's ``wrapper``    (batch_isend_irecv on gloo: pipeline P2P)
  *   DdpOp(hot, group, n)   comm_ddp's op + ops.stamp_unwrap (a DDP bucket's op and its completion callback)
+ *   Span(...)              pipeline.PipelineTracer's deferred ``span`` (a pipeline stage's compute)
  *   read_fd(fd, n)         a pread that keeps the GIL      (cpu.ThreadCPU: /proc/thread-self/schedstat)
  *
  * Not here: the functional collectives (TP). Their wrappers must stay Python functions that Dynamo inlines
@@ -166,6 +167,105 @@ static PyObject *read_fd(PyObject *module, PyObject *const *args, Py_ssize_t nar
     return PyBytes_FromStringAndSize(buf, got);
 }
 
+/* ------------------------------------------------------------------------------------------- Span */
+/* pipeline.PipelineTracer._wrap_deferred's ``span``: a stage's compute method, timed; the span appended to
+ * ``spans`` as (stage index, microbatch, kind, t0, t1) while it holds fewer than ``limit``, else
+ * ``tracer.dropped`` counted. Recorded whether the method returns or raises (the Python span's
+ * ``finally``); the method's own result or exception passes through unchanged. */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *dict;
+    PyObject *method, *spans, *index, *kind, *chunk_kw, *tracer;
+    Py_ssize_t limit;
+} Span;
+
+static PyObject *s_dropped;
+
+static void span_dropped(Span *s) {
+    PyObject *n = PyObject_GetAttr(s->tracer, s_dropped);
+    PyObject *n1 = n ? PyNumber_Add(n, k_one) : NULL;
+    if (!n1 || PyObject_SetAttr(s->tracer, s_dropped, n1) < 0) PyErr_Clear();
+    Py_XDECREF(n); Py_XDECREF(n1);
+}
+
+static PyObject *span_call(Span *s, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    double t0 = now_s();
+    PyObject *result = PyObject_Vectorcall(s->method, args, nargsf, kwnames);
+    double t1 = now_s();
+    PyObject *type = NULL, *value = NULL, *tb = NULL;
+    if (!result) PyErr_Fetch(&type, &value, &tb);
+    if (PyList_GET_SIZE(s->spans) < s->limit) {
+        Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+        PyObject *mb = nargs > 0 ? args[0] : arg(args, nargs, kwnames, -1, s->chunk_kw);
+        PyObject *a = PyFloat_FromDouble(t0), *b = a ? PyFloat_FromDouble(t1) : NULL;
+        PyObject *entry = b ? PyTuple_Pack(5, s->index, mb ? mb : k_minus_one, s->kind, a, b) : NULL;
+        if (!entry || PyList_Append(s->spans, entry) < 0) {
+            PyErr_Clear();
+            span_dropped(s);  /* no memory for the span: counted as one not kept */
+        }
+        Py_XDECREF(a); Py_XDECREF(b); Py_XDECREF(entry);
+    } else {
+        span_dropped(s);
+    }
+    if (!result) PyErr_Restore(type, value, tb);
+    return result;
+}
+
+static PyObject *span_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"method", "spans", "index", "kind", "chunk_kw", "tracer", "limit", NULL};
+    PyObject *method, *spans, *index, *kind, *chunk_kw, *tracer;
+    Py_ssize_t limit;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!OUUOn:Span", kwlist, &method, &PyList_Type, &spans, &index,
+                                     &kind, &chunk_kw, &tracer, &limit))
+        return NULL;
+    if (!PyCallable_Check(method)) {
+        PyErr_SetString(PyExc_TypeError, "Span: method must be callable");
+        return NULL;
+    }
+    Span *s = (Span *)type->tp_alloc(type, 0);
+    if (!s) return NULL;
+    s->vectorcall = (vectorcallfunc)span_call;
+    s->method = Py_NewRef(method); s->spans = Py_NewRef(spans); s->index = Py_NewRef(index);
+    s->kind = Py_NewRef(kind); s->chunk_kw = interned(chunk_kw); s->tracer = Py_NewRef(tracer);
+    s->limit = limit;
+    return (PyObject *)s;
+}
+
+static int span_traverse(Span *s, visitproc visit, void *arg) {
+    Py_VISIT(s->dict); Py_VISIT(s->method); Py_VISIT(s->spans); Py_VISIT(s->index); Py_VISIT(s->kind);
+    Py_VISIT(s->chunk_kw); Py_VISIT(s->tracer);
+    return 0;
+}
+
+static int span_clear(Span *s) {
+    Py_CLEAR(s->dict); Py_CLEAR(s->method); Py_CLEAR(s->spans); Py_CLEAR(s->index); Py_CLEAR(s->kind);
+    Py_CLEAR(s->chunk_kw); Py_CLEAR(s->tracer);
+    return 0;
+}
+
+static void span_dealloc(Span *s) {
+    PyObject_GC_UnTrack(s);
+    span_clear(s);
+    Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+static PyTypeObject SpanType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "meshscope.agent.instrument._hot.Span",
+    .tp_doc = "A pipeline stage's compute method, timed (see agent/instrument/_hot.c).",
+    .tp_basicsize = sizeof(Span),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_new = span_new,
+    .tp_traverse = (traverseproc)span_traverse,
+    .tp_clear = (inquiry)span_clear,
+    .tp_dealloc = (destructor)span_dealloc,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(Span, vectorcall),
+    .tp_dictoffset = offsetof(Span, dict),
+    .tp_getset = dict_getset,
+};
+
 static PyObject *perf_counter(PyObject *module, PyObject *unused) {
     return PyFloat_FromDouble(now_s());
 }
@@ -185,14 +285,14 @@ PyMODINIT_FUNC PyInit__hot(void) {
     INTERN(s_is_cuda, "is_cuda"); INTERN(s_nbytes, "nbytes"); INTERN(s_key, "key");
     INTERN(s_global_rank, "global_rank"); INTERN(s_ranks, "ranks"); INTERN(s_error, "error"); INTERN(s_track_work, "track_work");
     INTERN(s_dropped_done, "dropped_done"); INTERN(s_group, "group"); INTERN(s_async_op, "async_op");
-    INTERN(s_value, "value");
+    INTERN(s_value, "value"); INTERN(s_dropped, "dropped");
     INTERN(s_all_reduce, "all_reduce"); INTERN(s_ddp_comm_hook, "ddp_comm_hook");
     INTERN(s_op, "op"); INTERN(s_group_attr, "group"); INTERN(s_tensor, "tensor");
 #undef INTERN
     if (!(k_minus_one = PyLong_FromLong(-1)) || !(k_one = PyLong_FromLong(1)))
         return NULL;
     if (PyType_Ready(&SiteType) < 0 || PyType_Ready(&WaitType) < 0 || PyType_Ready(&DdpOpType) < 0
-        || PyType_Ready(&BatchType) < 0)
+        || PyType_Ready(&BatchType) < 0 || PyType_Ready(&SpanType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
@@ -200,6 +300,7 @@ PyMODINIT_FUNC PyInit__hot(void) {
         || PyModule_AddObjectRef(m, "Wait", (PyObject *)&WaitType) < 0
         || PyModule_AddObjectRef(m, "DdpOp", (PyObject *)&DdpOpType) < 0
         || PyModule_AddObjectRef(m, "Batch", (PyObject *)&BatchType) < 0
+        || PyModule_AddObjectRef(m, "Span", (PyObject *)&SpanType) < 0
         || PyModule_AddIntConstant(m, "KIND_C10D", KIND_C10D) < 0
         || PyModule_AddIntConstant(m, "KIND_FSDP", KIND_FSDP) < 0) {
         Py_DECREF(m);

@@ -69,6 +69,16 @@ def batch(original: Callable, python: Callable, *, tracer: Any, swap: dict, isen
     return _hot.Batch(original, python, tracer, swap, isend, irecv, coalesced)
 
 
+def span(method: Callable, python: Callable, *, spans: list, index: Any, kind: str, chunk_kw: str, tracer: Any,
+         limit: int) -> Callable:
+    """``pipeline.PipelineTracer``'s deferred ``span`` (``python``) in C, or ``python`` itself. Both read
+    ``time.perf_counter`` whatever the recorder's clock (the telemetry core adds its epoch), so only the
+    build and the switch decide."""
+    if not (_USABLE and os.environ.get("MESHSCOPE_NATIVE", "1") != "0"):
+        return python
+    return _hot.Span(method, spans, index, kind, chunk_kw, tracer, limit)
+
+
 def work_wait(original: Callable, python: Callable, *, tracer: Any) -> Callable:
     """``comm_c10d``'s ``traced_wait`` (``python``) in C (bound as a method on the Work class), or ``python``."""
     if not active(tracer):

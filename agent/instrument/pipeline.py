@@ -30,6 +30,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+from meshscope.agent.instrument import native
+
 
 _METHODS = (
     ("forward_one_chunk", "forward", "fwd_chunk_id"),
@@ -175,7 +177,11 @@ class PipelineTracer:
                     tracer.dropped += 1
 
         span.__wrapped__ = method
-        return span
+        fast = native.span(method, span, spans=spans, index=index, kind=kind, chunk_kw=chunk_kw, tracer=tracer,
+                           limit=limit)
+        if fast is not span:
+            fast.__wrapped__ = method
+        return fast
 
 
 def _error(recorder: Any, where: str, exc: BaseException) -> None:
