@@ -356,7 +356,8 @@ def _path(source_op: str, *, batched: bool = False) -> str:
 # The traced paths measured again in the Python form of the sites (floors and the profiler do not change).
 PYTHON_FORM_PATHS = ("c10d_all_reduce_blocking", "c10d_all_reduce_async_wait", "funcol_all_reduce_wait",
                      "fsdp_all_gather", "fsdp_reduce_scatter", "p2p_isend_wait", "p2p_irecv_wait",
-                     "p2p_batch_isend_wait", "p2p_batch_irecv_wait", "ddp_comm_hook", "step_boundary")
+                     "p2p_batch_isend_wait", "p2p_batch_irecv_wait", "ddp_comm_hook", "pipeline_span",
+                     "step_boundary")
 
 
 def attribute(steps: dict[str, Any], calls_us: dict[str, Any], *, suffix: str = "") -> None:

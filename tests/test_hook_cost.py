@@ -4,12 +4,17 @@ the untraced op, must stay under twice the goal's ratio (bench/hooks_overhead.py
 A ratio, not microseconds, so the check follows the machine's speed: the goal is ≤ 2 µs of training-
 thread CPU per collective / P2P op (≤ 0.3 µs per pipeline span) on the 2-core dev VM, where the untraced
 ops below cost ``UNTRACED_US`` (``meshscope.testing.hookcost.per_call``, median of 15 ABBA blocks, load
-average < 1, torch 2.13 CPU). The functional collective (issue + ``wait_tensor``: two patched entry
-points around 32 µs of torch's own Python) measures 3.6-6.5 µs between runs, above its goal, where the
-barest Python recording wrappers of the same two calls (``floor_funcol``) already cost 1.2-1.8 µs: it is
-guarded at 1.5× its cost before the fast sites (4.05 µs) instead, so that it cannot get worse unnoticed. A path that exceeds its limit is measured once
-more before failing: one noisy block set on a shared CI machine must not fail the suite, a real
-regression fails both times.
+average < 1, torch 2.13 CPU). With the C sites (agent/instrument/_hot.c) the paths measure 0.9-2.1 µs
+there, the span 0.1-0.4 µs; the Python form of the sites (``MESHSCOPE_NATIVE=0``) 1.8-4.5 µs.
+
+The functional collective (issue + ``wait_tensor``: two patched entry points amid tens of µs of torch's
+own Python, Python sites in both forms) is above its goal, and its ratio to the untraced op does not follow
+the machine: on the same VM it read 2.4 µs on a 33 µs op one evening and 11-13 µs on a 66 µs op the next
+morning, its barest recording wrapper (``floor_funcol``) 1.6-2.1 and 4.3-5.8 µs. It is guarded against
+that floor, measured in the same run: at most ``FLOOR_LIMIT`` times it (1.2-2.6× in those runs; the
+wrappers before the fast sites cost 3.4-5×). A path that exceeds its limit is measured once more before
+failing: one noisy block set on a shared CI machine must not fail the suite, a real regression fails both
+times.
 """
 
 from __future__ import annotations
@@ -19,17 +24,20 @@ import pytest
 from meshscope.testing.hookcost import per_call_isolated
 
 GOAL_US = {"pipeline_span": 0.3}  # every other path: 2 µs
-# Paths measured above their goal on the dev VM (µs): guarded at 1.5× this rather than 2× the goal.
-ABOVE_GOAL_US = {"funcol_all_reduce_wait": 4.05}
+# Paths above their goal, guarded against their floor in the same run instead (see the module docstring).
+FLOOR_LIMIT = {"funcol_all_reduce_wait": ("floor_funcol", 4.0)}
 # The untraced op on the dev VM (see the module docstring): what a goal in µs is a ratio of.
 UNTRACED_US = {
     "c10d_all_reduce_blocking": 3.9,
     "c10d_all_reduce_async_wait": 4.0,
-    "funcol_all_reduce_wait": 32.0,
     "fsdp_all_gather": 5.2,
     "fsdp_reduce_scatter": 6.8,
     "p2p_isend_wait": 2.4,
     "p2p_irecv_wait": 2.3,
+    # As torch.distributed.pipelining sends: a P2POp built and sent in a batch of one (8.3-9.1 µs on a
+    # morning when the blocking all-reduce read 5.1: scaled to its 3.9)
+    "p2p_batch_isend_wait": 6.4,
+    "p2p_batch_irecv_wait": 6.4,
     "ddp_comm_hook": 9.3,  # the hook on the fake backend behind a proxy with a real future (hookcost._ddp_hook)
     "pipeline_span": 0.084,
 }
@@ -47,21 +55,34 @@ def over_limit(costs: dict) -> dict[str, str]:
         row = costs.get(path)
         if row is None:
             continue
-        limit = max(2 * GOAL_US.get(path, 2.0), 1.5 * ABOVE_GOAL_US.get(path, 0.0)) / untraced
+        limit = 2 * GOAL_US.get(path, 2.0) / untraced
         ratio = row["overhead_cpu_us"] / row["without_cpu_us"]
         if ratio > limit:
             bad[path] = (f"{row['overhead_cpu_us']:.2f} µs on a {row['without_cpu_us']:.2f} µs op: ratio {ratio:.3f} "
                          f"> limit {limit:.3f}")
+    for path, (floor, times) in FLOOR_LIMIT.items():
+        row, under = costs.get(path), costs.get(floor)
+        if row is not None and under is not None and row["overhead_cpu_us"] > times * under["overhead_cpu_us"]:
+            bad[path] = (f"{row['overhead_cpu_us']:.2f} µs > {times} × its floor's {under['overhead_cpu_us']:.2f} µs")
     return bad
+
+
+def paths_of(names) -> list[str]:
+    """The paths to measure for ``names``: each, and the floor a floor-guarded one is compared with."""
+    out = list(names)
+    for path, (floor, _) in FLOOR_LIMIT.items():
+        if path in out and floor not in out:
+            out.append(floor)
+    return out
 
 
 @pytest.mark.timeout(600)
 def test_each_traced_op_costs_at_most_twice_the_goal() -> None:
-    costs = measure(list(UNTRACED_US))
+    costs = measure(paths_of([*UNTRACED_US, *FLOOR_LIMIT]))
     assert costs["_recorded"] == {"dropped_records": 0, "errors": 0}
     bad = over_limit(costs)
     if bad:  # once more, only what failed
-        bad = over_limit(measure(list(bad)))
+        bad = over_limit(measure(paths_of(bad)))
     assert not bad, bad
 
 
@@ -73,3 +94,13 @@ def test_the_limit_is_relative_to_the_untraced_op() -> None:
     # A regression to 5 µs on the dev VM's 3.9 µs op is above 2 × (2 / 3.9).
     regressed = {"c10d_all_reduce_blocking": {"overhead_cpu_us": 5.0, "without_cpu_us": 3.9}}
     assert list(over_limit(regressed)) == ["c10d_all_reduce_blocking"]
+
+
+def test_the_functional_collective_is_held_to_its_floor_in_the_same_run() -> None:
+    slow_morning = {"funcol_all_reduce_wait": {"overhead_cpu_us": 13.4, "without_cpu_us": 66.6},
+                    "floor_funcol": {"overhead_cpu_us": 5.5, "without_cpu_us": 67.5}}
+    assert over_limit(slow_morning) == {}
+    regressed = {"funcol_all_reduce_wait": {"overhead_cpu_us": 9.0, "without_cpu_us": 33.0},
+                 "floor_funcol": {"overhead_cpu_us": 1.8, "without_cpu_us": 33.0}}
+    assert list(over_limit(regressed)) == ["funcol_all_reduce_wait"]
+    assert paths_of(["funcol_all_reduce_wait"]) == ["funcol_all_reduce_wait", "floor_funcol"]
