@@ -177,3 +177,14 @@ def test_a_pipeline_span_is_the_same_in_both_forms(monkeypatch: pytest.MonkeyPat
     finally:
         tracer.detach()
     assert "forward_one_chunk" not in vars(stage)
+
+
+def test_a_site_refuses_keyword_names_that_are_not_str() -> None:
+    """The C sites compare keyword names by identity where both are interned; a name that is no str is
+    refused when the site is made, never read as one on the hot path."""
+    if not native._USABLE:
+        pytest.skip("the C sites are not built here")
+    tracer = CollectiveTracer(ListRecorder(clock=PerfClock()), mesh_info=OneMesh())
+    with pytest.raises(TypeError, match="known must be a tuple of str"):
+        native._hot.Site(native._hot.KIND_C10D, print, print, tracer.hot, "send", "c10d", "send", tensor=0,
+                         works={}, learn=print, known=("tensor", 3))

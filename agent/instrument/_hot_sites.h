@@ -190,9 +190,12 @@ static PyObject *site_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
                                      &hot, &op, &source, &where, &ti, &gi, &ai, &tname, &fixed_async, &pi,
                                      &buffer, &coalesce, &works, &learn, &peer_kw, &group_peer_kw, &known))
         return NULL;
-    if ((known != Py_None && !PyTuple_Check(known)) || (peer_kw != Py_None && !PyUnicode_Check(peer_kw))
-        || (group_peer_kw != Py_None && !PyUnicode_Check(group_peer_kw))) {
-        PyErr_SetString(PyExc_TypeError, "Site: known must be a tuple, peer_kw / group_peer_kw str");
+    int names_ok = (known == Py_None || PyTuple_Check(known)) && (peer_kw == Py_None || PyUnicode_Check(peer_kw))
+        && (group_peer_kw == Py_None || PyUnicode_Check(group_peer_kw)) && (tname == Py_None || PyUnicode_Check(tname));
+    for (Py_ssize_t i = 0; names_ok && known != Py_None && i < PyTuple_GET_SIZE(known); i++)
+        names_ok = PyUnicode_Check(PyTuple_GET_ITEM(known, i));
+    if (!names_ok) {  /* same_name reads them as str */
+        PyErr_SetString(PyExc_TypeError, "Site: known must be a tuple of str, tensor_kw / peer_kw / group_peer_kw str");
         return NULL;
     }
     if (kind < KIND_C10D || kind > KIND_FSDP || !PyCallable_Check(original) || !PyCallable_Check(slow)) {
