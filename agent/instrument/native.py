@@ -32,10 +32,13 @@ def _same_clock() -> bool:
 _USABLE = _same_clock()
 
 
+def _switched_on() -> bool:
+    return os.environ.get("MESHSCOPE_NATIVE", "1") != "0"
+
+
 def active(tracer: Any) -> bool:
     """Whether ``tracer``'s sites are made in C."""
-    return (_USABLE and os.environ.get("MESHSCOPE_NATIVE", "1") != "0"
-            and getattr(tracer, "now", None) is time.perf_counter)
+    return _USABLE and _switched_on() and getattr(tracer, "now", None) is time.perf_counter
 
 
 def c10d_site(original: Callable, python: Callable, *, tracer: Any, op: str, where: str, spec: Any,
@@ -74,7 +77,7 @@ def span(method: Callable, python: Callable, *, spans: list, index: Any, kind: s
     """``pipeline.PipelineTracer``'s deferred ``span`` (``python``) in C, or ``python`` itself. Both read
     ``time.perf_counter`` whatever the recorder's clock (the telemetry core adds its epoch), so only the
     build and the switch decide."""
-    if not (_USABLE and os.environ.get("MESHSCOPE_NATIVE", "1") != "0"):
+    if not (_USABLE and _switched_on()):
         return python
     return _hot.Span(method, spans, index, kind, chunk_kw, tracer, limit)
 
@@ -95,6 +98,6 @@ def ddp_op(tracer: Any) -> type | None:
 
 def read_fd() -> Callable[[int, int], bytes] | None:
     """``pread(fd, n, 0)`` keeping the GIL, in C (``cpu.ThreadCPU``); None where not built or switched off."""
-    if _hot is None or os.environ.get("MESHSCOPE_NATIVE", "1") == "0":
+    if _hot is None or not _switched_on():
         return None
     return _hot.read_fd
