@@ -346,8 +346,8 @@ def _path(source_op: str, *, batched: bool = False) -> str:
         return "ddp_comm_hook"
     if source == "fsdp_comm":
         return f"fsdp_{op}"
-    if source == "funcol":
-        return "funcol_all_reduce_wait"
+    if source == "funcol":  # the arms' funcol ops are DTensor's: group=(mesh, mesh_dim)
+        return "funcol_mesh_dim_all_reduce_wait"
     if op in ("send", "recv"):
         return f"p2p_batch_i{op}_wait" if batched else f"p2p_i{op}_wait"
     return "c10d_all_reduce_blocking"
@@ -355,6 +355,7 @@ def _path(source_op: str, *, batched: bool = False) -> str:
 
 # The traced paths measured again in the Python form of the sites (floors and the profiler do not change).
 PYTHON_FORM_PATHS = ("c10d_all_reduce_blocking", "c10d_all_reduce_async_wait", "funcol_all_reduce_wait",
+                     "funcol_mesh_dim_all_reduce_wait",
                      "fsdp_all_gather", "fsdp_reduce_scatter", "p2p_isend_wait", "p2p_irecv_wait",
                      "p2p_batch_isend_wait", "p2p_batch_irecv_wait", "ddp_comm_hook", "pipeline_span",
                      "step_boundary")

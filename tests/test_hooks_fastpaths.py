@@ -144,3 +144,18 @@ def test_a_call_that_raises_after_its_inner_wait_leaves_nothing_to_the_next_op(c
     _clean(case)
     [r] = case["records"]  # the failed call is not recorded; the next op carries only its own wait
     assert (r["op"], r["nbytes"]) == ("all_reduce", 64) and r["wait_s"] > 0
+
+
+def test_dtensors_mesh_dim_designator_is_resolved_once_per_mesh_and_dim(cases: dict) -> None:
+    """DTensor calls funcol with ``group=(mesh, mesh_dim)``, a new tuple each time: each op is still
+    numbered in its own group and named by its mesh dim, and the designator is resolved from scratch once
+    per (mesh, dim) — not per op, which cost 40 µs a funcol op where a ProcessGroup's cost 11.5."""
+    case = cases["funcol_mesh_dim"]
+    _clean(case)
+    assert [(r["op"], r["group_size"], r["seq"]) for r in case["records"]] == [
+        ("all_reduce", 2, 1), ("all_reduce", 2, 2), ("all_reduce", 2, 3), ("all_reduce", 2, 1), ("all_reduce", 2, 4),
+        ("all_reduce", 2, 5)]
+    dims = [d for d, _ in case["groups"]]
+    assert dims == ["tp", "tp", "tp", "dp", "tp", "tp"], dims
+    assert len({g for _, g in case["groups"]}) == 2
+    assert case["lookups"] == 2  # (mesh, 1) and (mesh, 0)

@@ -88,6 +88,7 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -98,6 +99,7 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
 
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     world = dist.group.WORLD
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     # The real recorder, as a job has it: a step open (so every op belongs to it), the flusher draining.
     tel = Telemetry(config=TelemetryConfig(store=tempfile.mkdtemp(prefix="meshscope-hookcost-"), run="bench"),
                     rank=0, world_size=2)
@@ -175,6 +177,9 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
         "c10d_all_reduce_async_wait": (lambda: dist.all_reduce(t, async_op=True).wait(), on, off),
         # As DTensor does: the AsyncCollectiveTensor's wait() → funcol.wait_tensor(elem).
         "funcol_all_reduce_wait": (lambda: funcol.all_reduce(t, "sum", world).wait(), on, off),
+        # As DTensor names the group: (mesh, mesh_dim), a new tuple per call (a TP step's ops are these).
+        "funcol_mesh_dim_all_reduce_wait": (lambda: funcol.all_reduce(t, reduceOp="sum", group=(mesh, 0)).wait(),
+                                            on, off),
         "work_wait_untracked": (lambda: untracked.wait(), on, off),
         "fsdp_all_gather": (lambda: (traced_ag if traced["on"] else plain_ag)(ag_out, t, world), on, off),
         "fsdp_reduce_scatter": (lambda: (traced_rs if traced["on"] else plain_rs)(t[:8], t, world,
@@ -210,7 +215,8 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
     return out
 
 
-PATHS = ("c10d_all_reduce_blocking", "c10d_all_reduce_async_wait", "funcol_all_reduce_wait", "work_wait_untracked",
+PATHS = ("c10d_all_reduce_blocking", "c10d_all_reduce_async_wait", "funcol_all_reduce_wait",
+         "funcol_mesh_dim_all_reduce_wait", "work_wait_untracked",
          "fsdp_all_gather", "fsdp_reduce_scatter", "p2p_isend_wait", "p2p_irecv_wait", "p2p_batch_isend_wait",
          "p2p_batch_irecv_wait", "ddp_comm_hook",
          "pipeline_span", "step_boundary", "floor_blocking", "floor_async_wait", "floor_funcol", "profiler_aten_op")

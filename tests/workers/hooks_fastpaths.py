@@ -17,6 +17,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from meshscope.agent.instrument import native
 from meshscope.agent.instrument.collectives import CollectiveTracer
+from meshscope.agent.instrument.meshinfo import MeshInfo
 from meshscope.agent.instrument.recorder import ListRecorder
 
 
@@ -31,9 +32,16 @@ class PerfClock:
     now = staticmethod(time.perf_counter)
 
 
-def case(name: str, fn: Any, out: dict) -> None:
+def case(name: str, fn: Any, out: dict, *, mesh: Any = None) -> None:
     rec = ListRecorder(clock=PerfClock())
-    tracer = CollectiveTracer(rec)
+    tracer = CollectiveTracer(rec, mesh_info=MeshInfo(mesh))
+    lookups = {"n": 0}
+    lookup = tracer.mesh_info.lookup
+
+    def counted(group: Any) -> Any:  # how often a designator is resolved from scratch
+        lookups["n"] += 1
+        return lookup(group)
+    tracer.mesh_info.lookup = counted
     tracer.attach(None)
     try:
         fn()
@@ -41,7 +49,8 @@ def case(name: str, fn: Any, out: dict) -> None:
         tracer.flush()
         tracer.detach()
     out[name] = {"records": records(rec), "errors": [w for w, _ in rec.errors], "stats": dict(tracer.stats),
-                 "pending": len(tracer._pending_works) + len(tracer._pending_tensors)}
+                 "pending": len(tracer._pending_works) + len(tracer._pending_tensors), "lookups": lookups["n"],
+                 "groups": [(r["dim"], r["group"]) for r in rec.collectives]}
 
 
 def main() -> None:
@@ -55,6 +64,15 @@ def main() -> None:
     case("funcol_nested_wait", lambda: funcol.all_gather_single(t, 1, world), out)
     # The usual DTensor pattern: issue, then wait on first use.
     case("funcol_issue_then_wait", lambda: funcol.all_reduce(t, "sum", world).wait(), out)
+
+    # DTensor's designator, (mesh, mesh_dim): a new tuple per call, resolved once per mesh and dim.
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+    def by_mesh_dim() -> None:
+        for dim in (1, 1, 1, 0, 1, 1):
+            funcol.all_reduce(t, reduceOp="sum", group=(mesh, dim)).wait()
+    case("funcol_mesh_dim", by_mesh_dim, out, mesh=mesh)
 
     # A pending funcol op whose wait comes inside the next op's issuing call (its output is the next
     # op's input): each op gets its own record, the first completed by that wait.
