@@ -152,10 +152,10 @@ def test_dtensors_mesh_dim_designator_is_resolved_once_per_mesh_and_dim(cases: d
     per (mesh, dim) — not per op, which cost 40 µs a funcol op where a ProcessGroup's cost 11.5."""
     case = cases["funcol_mesh_dim"]
     _clean(case)
-    assert [(r["op"], r["group_size"], r["seq"]) for r in case["records"]] == [
-        ("all_reduce", 2, 1), ("all_reduce", 2, 2), ("all_reduce", 2, 3), ("all_reduce", 2, 1), ("all_reduce", 2, 4),
-        ("all_reduce", 2, 5)]
+    assert [(r["op"], r["group_size"], r["seq"], r["nbytes"]) for r in case["records"]] == [
+        ("all_reduce", 2, 1, 64), ("all_reduce", 2, 2, 64), ("all_reduce", 2, 3, 64), ("all_reduce", 2, 1, 64),
+        ("all_reduce", 2, 4, 64), ("all_reduce", 2, 5, 64), ("all_gather", 2, 6, 128), ("all_gather", 2, 7, 128)]
     dims = [d for d, _ in case["groups"]]
-    assert dims == ["tp", "tp", "tp", "dp", "tp", "tp"], dims
+    assert dims == ["tp", "tp", "tp", "dp", "tp", "tp", "tp", "tp"], dims
     assert len({g for _, g in case["groups"]}) == 2
     assert case["lookups"] == 2  # (mesh, 1) and (mesh, 0)

@@ -272,6 +272,13 @@ class CollectiveTracer:
         instance attribute ``begin`` is this, as a closure over the tracer's state (``_hot_paths``)."""
         return self._begin(op, group, nbytes, source, peer, group_peer, cuda)
 
+    def group_info(self, group: Any) -> GroupInfo:
+        """The group's ``GroupInfo``, from the tracer's entries (resolved once per group, see ``_group``)."""
+        hit = self._groups.get(id(group))
+        if hit is None or hit[0] is not group:
+            hit = self._group(group)
+        return hit[1]
+
     def _group(self, group: Any) -> tuple[Any, GroupInfo, list[int]]:
         # DTensor names its group ``(mesh, mesh_dim)``, a new tuple per call, which no lookup by identity
         # finds: resolved from the designator every time, its funcol op cost the training thread 40 µs

@@ -144,7 +144,7 @@ def coalesced(original: Callable, *, tracer: Any, op: str, group_index: int, out
     def describe(args: tuple, kwargs: dict) -> Issue:
         ts = args[0] if args else kwargs.get("self", kwargs.get("inputs"))
         group = args[group_index] if len(args) > group_index else kwargs["group"]
-        n = tracer.mesh_info.lookup(group).size if output_bytes else 1
+        n = tracer.group_info(group).size if output_bytes else 1
         ops = [tracer.begin(op, group, t.nbytes * n, "funcol", cuda=t.is_cuda) for t in ts]
         return None, args, kwargs, False, ops
 

@@ -72,6 +72,8 @@ def main() -> None:
     def by_mesh_dim() -> None:
         for dim in (1, 1, 1, 0, 1, 1):
             funcol.all_reduce(t, reduceOp="sum", group=(mesh, dim)).wait()
+        for out in funcol.all_gather_single_coalesced([t, t], (mesh, 1)):  # bytes: the output's, × group size
+            out.wait()
     case("funcol_mesh_dim", by_mesh_dim, out, mesh=mesh)
 
     # A pending funcol op whose wait comes inside the next op's issuing call (its output is the next
