@@ -200,7 +200,7 @@ def test_gpu_by_rank_joins_host_and_local_rank(store):
 
 def test_pipeline_data_matches_pandas(store):
     d = data.pipeline_data(store, run="pp", steps=(0, 9), gantt_step=4)
-    spans, steps = _raw(store, "span", "pp"), _raw(store, "step", "pp")
+    spans = _raw(store, "span", "pp")
     cols = ["bubble", "imbalance", "schedule_bubble"]
     want = analysis.measured_bubble(spans).groupby(["step", "stage"])[cols].mean()  # the pipeline's extent
     got = d["bubble"].set_index(["step", "stage"])[cols]

@@ -293,10 +293,20 @@ def test_back_to_back_steps_share_their_boundary_and_a_gap_does_not():
         sum(i * i for i in range(100_000))  # CPU time in the step
         tel.end_step()
         second = step(1)  # back to back
-        assert second.t_start == first.t_end and second.cpu0 is first.cpu_end
+        # On a loaded machine the flusher can take the GIL between the two calls for longer than the window:
+        # then the rule says the step takes its own readings. Each pair follows the rule; one of a few shares.
+        shared = 0
+        for n in range(8):
+            prev, nxt = (first, second) if n == 0 else (step(100 + 2 * n), step(101 + 2 * n))
+            if nxt.t_start == prev.t_end:
+                assert nxt.cpu0 is prev.cpu_end
+                shared += 1
+            else:  # not shared: a gap over the window, and readings of its own
+                assert nxt.t_start - prev.t_end > SHARED_BOUNDARY_S and nxt.cpu0 is not prev.cpu_end
+        assert shared >= 1
         time.sleep(SHARED_BOUNDARY_S * 20)
         third = step(2, end=False)  # after a gap: its own readings
-        assert third.t_start > second.t_end and third.cpu0 is not second.cpu_end
+        assert third.t_start > nxt.t_end and third.cpu0 is not nxt.cpu_end
         tel.abort_step(RuntimeError("peer died"))
         fourth = step(3)  # right after an aborted step: nothing to share
         assert fourth.cpu0 is not third.cpu0 and fourth.t_start > third.t_start

@@ -2,7 +2,6 @@
 meshscope in it: the third-party code of tests/test_zerocode.py."""
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
