@@ -60,12 +60,12 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
-import itertools
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from meshscope.agent.instrument import native
+from meshscope.agent.instrument.grouptable import GroupTable
 from meshscope.agent.instrument.meshinfo import GroupInfo, MeshInfo
 from meshscope.agent.instrument.ops import Hot, _Direct, _Nesting, _Op, _TLS
 from meshscope.agent.instrument.recorder import DIRECT
@@ -127,17 +127,9 @@ class CollectiveTracer:
         self._main_tid = threading.get_ident()
         self._main = _Nesting()
         self._tls = _TLS()
-        # id(group designator) → (designator, GroupInfo, its group's issue counter, the GroupInfo's key):
-        # one dict hit per op. The key (an index into ``_infos``) is what an op's tuples carry, not the
-        # GroupInfo: a tuple of plain values is one the cyclic GC stops tracking (see ``ops``).
-        # Designators of one group (None and the world group; a mesh and its group) share the counter
-        # (``next`` of an ``itertools.count``: the op's sequence number in its group, from 1).
-        self._groups: dict[int, tuple[Any, GroupInfo, Iterator[int], int]] = {}
-        self._mesh_dims: dict[tuple[int, Any], tuple[Any, GroupInfo, Iterator[int], int]] = {}  # see _group
-        self._infos: list[GroupInfo] = []
-        self._info_keys: dict[GroupInfo, int] = {}
-        self._infos_lock = threading.Lock()
-        self._counters: dict[str, Iterator[int]] = {}
+        # Group designators → (designator, GroupInfo, issue counter, key): one dict hit per op (``grouptable``).
+        self.groups = GroupTable(self.mesh_info, limit=_MAX_PENDING)
+        self._groups, self._infos, self._group = self.groups.entries, self.groups.infos, self.groups.resolve
         # id(Work) → (the Work, kept alive so that its id stays unique; its ops: an ``Issued`` tuple for the
         # one CPU op of a fast site, else a list of ``_Op``)
         self._pending_works: dict[int, tuple[Any, Any]] = {}
@@ -273,44 +265,8 @@ class CollectiveTracer:
         return self._begin(op, group, nbytes, source, peer, group_peer, cuda)
 
     def group_info(self, group: Any) -> GroupInfo:
-        """The group's ``GroupInfo``, from the tracer's entries (resolved once per group, see ``_group``)."""
-        hit = self._groups.get(id(group))
-        if hit is None or hit[0] is not group:
-            hit = self._group(group)
-        return hit[1]
-
-    def _group(self, group: Any) -> tuple[Any, GroupInfo, list[int]]:
-        # DTensor names its group ``(mesh, mesh_dim)``, a new tuple per call, which no lookup by identity
-        # finds: resolved from the designator every time, its funcol op cost the training thread 40 µs
-        # where a ProcessGroup's cost 11.5 (2-vCPU dev VM). Such a pair is found by the mesh's identity
-        # and the dim instead; the entry holds the mesh, which keeps its id from being reused.
-        by_mesh = None
-        if type(group) is tuple and len(group) == 2:
-            try:
-                by_mesh = (id(group[0]), group[1])
-                hit = self._mesh_dims.get(by_mesh)
-            except TypeError:  # an unhashable second item: not a (mesh, dim) pair
-                by_mesh = hit = None
-            if hit is not None and hit[0] is group[0]:
-                return hit
-        info = self.mesh_info.lookup(group)
-        if len(self._groups) >= _MAX_PENDING:  # rank lists built per call must not grow it forever
-            self._groups.clear()
-        if by_mesh is not None and len(self._mesh_dims) >= _MAX_PENDING:
-            self._mesh_dims.clear()
-        counter = self._counters.get(info.name)
-        if counter is None:
-            counter = self._counters[info.name] = itertools.count(1)
-        with self._infos_lock:  # a group first seen by two threads at once still gets one key
-            key = self._info_keys.get(info)
-            if key is None:  # one per distinct group: GroupInfo compares by value
-                key = self._info_keys[info] = len(self._infos)
-                self._infos.append(info)
-        if by_mesh is not None:
-            hit = self._mesh_dims[by_mesh] = (group[0], info, counter, key)
-        else:
-            hit = self._groups[id(group)] = (group, info, counter, key)
-        return hit
+        """The group's ``GroupInfo`` (``GroupTable.info``: resolved once per designator)."""
+        return self.groups.info(group)
 
     def enter(self, p: _Op | None) -> _Op | None:
         tls = self.nesting()

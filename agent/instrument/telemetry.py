@@ -400,10 +400,7 @@ class Telemetry:
         finally:
             self._last_step = state.step
             self._cur = self.live.step = self.live.key = None
-            # Progress at the end just read (not a third clock reading per step); now where it was not read.
-            t = state.t_end or self.clock.now()
-            if t >= self._progress_t:  # _progress, inline
-                self._progress_t, self._hang_reported = t, False
+            self._progress(state.t_end or self.clock.now())  # the end just read: no third clock reading per step
 
     def _build_step(self, state: StepState, *, memory_now: dict) -> None:
         """Runs on the flusher thread: the step's span rows, its step row (the accounting of the module
