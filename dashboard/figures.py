@@ -183,7 +183,8 @@ def bubble_by_stage(stages: pd.DataFrame, *, theory: float | None) -> go.Figure:
     fig.update_layout(barmode="stack")
     if theory is not None:
         fig.add_hline(y=theory, line_dash="dash", line_color="#c62828",
-                      annotation_text=f"theory {theory:.1%}", annotation_position="top left")
+                      annotation_text=f"theory {theory:.1%}", annotation_position="top left",
+                      annotation_bgcolor="rgba(255,255,255,0.85)")  # readable where it crosses a dark bar
     fig.update_yaxes(tickformat=".0%", rangemode="tozero")
     return _layout(fig, title="Bubble = 1 − Σ spans / pipeline extent (idle fraction of the schedule)",
                    x="stage", y="idle fraction", height=320)
