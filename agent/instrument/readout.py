@@ -1,8 +1,9 @@
-"""What the flusher reads off the training thread: where it is (the hang watchdog) and a step value
-handed over as a tensor or a number."""
+"""What the flusher reads off the training thread: where it is (the hang watchdog), a step value handed
+over as a tensor or a number, and what it queued."""
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 
@@ -22,6 +23,15 @@ def where_is(frame: Any) -> str:
     return f"not in a collective: {top.f_code.co_name} ({top.f_code.co_filename.rsplit('/', 1)[-1]}:{top.f_lineno})"
 
 
+def hang_message(frame: Any, *, state: Any, last_step: int, last_coll: tuple | None, stalled_s: float) -> str:
+    """The ``hang`` event's message: where the training thread is (``frame``, its top), the open step and
+    phase (``state``: a StepState or None) or the last step ended, how long nothing progressed, and the
+    last completed collective (op, dim, seq) if any."""
+    context = f"step {state.step} phase {state.phase or '-'}" if state else f"between steps after {last_step}"
+    done = f"; last completed collective {last_coll[0]} dim={last_coll[1]} seq={last_coll[2]}" if last_coll else ""
+    return f"{where_is(frame)} ({context}; no progress for {stalled_s:.0f}s{done})"[:500]
+
+
 def as_float(value: Any, default: float = float("nan")) -> float:
     if value is None:
         return default
@@ -29,3 +39,14 @@ def as_float(value: Any, default: float = float("nan")) -> float:
         return float(value.item() if hasattr(value, "item") else value)
     except (TypeError, ValueError, RuntimeError):
         return default
+
+
+def take_all(buf: collections.deque) -> list:
+    """Everything in ``buf`` now, popped one by one (other threads may append meanwhile)."""
+    out = []
+    try:
+        while buf:
+            out.append(buf.popleft())
+    except IndexError:  # emptied by another drain meanwhile
+        pass
+    return out

@@ -56,7 +56,7 @@ from meshscope.agent.contract import (
 from meshscope.agent.instrument import memory
 from meshscope.agent.instrument.cpu import ThreadCPU
 from meshscope.agent.instrument.config import TelemetryConfig
-from meshscope.agent.instrument.readout import where_is
+from meshscope.agent.instrument.readout import hang_message, take_all
 from meshscope.agent.instrument.recorder import DIRECT
 from meshscope.agent.instrument.stepstate import (
     Live, PendingSteps, StepContext, StepState, account, flat_segments, pop_phase as _pop_phase, span_microbatch,
@@ -462,12 +462,10 @@ class Telemetry:
             return
         self._hang_reported = True
         try:
-            where = where_is(sys._current_frames().get(self._train_thread))
             state = self._cur
-            context = f"step {state.step} phase {state.phase or '-'}" if state else f"between steps after {self._last_step}"
-            last = self._last_coll
-            done = f"; last completed collective {last[0]} dim={last[1]} seq={last[2]}" if last else ""
-            self.event("hang", f"{where} ({context}; no progress for {self.clock.now() - self._progress_t:.0f}s{done})"[:500],
+            self.event("hang", hang_message(sys._current_frames().get(self._train_thread), state=state,
+                                            last_step=self._last_step, last_coll=self._last_coll,
+                                            stalled_s=self.clock.now() - self._progress_t),
                        step=state.step if state else self._last_step)
         except Exception as exc:
             self.record_error("hang_watchdog", exc)
@@ -476,7 +474,7 @@ class Telemetry:
         # Records whose building was deferred off the training thread. The ended steps are taken first:
         # every collective of a step was queued before the step itself, so once the tracers are drained
         # below, each step taken here has all its collectives accounted before its record is built.
-        ended = _take_all(self._ended)
+        ended = take_all(self._ended)
         self._each_tracer("drain")
         memory_now: dict = {}
         for state in ended:
@@ -484,7 +482,7 @@ class Telemetry:
         for kind, buf in self._bufs.items():
             if not buf:
                 continue
-            rows = _take_all(buf)
+            rows = take_all(buf)
             try:
                 if not self._writer.submit(kind, rows):
                     pass  # the writer counted the drop
@@ -492,13 +490,3 @@ class Telemetry:
                 self.errors += 1
                 self.dropped_records += len(rows)
 
-
-def _take_all(buf: collections.deque) -> list:
-    """Everything in ``buf`` now, popped one by one (other threads may append meanwhile)."""
-    out = []
-    try:
-        while buf:
-            out.append(buf.popleft())
-    except IndexError:  # emptied by another drain meanwhile
-        pass
-    return out
