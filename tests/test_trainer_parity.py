@@ -9,10 +9,12 @@ sharded norms), which stays many orders of magnitude under the 1e-5 relative bou
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 
-from tests.conftest import losses, single, torchrun
+from tests.conftest import ROOT, losses, single, torchrun, trainer_env
 
 pytestmark = pytest.mark.gloo
 STEPS = 6
@@ -75,6 +77,22 @@ def test_nonfinite_loss_skips_the_step_and_training_continues(reference):
     # differs from the reference's (which did take step 2), but steps 0-2's inputs were identical.
     assert math.isclose(out[1], reference[1], rel_tol=1e-5)
     assert not math.isclose(out[3], reference[3], rel_tol=1e-5)
+
+
+@pytest.mark.parametrize(("nproc", "args"), [(1, ()), (2, ("--pp", "2", "--microbatches", "2"))], ids=["one", "pp"])
+def test_train_step_called_directly_takes_every_step(reference, nproc, args):
+    """The benchmarks call ``Trainer.train_step`` in their own loop, without ``Trainer.run`` and so
+    without ``Faults.before_step``: no fault fires there (the non-finite-loss fault once matched its own
+    "off" value and poisoned every such step, skipping every optimizer step), and the losses are the
+    command's, step for step (the pipeline's loss callback included)."""
+    job = [sys.executable, str(ROOT / "tests" / "jobs" / "bare_train_step.py")]
+    if nproc > 1:
+        job = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *job[1:]]
+    proc = subprocess.run([*job, *COMMON, *args], cwd=ROOT, env=trainer_env(), capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("skipped=False") == STEPS, proc.stdout
+    assert_parity(losses(proc.stdout), reference)
 
 
 def test_crash_fault_exits_nonzero():

@@ -47,5 +47,8 @@ class Faults:
             while True:  # an injected hang: only a signal ends it
                 time.sleep(1.0)
 
-    def poison(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * float("nan") if self.cfg.nan_step == self._step else loss
+    def poison(self, loss: torch.Tensor, *, step: int) -> torch.Tensor:
+        # The step comes from the caller, never from ``before_step``'s state: a loop that calls
+        # ``Trainer.train_step`` directly (the benchmarks) never runs ``before_step``, and a remembered -1
+        # would then equal the "off" value of ``nan_step`` and poison every step.
+        return loss * float("nan") if step >= 0 and self.cfg.nan_step == step else loss

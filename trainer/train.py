@@ -102,10 +102,11 @@ class Trainer:
         self.tokens_per_step = cfg.data.batch_size * self.seq_len
         self.flops_per_token = model_lib.flops_per_token(self.flavor, seq_len=self.seq_len)
         self.pp_group = layout.mesh["pp"].get_group() if p.pp > 1 else None
+        self._step = -1  # the step train_step is in (set there)
 
     # The pipeline schedule calls this per microbatch on the last stage.
     def _pp_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.faults.poison(model_lib.loss_fn(logits, targets) * self.scale)
+        return self.faults.poison(model_lib.loss_fn(logits, targets) * self.scale, step=self._step)
 
     def _micro_step(self, step: int, micro: int, tel) -> torch.Tensor | None:
         cfg, p = self.cfg, self.layout.parallel
@@ -125,7 +126,7 @@ class Trainer:
                 self.schedule.step(*args, **kwargs)
             return torch.stack(losses).sum() if last else None
         with tel.phase("forward"), torch.autocast("cuda", torch.bfloat16, enabled=self.autocast):
-            loss = self.faults.poison(model_lib.loss_fn(self.parts[0](x), y) * self.scale)
+            loss = self.faults.poison(model_lib.loss_fn(self.parts[0](x), y) * self.scale, step=step)
         with tel.phase("backward"):
             loss.backward()
         return loss.detach()
@@ -133,6 +134,7 @@ class Trainer:
     def train_step(self, step: int, tel) -> dict:
         """One optimizer step (all gradient-accumulation micro-steps), instrumented through ``tel``."""
         cfg, p = self.cfg, self.layout.parallel
+        self._step = step  # the pipeline schedule's loss callback (``_pp_loss``) has no step argument
         with tel.step(step) as s:
             lr = optim.lr_at(step, cfg=cfg.optim, total_steps=cfg.steps)
             for opt in self.optimizers:
