@@ -159,3 +159,14 @@ def test_dtensors_mesh_dim_designator_is_resolved_once_per_mesh_and_dim(cases: d
     assert dims == ["tp", "tp", "tp", "dp", "tp", "tp", "tp", "tp"], dims
     assert len({g for _, g in case["groups"]}) == 2
     assert case["lookups"] == 2  # (mesh, 1) and (mesh, 0)
+
+
+def test_a_rank_list_designator_is_resolved_once_per_set_of_ranks(cases: dict) -> None:
+    """A list of ranks, funcol's other designator and a new list per call in a user's loop, is resolved
+    once per set of ranks, and each op is numbered in its own group."""
+    case = cases["funcol_rank_list"]
+    _clean(case)
+    assert [(r["op"], r["group_size"], r["seq"]) for r in case["records"]] == [
+        ("all_reduce", 4, 1), ("all_reduce", 4, 2), ("all_reduce", 2, 1), ("all_reduce", 4, 3), ("all_reduce", 2, 2)]
+    assert len({g for _, g in case["groups"]}) == 2
+    assert case["lookups"] == 2

@@ -29,6 +29,7 @@ class GroupTable:
         self.entries: dict[int, Entry] = {}  # id(designator) → entry
         self.infos: list[GroupInfo] = []  # by key
         self._mesh_dims: dict[tuple[int, Any], Entry] = {}  # (id(mesh), mesh_dim) → entry: see resolve
+        self._rank_lists: dict[tuple[int, ...], Entry] = {}  # tuple(ranks) → entry: see resolve
         self._info_keys: dict[GroupInfo, int] = {}
         self._lock = threading.Lock()
         self._counters: dict[str, Iterator[int]] = {}
@@ -46,8 +47,18 @@ class GroupTable:
         # finds: resolved from the designator every time, its funcol op cost the training thread 40 µs
         # where a ProcessGroup's cost 11.5 (2-vCPU dev VM). Such a pair is found by the mesh's identity
         # and the dim instead; the entry holds the mesh, which keeps its id from being reused.
-        by_mesh = None
-        if type(group) is tuple and len(group) == 2:
+        # A list of ranks (funcol's ``RANK_TYPES``), also built per call in a user's loop, is found by its
+        # ranks' values the same way.
+        by_mesh = by_ranks = None
+        if type(group) is list:
+            try:
+                by_ranks = tuple(group)
+                hit = self._rank_lists.get(by_ranks)
+            except TypeError:  # an unhashable rank: resolved as given, below
+                by_ranks = hit = None
+            if hit is not None:
+                return hit
+        elif type(group) is tuple and len(group) == 2:
             try:
                 by_mesh = (id(group[0]), group[1])
                 hit = self._mesh_dims.get(by_mesh)
@@ -56,7 +67,8 @@ class GroupTable:
             if hit is not None and hit[0] is group[0]:
                 return hit
         info = self.mesh_info.lookup(group)
-        table = self._mesh_dims if by_mesh is not None else self.entries
+        table = (self._mesh_dims if by_mesh is not None else self._rank_lists if by_ranks is not None
+                 else self.entries)
         if len(table) >= self.limit:
             table.clear()
         counter = self._counters.get(info.name)
@@ -69,6 +81,8 @@ class GroupTable:
                 self.infos.append(info)
         if by_mesh is not None:
             hit = self._mesh_dims[by_mesh] = (group[0], info, counter, key)
+        elif by_ranks is not None:
+            hit = self._rank_lists[by_ranks] = (by_ranks, info, counter, key)
         else:
             hit = self.entries[id(group)] = (group, info, counter, key)
         return hit

@@ -89,10 +89,18 @@ def main() -> None:
     case("c10d_keywords", lambda: (dist.all_reduce(tensor=t, group=world),
                                    dist.all_reduce(t, async_op=True, group=world).wait(timeout=timedelta(seconds=30))),
          out)
+    sub = dist.new_group([0, 3])
+
+    # A list of ranks (funcol's RANK_TYPES), also a new object per call: resolved once per set of ranks
+    # (funcol finds a group by its ranks: [0, 3] is ``sub``).
+    def by_rank_list() -> None:
+        for ranks in ([0, 1, 2, 3], [0, 1, 2, 3], [0, 3], [0, 1, 2, 3], [0, 3]):
+            funcol.all_reduce(t, reduceOp="sum", group=list(ranks)).wait()
+    case("funcol_rank_list", by_rank_list, out)
+
     # P2P: the global peer from a group peer; the blocking send recorded at its return.
     # A subgroup's group peer maps through its ranks; a keyword name built at run time (not interned) is
     # still recognised.
-    sub = dist.new_group([0, 3])
     built = "".join(["group_", "src"])
     case("p2p", lambda: (dist.isend(t, group_dst=3, group=world).wait(), dist.send(t, dst=1),
                          dist.irecv(t, src=2).wait(), dist.isend(t, group_dst=1, group=sub).wait(),
