@@ -5,5 +5,6 @@ meshscope runs its pure-Python path (agent/instrument/native.py says which one a
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("meshscope.agent.instrument._hot", ["agent/instrument/_hot.c"], optional=True,
-                             depends=["agent/instrument/_hot_common.h", "agent/instrument/_hot_sites.h"],
+                             depends=["agent/instrument/_hot_common.h", "agent/instrument/_hot_sites.h",
+                                      "agent/instrument/_hot_batch.h"],
                              extra_compile_args=["-O2", "-Wall", "-Werror=implicit-function-declaration"])])

@@ -29,6 +29,7 @@
  */
 #include "_hot_common.h"
 #include "_hot_sites.h"
+#include "_hot_batch.h"
 
 #include <structmember.h>
 
