@@ -3,6 +3,7 @@ step's loss and gradient norm in full precision: no meshscope in it. tests/test_
 observed and untouched and compares the output byte for byte."""
 
 import argparse
+import gc
 
 import torch
 import torch.distributed as dist
@@ -60,6 +61,12 @@ def main():
         opt.zero_grad()
         if dist.get_rank() == 0:
             print(f"step {step} loss {loss.item()!r} grad_norm {norm.item()!r}", flush=True)
+    # torch's gloo teardown race (trainer/train.py, exit_without_finalization): a gloo worker thread that
+    # drops an op's tensors while the interpreter finalizes aborts the rank (-6) after a finished run. The
+    # DDP model holds the process group: released here, the group's threads end before finalization.
+    dist.barrier()
+    model = opt = logits = loss = None  # (defined also when --steps is 0)
+    gc.collect()
     dist.destroy_process_group()
 
 
