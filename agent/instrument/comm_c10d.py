@@ -19,7 +19,7 @@ Timing on CPU (gloo):
   profiler's ``gloo:send`` / ``gloo:recv`` ranges, which also end in ``wait()``. An op waited late (GPipe
   waits its sends after the last forward) therefore reads long; its ``wait_s`` is still exact. The
   record is made at ``Work.wait``, or by ``CollectiveTracer.flush`` when nothing waits in Python.
-CUDA tensors: see ``comm_nccl`` (events around the call / the wait; UNTESTED).
+CUDA tensors: see ``comm_nccl`` (events around the call / the wait; checked on a GPU by ``make gpu-check``).
 
 ``P2POp`` identity: ``batch_isend_irecv`` picks the peer keyword with ``op.op is isend``. P2POps built
 before ``attach``, or while attached from a name imported before it, hold the original functions (P2POp's

@@ -16,7 +16,7 @@ Not seen here: HSDP's replicate-dim ``dist.all_reduce`` (seen by ``comm_c10d``, 
 modules with several parameter groups (per-parameter meshes), for which FSDP refuses a custom comm: their
 collectives are still seen by ``comm_c10d``. On CUDA FSDP issues on its own streams and the compute stream
 waits on an event, not a ``Work``: durations come from CUDA events around the call on the all-gather /
-reduce-scatter stream, the exposed part is not observable here (``wait_s`` = NaN) (``comm_nccl``, UNTESTED).
+reduce-scatter stream, the exposed part is not observable here (``wait_s`` = NaN) (``comm_nccl``; not yet run on a GPU).
 """
 
 from __future__ import annotations
