@@ -293,7 +293,8 @@ def render_collectives(data: dict) -> Rendered:
         "`record_function` region (matched by CUPTI correlation id); medians over the repetitions. Variants: "
         "`queued-*` issue the op behind a bf16 matmul (the GPU busy, as in training: these cells are judged), "
         "`idle-*` on an idle GPU (the start event fires at issue, so the host's issue time counts: shown, not "
-        "judged); `*-sync` blocking calls, `*-async` `async_op=True` + `wait()`. "
+        "judged); `*-sync` blocking calls, `*-async` `async_op=True` + `wait()`; `funcol_*` ops (the functional "
+        "collectives, TP's DTensor path) are issued and then waited (`wait_tensor`) in both. "
         f"`TORCH_NCCL_ENABLE_TIMING={data.get('nccl_timing_env') or 'unset'}`.",
         "",
         table,

@@ -36,7 +36,9 @@ from bench import gpu_check_analysis as analysis  # noqa: E402
 MIB = 1 << 20
 TRAIN_RUN = "gpu-check-1b"
 # Section 2: ops x sizes x variants x repetitions, each op in a record_function region of its own.
-COLLECTIVE_OPS = ("all_reduce_sum", "all_reduce_avg", "all_gather_single", "all_gather")
+# c10d's, then the functional collectives' (TP's DTensor path: issue, then ``wait_tensor`` on first use).
+COLLECTIVE_OPS = ("all_reduce_sum", "all_reduce_avg", "all_gather_single", "all_gather", "funcol_all_reduce_avg",
+                  "funcol_all_gather_single")
 COLLECTIVE_SIZES = (1 * MIB, 16 * MIB, 256 * MIB)
 COLLECTIVE_VARIANTS = ("queued-sync", "queued-async", "idle-sync")
 COLLECTIVE_REPS = 5
@@ -108,8 +110,18 @@ def train(*, workdir: Path, steps: int) -> dict:
 
 # ----------------------------------------------------------------------------------- 2. collectives
 def _issue(op: str, *, x, out, async_op: bool):
+    """The op issued; what it returns has ``wait()`` (a Work, or a functional collective's
+    AsyncCollectiveTensor, whose ``wait()`` is ``wait_tensor``), or is None (a blocking c10d call). A
+    functional collective has no blocking form: both variants issue it and wait."""
     import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
 
+    if op == "funcol_all_reduce_avg":
+        return funcol.all_reduce(x, "avg", dist.group.WORLD)
+    if op == "funcol_all_gather_single":
+        # (torch 2.13's name; all_gather_tensor, which calls it there, in releases before it)
+        gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+        return gather(x, 0, dist.group.WORLD)
     if op == "all_reduce_sum":
         return dist.all_reduce(x, async_op=async_op)
     if op == "all_reduce_avg":  # NCCL runs AVG of floats as a pre-multiplied sum: a kernel even on one rank
@@ -140,7 +152,9 @@ def collectives(*, workdir: Path, steps: int) -> dict:
     bufs = {n: (torch.ones(n // 4, device=device), torch.empty(n // 4, device=device)) for n in COLLECTIVE_SIZES}
     for op in COLLECTIVE_OPS:  # first calls (NCCL communicator, allocations) stay out of the comparison
         for x, out in bufs.values():
-            _issue(op, x=x, out=out, async_op=False)
+            work = _issue(op, x=x, out=out, async_op=False)
+            if work is not None:
+                work.wait()
     torch.mm(a, b, out=c)
     torch.cuda.synchronize()
     tracer.flush()
