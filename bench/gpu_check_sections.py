@@ -2,7 +2,7 @@
 NCCL call or a leaked allocation in one cannot take the others down, and its budget is enforced by
 killing the process.
 
-    python bench/gpu_check_sections.py {train,collectives,memory,nvml,overhead,breakdown} --workdir DIR --result FILE
+    python bench/gpu_check_sections.py {train,collectives,memory,nvml,overhead,breakdown,opcost} --workdir DIR --result FILE
         [--steps N]
 
 A section writes its measurements as JSON to ``--result``; ``bench/gpu_check_analysis.py`` turns them
@@ -371,8 +371,22 @@ def breakdown(*, workdir: Path, steps: int) -> dict:
     return {"modes": modes}
 
 
+# ------------------------------------------------------------------------------------ 7. op cost
+def opcost(*, workdir: Path, steps: int) -> dict:
+    """The training thread's CPU per traced CUDA collective (bench/gpu_check_opcost.py)."""
+    import torch.distributed as dist
+
+    from bench.gpu_check_opcost import measure
+
+    device = world_of_one()
+    try:
+        return measure(device=device)
+    finally:
+        dist.destroy_process_group()
+
+
 SECTIONS = {"train": train, "collectives": collectives, "memory": memory, "nvml": nvml, "overhead": overhead,
-            "breakdown": breakdown}
+            "breakdown": breakdown, "opcost": opcost}
 
 
 def main(argv: list[str] | None = None) -> int:

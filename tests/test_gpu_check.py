@@ -428,3 +428,45 @@ def test_breakdown_sets_the_trainers_command_against_its_bare_loop(tmp_path):
                                   data={"modes": [_mode("compiled", 1000.0 / 1.2)]}, seconds=50)]
     report, code = gpu_check.render_report({}, outcomes=outcomes)
     assert code == 1 and "+20.0 % (limit +5 %)" in report
+
+
+# --------------------------------------------------------------------------------- 7. op cost
+def test_the_op_cost_section_measures_every_path_on_cpu_and_records_without_errors():
+    """Section 7's measurement is device-agnostic: on CPU / gloo (the C sites here, CUDA's Python sites
+    and events on a GPU) it measures every path with the real telemetry core, without errors or drops."""
+    from meshscope.testing.hookcost import run_isolated
+
+    code = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        import torch, torch.distributed as dist
+        from meshscope.testing.profiler import free_port
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        dist.init_process_group("gloo")
+        from bench.gpu_check_opcost import measure
+        result = measure(device=torch.device("cpu"), calls=40, blocks=3)
+        dist.destroy_process_group()
+    """)
+    data = run_isolated(code, what="section 7 on CPU", timeout_s=180)
+    from bench.gpu_check_opcost import PATHS, render_opcost
+
+    assert set(data["paths"]) == set(PATHS)
+    assert data["errors"] == 0 and data["dropped_records"] == 0
+    for row in data["paths"].values():
+        assert row["without_cpu_us"] > 0 and math.isfinite(row["overhead_cpu_us"])
+    assert render_opcost(data).verdict in ("PASS", "FAIL")
+
+
+def test_the_op_cost_verdict_is_the_per_op_goal():
+    from bench.gpu_check_opcost import render_opcost
+
+    def data(*overheads: float, errors: int = 0) -> dict:
+        return {"paths": {f"p{i}": {"without_cpu_us": 30.0, "overhead_cpu_us": o, "iqr_us": [o - 0.1, o + 0.1]}
+                          for i, o in enumerate(overheads)}, "errors": errors, "dropped_records": 0,
+                "calls": 400, "blocks": 9, "device": "cuda:0"}
+
+    assert render_opcost(data(1.2, 1.9)).verdict == "PASS"
+    bad = render_opcost(data(1.2, 14.5))
+    assert bad.verdict == "FAIL" and "1 of 2 paths over 2 µs" in bad.summary and "14.5 µs" in bad.summary
+    assert render_opcost(data(1.0, errors=3)).verdict == "FAIL"
+    assert render_opcost({"paths": {}}).verdict == "FAIL"
