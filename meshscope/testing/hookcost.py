@@ -142,7 +142,8 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
         ptracer.take()
 
     # One step's boundaries as a loop has them (begin, a phase, end): what telemetry costs per step besides
-    # its ops. The off arm makes no call at all.
+    # its ops. The off arm makes no call at all. The on arm has the collective tracer registered with the
+    # telemetry, as ``Telemetry.attach`` leaves it: a step's end flushes it (0.6 µs a step on the dev VM).
     boundary = {"on": False, "step": 1}
 
     def step_boundary() -> None:
@@ -154,9 +155,13 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
 
     def steps_on() -> None:
         boundary["on"] = True
+        if tracer not in tel._tracers:
+            tel._tracers.append(tracer)
 
     def steps_off() -> None:
         boundary["on"] = False
+        if tracer in tel._tracers:
+            tel._tracers.remove(tracer)
 
     floor_on, floor_off = _floor(tel)
     profiled: dict[str, Any] = {"p": None}
