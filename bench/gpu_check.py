@@ -1,5 +1,5 @@
 """One-command GPU check of meshscope (``make gpu-check``): on a machine with an NVIDIA GPU and its own torch,
-seven sections, then a Markdown report written to ``--out`` and printed:
+eight sections, then a Markdown report written to ``--out`` and printed:
 
 1. the trainer's ``1b`` flavor for ``--steps`` steps, bf16 autocast on NCCL (world size 1), telemetry on:
    median tokens/s and MFU after warm-up, PASS when MFU >= 45 % (the goal on one H100);
@@ -11,7 +11,9 @@ seven sections, then a Markdown report written to ``--out`` and printed:
 6. where a step goes: ``Trainer.train_step`` in a bare loop, eager and compiled (kernel time by kind, thread
    CPU), PASS when section 1's command runs within 5 % of the bare compiled loop per step;
 7. the training thread's CPU per traced collective on CUDA tensors (c10d and functional), PASS when every
-   path is at most 2 µs per op (``bench/gpu_check_opcost.py``).
+   path is at most 2 µs per op (``bench/gpu_check_opcost.py``);
+8. DDP's buckets on CUDA as meshscope records them, against DDP's reducer's own bucket list
+   (``bench/gpu_check_ddp.py``).
 
 Each section runs in a process of its own (``bench/gpu_check_sections.py``) under its own time budget,
 all within one global deadline (``--timeout-s``): a section that crashes or outlives its budget is
@@ -43,11 +45,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench.gpu_check_analysis import RENDERERS as CHECK_RENDERERS, Rendered, md_table  # noqa: E402
 from bench.gpu_check_breakdown import render_breakdown  # noqa: E402
+from bench.gpu_check_ddp import render_ddp  # noqa: E402
 from bench.gpu_check_opcost import render_opcost  # noqa: E402
 from meshscope.agent.cliargs import ArgParser, UsageError, run_command  # noqa: E402
 
 PROG = "gpu-check"
-RENDERERS = {**CHECK_RENDERERS, "breakdown": render_breakdown, "opcost": render_opcost}
+RENDERERS = {**CHECK_RENDERERS, "breakdown": render_breakdown, "opcost": render_opcost, "ddp": render_ddp}
 # A section whose verdict sets its figures against another section's: key -> the other's key.
 COMPARED_WITH = {"breakdown": "train"}
 WORKER = ROOT / "bench" / "gpu_check_sections.py"
@@ -82,24 +85,26 @@ def plan(*, steps: int, workdir: Path, python: str = sys.executable) -> list[Sec
     def argv(key: str) -> tuple[str, ...]:
         return (python, str(WORKER), key, "--workdir", str(workdir / key), "--steps", str(steps))
 
-    # Budgets: about twice what one H100 took on 2026-11-26 (train 38 s eager / 66 s compiling, collectives
-    # 9-14 s, memory 5-6 s, NVML 18 s, overhead 34-55 s; breakdown 48-49 s on 2026-11-27), together within
+    # Budgets: about twice what one H100 took on 2026-11-26 and -27 (train 38 s eager / 44-66 s compiling,
+    # collectives 9-14 s, memory 4-6 s, NVML 15-18 s, overhead 33-55 s, breakdown 48-49 s), together within
     # the default deadline; the deadline caps each in any case.
     return [
         Section(key="train", title=f"Trainer `1b`, {steps} steps, bf16 on NCCL, telemetry on",
-                budget_s=110 + 1.2 * steps, min_s=60, argv=argv("train")),
+                budget_s=90 + 1.2 * steps, min_s=60, argv=argv("train")),
         Section(key="collectives", title="Collective timing: CUDA events vs torch.profiler", budget_s=40, min_s=20,
                 argv=argv("collectives")),
         Section(key="memory", title="CUDA allocator fields: meshscope's sample vs torch.cuda", budget_s=20, min_s=10,
                 argv=argv("memory")),
-        Section(key="nvml", title="NVML sampler vs nvidia-smi", budget_s=40, min_s=25, argv=argv("nvml")),
+        Section(key="nvml", title="NVML sampler vs nvidia-smi", budget_s=30, min_s=25, argv=argv("nvml")),
         Section(key="overhead", title="Telemetry overhead on GPU, on vs off", budget_s=90, min_s=60,
                 argv=argv("overhead")),
         Section(key="breakdown", title="Where a step goes: the bare train_step loop, eager vs compiled",
                 budget_s=75, min_s=50, argv=argv("breakdown")),
-        # (estimated: never run on a GPU yet; its A/B takes a few seconds on the dev VM's CPU)
+        # (estimated, never run on a GPU yet: each takes a few seconds on the dev VM's CPU, plus NCCL's set-up)
         Section(key="opcost", title="Training-thread CPU per traced CUDA collective", budget_s=30, min_s=20,
                 argv=argv("opcost")),
+        Section(key="ddp", title="DDP's buckets on CUDA: meshscope's records vs DDP's own", budget_s=30, min_s=15,
+                argv=argv("ddp")),
     ]
 
 

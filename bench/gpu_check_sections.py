@@ -2,7 +2,7 @@
 NCCL call or a leaked allocation in one cannot take the others down, and its budget is enforced by
 killing the process.
 
-    python bench/gpu_check_sections.py {train,collectives,memory,nvml,overhead,breakdown,opcost} --workdir DIR --result FILE
+    python bench/gpu_check_sections.py {train,collectives,memory,nvml,overhead,breakdown,opcost,ddp} --workdir DIR --result FILE
         [--steps N]
 
 A section writes its measurements as JSON to ``--result``; ``bench/gpu_check_analysis.py`` turns them
@@ -385,8 +385,22 @@ def opcost(*, workdir: Path, steps: int) -> dict:
         dist.destroy_process_group()
 
 
+# ------------------------------------------------------------------------------------------ 8. DDP
+def ddp(*, workdir: Path, steps: int) -> dict:
+    """DDP's buckets as meshscope records them on CUDA, against DDP's own (bench/gpu_check_ddp.py)."""
+    import torch.distributed as dist
+
+    from bench.gpu_check_ddp import measure
+
+    device = world_of_one()
+    try:
+        return measure(device=device)
+    finally:
+        dist.destroy_process_group()
+
+
 SECTIONS = {"train": train, "collectives": collectives, "memory": memory, "nvml": nvml, "overhead": overhead,
-            "breakdown": breakdown, "opcost": opcost}
+            "breakdown": breakdown, "opcost": opcost, "ddp": ddp}
 
 
 def main(argv: list[str] | None = None) -> int:

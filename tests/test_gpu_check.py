@@ -470,3 +470,47 @@ def test_the_op_cost_verdict_is_the_per_op_goal():
     assert bad.verdict == "FAIL" and "1 of 2 paths over 2 µs" in bad.summary and "14.5 µs" in bad.summary
     assert render_opcost(data(1.0, errors=3)).verdict == "FAIL"
     assert render_opcost({"paths": {}}).verdict == "FAIL"
+
+
+# ------------------------------------------------------------------------------------------ 8. DDP
+def test_the_ddp_section_matches_ddps_own_buckets_on_cpu():
+    """Section 8's measurement is device-agnostic: on CPU / gloo each step after the first has one record
+    per bucket DDP's reducer reports, with its bytes."""
+    from meshscope.testing.hookcost import run_isolated
+
+    code = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        import torch, torch.distributed as dist
+        from meshscope.testing.profiler import free_port
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        dist.init_process_group("gloo")
+        from bench.gpu_check_ddp import measure
+        result = measure(device=torch.device("cpu"), steps=3)
+        dist.destroy_process_group()
+    """)
+    data = run_isolated(code, what="section 8 on CPU", timeout_s=180)
+    from bench.gpu_check_ddp import render_ddp
+
+    assert len(data["buckets"]) >= 2 and data["errors"] == []
+    for records in data["steps"][1:]:
+        assert sorted(r["nbytes"] for r in records) == sorted(data["buckets"])
+    assert render_ddp(data).verdict == "PASS"
+
+
+def test_the_ddp_verdict_wants_every_bucket_once_with_its_bytes_and_times():
+    from bench.gpu_check_ddp import render_ddp
+
+    def data(*steps: list[int], device: str = "cuda:0", duration: float = 1e-3, timing: str = "") -> dict:
+        return {"buckets": [100, 200], "errors": [], "stats": {}, "nccl_timing_env": timing, "device": device,
+                "steps": [[{"nbytes": b, "duration_s": duration, "wait_s": 0.0} for b in s] for s in steps]}
+
+    assert render_ddp(data([300], [200, 100], [100, 200])).verdict == "PASS"  # the first step is not judged
+    missing = render_ddp(data([300], [200], [100, 200]))
+    assert missing.verdict == "FAIL" and "1 of 2 steps" in missing.summary
+    assert render_ddp(data([300], [100, 200, 200])).verdict == "FAIL"  # a bucket recorded twice
+    # A NaN duration: by design on CUDA without NCCL timing, a fault anywhere else.
+    assert render_ddp(data([300], [100, 200], duration=math.nan)).verdict == "PASS"
+    assert render_ddp(data([300], [100, 200], duration=math.nan, timing="1")).verdict == "FAIL"
+    assert render_ddp(data([300], [100, 200], duration=math.nan, device="cpu")).verdict == "FAIL"
+    assert render_ddp({**data([300], [100, 200]), "errors": ["ddp_comm_hook: boom"]}).verdict == "FAIL"
