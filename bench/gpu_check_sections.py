@@ -371,32 +371,30 @@ def breakdown(*, workdir: Path, steps: int) -> dict:
     return {"modes": modes}
 
 
-# ------------------------------------------------------------------------------------ 7. op cost
+# ----------------------------------------------------------------------------- 7. op cost, 8. DDP
+def _in_world_of_one(measure) -> dict:
+    """``measure(device=...)`` (a device-agnostic section, tested on CPU) on NCCL world size 1."""
+    import torch.distributed as dist
+
+    device = world_of_one()
+    try:
+        return measure(device=device)
+    finally:
+        dist.destroy_process_group()
+
+
 def opcost(*, workdir: Path, steps: int) -> dict:
     """The training thread's CPU per traced CUDA collective (bench/gpu_check_opcost.py)."""
-    import torch.distributed as dist
-
     from bench.gpu_check_opcost import measure
 
-    device = world_of_one()
-    try:
-        return measure(device=device)
-    finally:
-        dist.destroy_process_group()
+    return _in_world_of_one(measure)
 
 
-# ------------------------------------------------------------------------------------------ 8. DDP
 def ddp(*, workdir: Path, steps: int) -> dict:
     """DDP's buckets as meshscope records them on CUDA, against DDP's own (bench/gpu_check_ddp.py)."""
-    import torch.distributed as dist
-
     from bench.gpu_check_ddp import measure
 
-    device = world_of_one()
-    try:
-        return measure(device=device)
-    finally:
-        dist.destroy_process_group()
+    return _in_world_of_one(measure)
 
 
 SECTIONS = {"train": train, "collectives": collectives, "memory": memory, "nvml": nvml, "overhead": overhead,

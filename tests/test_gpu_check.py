@@ -431,9 +431,9 @@ def test_breakdown_sets_the_trainers_command_against_its_bare_loop(tmp_path):
 
 
 # --------------------------------------------------------------------------------- 7. op cost
-def test_the_op_cost_section_measures_every_path_on_cpu_and_records_without_errors():
-    """Section 7's measurement is device-agnostic: on CPU / gloo (the C sites here, CUDA's Python sites
-    and events on a GPU) it measures every path with the real telemetry core, without errors or drops."""
+def on_cpu(module: str, kwargs: str) -> dict:
+    """``bench.<module>.measure(device=cpu, <kwargs>)`` in a fresh process, on a gloo world of one: the
+    device-agnostic sections run here as on a GPU, with CPU tensors."""
     from meshscope.testing.hookcost import run_isolated
 
     code = textwrap.dedent(f"""
@@ -443,11 +443,17 @@ def test_the_op_cost_section_measures_every_path_on_cpu_and_records_without_erro
         from meshscope.testing.profiler import free_port
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         dist.init_process_group("gloo")
-        from bench.gpu_check_opcost import measure
-        result = measure(device=torch.device("cpu"), calls=40, blocks=3)
+        from bench.{module} import measure
+        result = measure(device=torch.device("cpu"), {kwargs})
         dist.destroy_process_group()
     """)
-    data = run_isolated(code, what="section 7 on CPU", timeout_s=180)
+    return run_isolated(code, what=f"{module} on CPU", timeout_s=180)
+
+
+def test_the_op_cost_section_measures_every_path_on_cpu_and_records_without_errors():
+    """Section 7's measurement is device-agnostic: on CPU / gloo (the C sites here, CUDA's Python sites
+    and events on a GPU) it measures every path with the real telemetry core, without errors or drops."""
+    data = on_cpu("gpu_check_opcost", "calls=40, blocks=3")
     from bench.gpu_check_opcost import PATHS, render_opcost
 
     assert set(data["paths"]) == set(PATHS)
@@ -476,20 +482,7 @@ def test_the_op_cost_verdict_is_the_per_op_goal():
 def test_the_ddp_section_matches_ddps_own_buckets_on_cpu():
     """Section 8's measurement is device-agnostic: on CPU / gloo each step after the first has one record
     per bucket DDP's reducer reports, with its bytes."""
-    from meshscope.testing.hookcost import run_isolated
-
-    code = textwrap.dedent(f"""
-        import os, sys
-        sys.path.insert(0, {str(ROOT)!r})
-        import torch, torch.distributed as dist
-        from meshscope.testing.profiler import free_port
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        dist.init_process_group("gloo")
-        from bench.gpu_check_ddp import measure
-        result = measure(device=torch.device("cpu"), steps=3)
-        dist.destroy_process_group()
-    """)
-    data = run_isolated(code, what="section 8 on CPU", timeout_s=180)
+    data = on_cpu("gpu_check_ddp", "steps=3")
     from bench.gpu_check_ddp import render_ddp
 
     assert len(data["buckets"]) >= 2 and data["errors"] == []
