@@ -194,9 +194,17 @@ def run_sections(sections: list[Section], *, deadline: float, workdir: Path, env
 
 
 # --------------------------------------------------------------------------------------------- report
-def git_commit(root: Path = ROOT) -> str:
+def git_commit(root: Path = ROOT, *, environ: dict[str, str] | None = None) -> str:
     """``git rev-parse --short HEAD`` of the checkout, with a mark for uncommitted changes; what went wrong
-    otherwise (the check runs from an unpacked copy too)."""
+    otherwise (the check runs from an unpacked copy too). ``MESHSCOPE_COMMIT``, where set, names the commit
+    first: a copy of a working tree sent to a GPU machine can carry a ``.git`` older than its files (seen:
+    the report of a fixed tree named the commit before the fix, "+ uncommitted changes")."""
+    named = (os.environ if environ is None else environ).get("MESHSCOPE_COMMIT", "").strip()
+    found = _git_commit(root)
+    return f"{named} (MESHSCOPE_COMMIT; the copy's git: {found})" if named else found
+
+
+def _git_commit(root: Path) -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                               timeout=10)

@@ -155,8 +155,11 @@ def test_default_plan_fits_the_default_deadline(tmp_path):
 
 
 def test_header_tolerates_a_copy_without_git_and_a_machine_without_nvml(tmp_path):
-    assert gpu_check.git_commit(tmp_path).startswith("unknown (")
-    assert len(gpu_check.git_commit(ROOT).split()[0]) >= 7
+    assert gpu_check.git_commit(tmp_path, environ={}).startswith("unknown (")
+    assert len(gpu_check.git_commit(ROOT, environ={}).split()[0]) >= 7
+    named = gpu_check.git_commit(ROOT, environ={"MESHSCOPE_COMMIT": "abc1234"})
+    assert named.startswith("abc1234 (MESHSCOPE_COMMIT; the copy's git: ")
+    assert gpu_check.git_commit(ROOT, environ={}) in named
     if not torch.cuda.is_available():
         assert gpu_check._driver().startswith("unknown (")
 
