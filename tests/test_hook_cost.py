@@ -12,9 +12,13 @@ own Python, Python sites in both forms) is above its goal, and its ratio to the 
 the machine: on the same VM it read 2.4 µs on a 33 µs op one evening and 11-13 µs on a 66 µs op the next
 morning, its barest recording wrapper (``floor_funcol``) 1.6-2.1 and 4.3-5.8 µs. It is guarded against
 that floor, measured in the same run: at most ``FLOOR_LIMIT`` times it (1.2-2.6× in those runs; the
-wrappers before the fast sites cost 3.4-5×). A path that exceeds its limit is measured once more before
-failing: one noisy block set on a shared CI machine must not fail the suite, a real regression fails both
-times.
+wrappers before the fast sites cost 3.4-5×). The floor is measured in a process of its own, and a process
+lands in one of two states that do not follow the traced path's (seen on 2026-11-27: the floor 1.96 µs
+twice in one suite run and 4.0-5.2 in three runs right after, the traced path 13.8-14.7 in all): so a path
+fails only when it is also above ``UNTRACED_SHARE`` of its own untraced op, measured in its own process
+(0.16-0.22 that day; the bug that resolved DTensor's designator per call read 40 / 67 µs = 0.6). A path
+that exceeds its limit is measured once more before failing: one noisy block set on a shared CI machine
+must not fail the suite, a real regression fails both times.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ GOAL_US = {"pipeline_span": 0.3}  # every other path: 2 µs
 FLOOR_LIMIT = {"funcol_all_reduce_wait": ("floor_funcol", 4.0),
                # As DTensor calls it, group=(mesh, mesh_dim): 40 µs when each call resolved its new tuple
                "funcol_mesh_dim_all_reduce_wait": ("floor_funcol", 4.0)}
+UNTRACED_SHARE = 0.25
 # The untraced op on the dev VM (see the module docstring): what a goal in µs is a ratio of.
 UNTRACED_US = {
     "c10d_all_reduce_blocking": 3.9,
@@ -64,8 +69,11 @@ def over_limit(costs: dict) -> dict[str, str]:
                          f"> limit {limit:.3f}")
     for path, (floor, times) in FLOOR_LIMIT.items():
         row, under = costs.get(path), costs.get(floor)
-        if row is not None and under is not None and row["overhead_cpu_us"] > times * under["overhead_cpu_us"]:
-            bad[path] = (f"{row['overhead_cpu_us']:.2f} µs > {times} × its floor's {under['overhead_cpu_us']:.2f} µs")
+        if (row is not None and under is not None and row["overhead_cpu_us"] > times * under["overhead_cpu_us"]
+                and row["overhead_cpu_us"] > UNTRACED_SHARE * row["without_cpu_us"]):
+            bad[path] = (f"{row['overhead_cpu_us']:.2f} µs > {times} × its floor's "
+                         f"{under['overhead_cpu_us']:.2f} µs and > {UNTRACED_SHARE} × its "
+                         f"{row['without_cpu_us']:.2f} µs op")
     return bad
 
 
@@ -105,4 +113,12 @@ def test_the_functional_collective_is_held_to_its_floor_in_the_same_run() -> Non
     regressed = {"funcol_all_reduce_wait": {"overhead_cpu_us": 9.0, "without_cpu_us": 33.0},
                  "floor_funcol": {"overhead_cpu_us": 1.8, "without_cpu_us": 33.0}}
     assert list(over_limit(regressed)) == ["funcol_all_reduce_wait"]
+    # The floor's process in its fast state, the path's in its slow one (a suite run of 2026-11-27): passes.
+    split = {"funcol_mesh_dim_all_reduce_wait": {"overhead_cpu_us": 13.76, "without_cpu_us": 68.5},
+             "floor_funcol": {"overhead_cpu_us": 1.96, "without_cpu_us": 66.0}}
+    assert over_limit(split) == {}
+    # The designator resolved per call (40 µs a TP op): fails whatever state the floor's process is in.
+    per_call = {"funcol_mesh_dim_all_reduce_wait": {"overhead_cpu_us": 40.0, "without_cpu_us": 67.0},
+                "floor_funcol": {"overhead_cpu_us": 4.5, "without_cpu_us": 66.0}}
+    assert list(over_limit(per_call)) == ["funcol_mesh_dim_all_reduce_wait"]
     assert paths_of(["funcol_all_reduce_wait"]) == ["funcol_all_reduce_wait", "floor_funcol"]
