@@ -170,3 +170,19 @@ def test_a_rank_list_designator_is_resolved_once_per_set_of_ranks(cases: dict) -
         ("all_reduce", 4, 1), ("all_reduce", 4, 2), ("all_reduce", 2, 1), ("all_reduce", 4, 3), ("all_reduce", 2, 2)]
     assert len({g for _, g in case["groups"]}) == 2
     assert case["lookups"] == 2
+
+
+def test_a_torch_without_the_single_names_is_traced_under_its_older_ones(cases: dict) -> None:
+    """torch before 2.13 (the GPU machine's 2.11) has no ``all_gather_single`` & co.: DTensor calls
+    ``all_gather_tensor`` / ``reduce_scatter_tensor``, which issue the op themselves there. Those are traced
+    (one record each, its bytes), no missing name is created while attached (a wrapper of ``None`` there
+    broke ``getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor`` on the GPU check), and
+    detach puts the older functions back."""
+    case = cases["funcol_older_torch"]
+    assert case["created"] == []
+    assert case["restored"]
+    _clean(case)
+    assert [(r["op"], r["nbytes"], r["source"]) for r in case["records"]] == [
+        ("all_gather", 256, "funcol"), ("reduce_scatter", 128, "funcol"),
+        ("all_gather", 256, "funcol"), ("all_gather", 256, "funcol"), ("reduce_scatter", 128, "funcol")]
+    assert all(r["wait_s"] >= 0 and r["t_end"] >= r["t_start"] for r in case["records"])

@@ -199,3 +199,12 @@ def test_cuda_duration_prefers_nccl_timing_and_falls_back_once() -> None:
     d = [r["t_end"] - r["t_start"] for r in rec.collectives]
     assert d == [pytest.approx(0.00075, abs=1e-6), pytest.approx(0.004, abs=1e-6)]
     assert timer._nccl_timing is False  # the failing getDuration is not retried on every op
+
+
+def test_patch_of_a_name_this_torch_lacks_creates_nothing() -> None:
+    a = fake_namespace("a")
+    tracer = CollectiveTracer(ListRecorder(), mesh_info=FixedMesh())
+    assert tracer.patch((a,), "all_gather_single", lambda orig: lambda x: orig(x)) is None
+    assert not hasattr(a, "all_gather_single")
+    tracer.detach()
+    assert not hasattr(a, "all_gather_single")

@@ -161,13 +161,13 @@ def _c10d(name: str) -> Callable[[CollectiveTracer, Original], Callable]:
 
 
 def _funcol_single(name: str) -> Callable[[CollectiveTracer, Original], Callable]:
-    op, group_index, nbytes = comm_funcol._SINGLE[name]
+    op, group_index, nbytes = next(v for k, v in comm_funcol._SINGLE.items() if name in k)
     return lambda tracer, original: comm_funcol.single(original, tracer=tracer, op=op, group_index=group_index,
                                                        nbytes=nbytes)
 
 
 def _funcol_coalesced(name: str) -> Callable[[CollectiveTracer, Original], Callable]:
-    op, group_index, output_bytes = comm_funcol._COALESCED[name]
+    op, group_index, output_bytes = next(v for k, v in comm_funcol._COALESCED.items() if name in k)
     return lambda tracer, original: comm_funcol.coalesced(original, tracer=tracer, op=op,
                                                           group_index=group_index, output_bytes=output_bytes)
 

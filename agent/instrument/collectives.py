@@ -418,8 +418,14 @@ class CollectiveTracer:
     def patch(self, owners: tuple[Any, ...], name: str, make: Callable[[Any], Callable]) -> Any:
         """Replace ``name`` by ``make(original)`` in every owner that holds the same original object
         (``torch.distributed`` re-exports ``distributed_c10d``'s functions and code compares their
-        identity, e.g. ``P2POp.op is isend``, so both names must point at one wrapper)."""
+        identity, e.g. ``P2POp.op is isend``, so both names must point at one wrapper).
+
+        A name the first owner lacks (this torch release has no such function) is left absent and
+        ``None`` returned: a wrapper put there would call ``None``, and would tell code that tests for
+        the function (``getattr(funcol, "all_gather_single", None)``) that it exists."""
         original = _raw(owners[0], name)
+        if original is None:
+            return None
         if getattr(original, "__meshscope_tracer__", None) is not None:
             raise RuntimeError(f"{name} is already patched by another CollectiveTracer")
         wrapper = functools.wraps(original)(make(original))

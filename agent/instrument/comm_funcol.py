@@ -8,7 +8,8 @@ whose first use calls the module-level ``wait_tensor``. Both are patched while a
 - issue: ``all_reduce``, ``all_gather_single``, ``reduce_scatter_single``, ``all_to_all_single``,
   ``broadcast`` and the ``*_coalesced`` variants (one record per tensor). The deprecated
   ``all_gather_tensor`` / ``reduce_scatter_tensor`` (and the ``*_autograd`` aliases) call these and are
-  therefore seen once.
+  therefore seen once. A torch before 2.13 (2.11 on the GPU check's machine) has only those older names,
+  which issue the op themselves (and DTensor calls them): they are patched instead.
 - wait: ``wait_tensor``; the op is found by the data pointer of the tensor waited on (the tensor the call
   returned inside its AsyncCollectiveTensor). On gloo a funcol wait blocks, so ``t_end`` is the wait's
   return and ``wait_s`` its blocked time. DTensor waits right after issuing unless ``async_op`` is
@@ -165,20 +166,27 @@ def _output_bytes(t: Any, info: Any) -> int:
     return t.nbytes * info.size
 
 
-# name → (op, position of the group argument, bytes(tensor, group info)); bytes follow nccl-tests.
-_SINGLE: dict[str, tuple[str, int, Callable[[Any, Any], int]]] = {
-    "all_reduce": ("all_reduce", 2, _input_bytes),
-    "all_gather_single": ("all_gather", 2, _output_bytes),
-    "reduce_scatter_single": ("reduce_scatter", 3, _input_bytes),
-    "all_to_all_single": ("all_to_all", 3, _input_bytes),
-    "broadcast": ("broadcast", 2, _input_bytes),
+# names → (op, position of the group argument, bytes(tensor, group info)); bytes follow nccl-tests. The
+# first name this torch has is patched: ``all_gather_single`` & co. are torch 2.13's names, and the older
+# ``all_gather_tensor`` & co. call them there; releases before (torch 2.11, a GPU machine's) have only the
+# older names, which DTensor calls and which issue the op themselves.
+_SINGLE: dict[tuple[str, ...], tuple[str, int, Callable[[Any, Any], int]]] = {
+    ("all_reduce",): ("all_reduce", 2, _input_bytes),
+    ("all_gather_single", "all_gather_tensor"): ("all_gather", 2, _output_bytes),
+    ("reduce_scatter_single", "reduce_scatter_tensor"): ("reduce_scatter", 3, _input_bytes),
+    ("all_to_all_single",): ("all_to_all", 3, _input_bytes),
+    ("broadcast",): ("broadcast", 2, _input_bytes),
 }
-# name → (op, position of the group argument, bytes are the output's); one record per tensor.
-_COALESCED: dict[str, tuple[str, int, bool]] = {
-    "all_reduce_coalesced": ("all_reduce", 2, False),
-    "all_gather_single_coalesced": ("all_gather", 1, True),
-    "reduce_scatter_single_coalesced": ("reduce_scatter", 3, False),
+# names → (op, position of the group argument, bytes are the output's); one record per tensor.
+_COALESCED: dict[tuple[str, ...], tuple[str, int, bool]] = {
+    ("all_reduce_coalesced",): ("all_reduce", 2, False),
+    ("all_gather_single_coalesced", "all_gather_into_tensor_coalesced"): ("all_gather", 1, True),
+    ("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced"): ("reduce_scatter", 3, False),
 }
+
+
+def _present(owner: Any, names: tuple[str, ...]) -> str | None:
+    return next((name for name in names if getattr(owner, name, None) is not None), None)
 
 
 def install(tracer: Any) -> None:
@@ -186,10 +194,14 @@ def install(tracer: Any) -> None:
     (``CollectiveTracer``: restored by its ``detach``)."""
     owners = (funcol,)
 
-    for name, (op, group_index, nbytes) in _SINGLE.items():
+    for names, (op, group_index, nbytes) in _SINGLE.items():
+        if (name := _present(funcol, names)) is None:
+            continue
         tracer.patch(owners, name, functools.partial(single, tracer=tracer, op=op, group_index=group_index,
                                                      nbytes=nbytes))
-    for name, (op, group_index, output_bytes) in _COALESCED.items():
+    for names, (op, group_index, output_bytes) in _COALESCED.items():
+        if (name := _present(funcol, names)) is None:
+            continue
         tracer.patch(owners, name, functools.partial(coalesced, tracer=tracer, op=op, group_index=group_index,
                                                      output_bytes=output_bytes))
 

@@ -98,6 +98,34 @@ def main() -> None:
             funcol.all_reduce(t, reduceOp="sum", group=list(ranks)).wait()
     case("funcol_rank_list", by_rank_list, out)
 
+    # A torch before 2.13 (a GPU machine's 2.11): no all_gather_single & co.; the older names, which DTensor
+    # calls there, issue the op themselves. Emulated here: the new functions under the older names only.
+    renamed = {"all_gather_single": "all_gather_tensor", "reduce_scatter_single": "reduce_scatter_tensor",
+               "all_gather_single_coalesced": "all_gather_into_tensor_coalesced",
+               "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced"}
+    saved = {name: getattr(funcol, name) for pair in renamed.items() for name in pair}
+    for new, old in renamed.items():
+        setattr(funcol, old, saved[new])
+        delattr(funcol, new)
+    t4 = torch.ones(4, 8)  # 128 bytes: reduce-scattered over 4 ranks
+    seen: dict[str, Any] = {}
+
+    def older_names() -> None:
+        seen["created"] = [name for name in renamed if hasattr(funcol, name)]  # while attached: none
+        funcol.all_gather_tensor(t, 0, world).wait()
+        funcol.reduce_scatter_tensor(t4, "sum", 0, world).wait()
+        for o in funcol.all_gather_into_tensor_coalesced([t, t], world):
+            o.wait()
+        for o in funcol.reduce_scatter_tensor_coalesced([t4], "sum", [0], world):
+            o.wait()
+    try:
+        case("funcol_older_torch", older_names, out)
+        out["funcol_older_torch"]["created"] = seen["created"]
+        out["funcol_older_torch"]["restored"] = all(getattr(funcol, old) is saved[new] for new, old in renamed.items())
+    finally:
+        for name, fn in saved.items():
+            setattr(funcol, name, fn)
+
     # P2P: the global peer from a group peer; the blocking send recorded at its return.
     # A subgroup's group peer maps through its ranks; a keyword name built at run time (not interned) is
     # still recognised.
