@@ -304,6 +304,9 @@ def parser() -> ArgParser:
     p.add_argument("--steps", type=int, default=50, help="trainer steps of section 1 (default: 50)")
     p.add_argument("--timeout-s", type=float, default=480.0,
                    help=f"global deadline in seconds (default: 480; at least {MIN_TIMEOUT_S:.0f})")
+    p.add_argument("--only", default="", metavar="KEY[,KEY...]",
+                   help="run only these sections (keys: " + ", ".join(s.key for s in plan(steps=1, workdir=Path(".")))
+                   + "; default: all)")
     return p
 
 
@@ -313,6 +316,10 @@ def validate(ns) -> None:
         raise UsageError(f"--steps {ns.steps} must be >= 1")
     if not math.isfinite(ns.timeout_s) or ns.timeout_s < MIN_TIMEOUT_S:
         raise UsageError(f"--timeout-s {ns.timeout_s:g} must be at least {MIN_TIMEOUT_S:.0f} seconds")
+    keys = [s.key for s in plan(steps=1, workdir=Path("."))]
+    for key in filter(None, ns.only.split(",")):
+        if key not in keys:
+            raise UsageError(f"--only {ns.only!r}: no section {key!r} (one of {', '.join(keys)})")
     out = Path(ns.out)
     if out.is_dir():
         raise UsageError(f"--out {ns.out!r} is a directory, not a file")
@@ -334,7 +341,9 @@ def check(ns) -> int:
         return 0
     deadline = t0 + ns.timeout_s - RESERVE_S
     with tempfile.TemporaryDirectory(prefix="meshscope-gpu-check-") as tmp:
-        outcomes = run_sections(plan(steps=ns.steps, workdir=Path(tmp)), deadline=deadline, workdir=Path(tmp),
+        only = set(filter(None, ns.only.split(",")))
+        sections = [s for s in plan(steps=ns.steps, workdir=Path(tmp)) if not only or s.key in only]
+        outcomes = run_sections(sections, deadline=deadline, workdir=Path(tmp),
                                 env=worker_env(), progress=lambda line: print(f"{PROG}: {line}", file=sys.stderr,
                                                                               flush=True))
     facts = header_facts()

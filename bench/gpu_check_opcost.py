@@ -2,13 +2,13 @@
 
 bench/hooks_overhead.py measures the per-op cost on CPU tensors (gloo's path, where the C sites run). On a
 GPU every op takes the Python sites and the CUDA-event timing of ``agent/instrument/comm_nccl.py`` instead:
-two or more events recorded per op, resolved at the step's end on the training thread (``flush``). This
-section measures that path the same way (``meshscope.testing.hookcost``'s A/B: alternating blocks with and
-without the tracer attached, the calling thread's CPU time, the garbage collector paused in the blocks,
-the median over blocks of the difference), on NCCL world size 1 with a small tensor so that the GPU's
-own work is negligible. The recorder is the real telemetry core, a step open; the traced arm flushes the
-tracer every ``FLUSH_EVERY`` ops, as a step's end does, so resolving the events is counted too. The
-check: every path at most ``GOAL_US`` (the per-op goal of bench/hooks_overhead.py).
+two or more events recorded per op (pooled, recorded again once resolved), resolved on the telemetry's
+flusher thread (``drain``). This section measures that path the same way (``meshscope.testing.hookcost``'s
+A/B: alternating blocks with and without the tracer attached, the calling thread's CPU time, the garbage
+collector paused in the blocks, the median over blocks of the difference), on NCCL world size 1 with a
+small tensor so that the GPU's own work is negligible. The recorder is the real telemetry core, a step
+open; the traced arm flushes the tracer every ``FLUSH_EVERY`` ops, as a step's end does. On CUDA it also
+times the calls the path is made of (``primitives``). The check: every path at most ``GOAL_US`` (the per-op goal of bench/hooks_overhead.py).
 
 ``measure`` takes an initialised process group of one and a device, so that tests run it on CPU / gloo.
 """
@@ -94,7 +94,53 @@ def measure(*, device: Any, calls: int = CALLS, blocks: int = BLOCKS) -> dict:
         tel.close()
     return {"paths": out, "errors": tel.errors, "dropped_records": tel.dropped_records,
             "stats": {k: v for k, v in tracer.stats.items() if v}, "calls": calls, "blocks": blocks,
-            "device": str(device)}
+            "device": str(device), "primitives": primitives(calls=calls * blocks) if cuda else {}}
+
+
+PRIMITIVES = {
+    "cuda_event_new_record": "`torch.cuda.Event(enable_timing=True)` + `.record()` (meshscope before)",
+    "event_new_record": "`torch.Event(\"cuda\", enable_timing=True)` + `.record()`",
+    "pooled_event": "meshscope's `CudaCommTimer.event()` (a completed event recorded again)",
+    "current_stream": "`torch.cuda.current_stream()`",
+    "query": "`event.query()` (complete)",
+    "elapsed_time": "`start.elapsed_time(end)`",
+}
+
+
+def primitives(*, calls: int) -> dict[str, float]:
+    """Training-thread CPU µs per call of what the CUDA path is made of (median of 5 runs of ``calls``)."""
+    import statistics
+    import time
+
+    import torch
+
+    from meshscope.agent.instrument.comm_nccl import CudaCommTimer
+
+    timer = CudaCommTimer()
+    a, b = torch.Event("cuda", enable_timing=True), torch.Event("cuda", enable_timing=True)
+    a.record()
+    b.record()
+    torch.cuda.synchronize()
+
+    def pooled() -> None:
+        timer._free.append(timer.event())  # complete or not, as a resolved op gives it back
+
+    fns = {"cuda_event_new_record": lambda: torch.cuda.Event(enable_timing=True).record(),
+           "event_new_record": lambda: torch.Event("cuda", enable_timing=True).record(),
+           "pooled_event": pooled, "current_stream": torch.cuda.current_stream, "query": a.query,
+           "elapsed_time": lambda: a.elapsed_time(b)}
+    out = {}
+    for name, fn in fns.items():
+        runs = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.thread_time_ns()
+            for _ in range(calls):
+                fn()
+            runs.append((time.thread_time_ns() - t0) / calls / 1e3)
+        out[name] = statistics.median(runs)
+    torch.cuda.synchronize()
+    return out
 
 
 def render_opcost(data: dict) -> Rendered:
@@ -120,11 +166,14 @@ def render_opcost(data: dict) -> Rendered:
         "Python sites and CUDA events (`agent/instrument/comm_nccl.py`) with the telemetry core as recorder, "
         f"against the same op untraced: {data.get('blocks')} alternating blocks of {data.get('calls')} ops, the "
         "training thread's CPU time, the median of the per-block difference (`meshscope.testing.hookcost`). "
-        f"The traced arm flushes the tracer every {FLUSH_EVERY} ops, as a step's end does (the events are "
-        "resolved there, on the training thread).",
+        f"The traced arm flushes the tracer every {FLUSH_EVERY} ops, as a step's end does; the events are "
+        "resolved where the tracer is drained, on the telemetry's flusher thread.",
         "",
         md_table(["path", "untraced op (µs)", "meshscope (µs per op)", "IQR (µs)", "goal (µs)", "within"], rows),
     ]
+    if data.get("primitives"):
+        md += ["", "What the CUDA path is made of, training-thread CPU per call (µs):", "",
+               md_table(["call", "µs"], [[PRIMITIVES.get(k, k), _fmt(v, ".2f")] for k, v in data["primitives"].items()])]
     if data.get("stats"):
         md += ["", f"Tracer counters: {data['stats']}"]
     md += ["", f"**{verdict}**: {line}."]

@@ -208,3 +208,88 @@ def test_patch_of_a_name_this_torch_lacks_creates_nothing() -> None:
     assert not hasattr(a, "all_gather_single")
     tracer.detach()
     assert not hasattr(a, "all_gather_single")
+
+
+class DeferredRecorder(StrictRecorder):
+    """A recorder with a flusher (as Telemetry): a ``live`` view of the open step and an ``epoch``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = types.SimpleNamespace(key="step-1")
+        self.epoch = 0.0
+
+    def record_collective(self, *, context=None, seq=0, **kw):
+        self.rows.append(dict(kw, context=context, seq=seq))
+
+
+def test_cuda_ops_are_resolved_by_drain_not_on_the_training_thread_and_keep_their_step() -> None:
+    """With a flusher, ``flush()`` (the training thread's step end) reads no event; ``drain()`` (the
+    flusher) makes the records, each accounted to the step open when its events were recorded."""
+    rec = DeferredRecorder()
+    tracer = CollectiveTracer(rec, mesh_info=FixedMesh())
+    timer = tracer.cuda_timer()
+    p = cuda_op(tracer, Event(10.0))
+    p.cuda.end = Event(12.0)
+    queried = []
+    p.cuda.start.query = lambda: queried.append(1) or True
+    timer.queue(p)
+    rec.live.key = "step-2"  # the next step opened before the flusher ran
+    tracer.flush()
+    assert queried == [] and rec.rows == []
+    assert tracer.drain() == 1 and queried
+    [row] = rec.rows
+    assert row["context"] == "step-1" and row["wait_s"] == pytest.approx(0.002)
+
+
+def test_cuda_queue_and_resolve_on_two_threads_lose_nothing() -> None:
+    import threading
+
+    rec = ListRecorder()
+    tracer = CollectiveTracer(rec, mesh_info=FixedMesh())
+    timer = tracer.cuda_timer()
+    n, stop = 6000, threading.Event()  # under the queue's bound (8192): nothing may be dropped
+
+    def resolver() -> None:
+        while not stop.is_set():
+            timer.resolve(tracer)
+
+    thread = threading.Thread(target=resolver)
+    thread.start()
+    for i in range(n):
+        p = cuda_op(tracer, Event(float(i)))
+        p.cuda.end = Event(i + 0.5)
+        timer.queue(p)
+    stop.set()
+    thread.join()
+    timer.resolve(tracer)
+    assert len(rec.collectives) == n and timer.pending() == 0 and tracer.stats["dropped_pending"] == 0
+    assert sorted(r["seq"] for r in rec.collectives) == list(range(1, n + 1))
+
+
+def test_completed_events_are_recorded_again_but_not_a_shared_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An op's own events go back to the pool once its record is made; the wait events of a coalesced work
+    (shared by its ops) do not, nor does an event still pending."""
+    from meshscope.agent.instrument import comm_nccl
+
+    class Recordable(Event):
+        records = 0
+
+        def record(self) -> None:
+            self.records += 1
+
+    monkeypatch.setattr(comm_nccl, "_new_event", lambda: Recordable(0.0))
+    rec = ListRecorder()
+    tracer = CollectiveTracer(rec, mesh_info=FixedMesh())
+    timer = tracer.cuda_timer()
+    own = cuda_op(tracer, timer.event())
+    own.cuda.end = timer.event()
+    a, b = cuda_op(tracer, timer.event()), cuda_op(tracer, timer.event())
+    timer.wait(tracer, [a, b], lambda work: None, object(), (), {})  # one work, two ops: e0, e1 shared
+    late = cuda_op(tracer, Recordable(0.0, done=False))
+    for p in (own, late):
+        timer.queue(p)
+    assert timer.resolve(tracer) == 3 and timer.pending() == 1
+    pooled = {id(e) for e in timer._free}
+    assert pooled == {id(own.cuda.start), id(own.cuda.end), id(a.cuda.start), id(b.cuda.start)}
+    again = timer.event()
+    assert id(again) in pooled and again.records == 2

@@ -51,7 +51,7 @@ thread and has to take the GIL from the training thread: +20-30 µs of training-
 measured). Any other recorder (``ListRecorder``, tests) gets each record synchronously, at completion.
 
 CUDA tensors (NCCL) take the ``comm_nccl`` path: futures complete at enqueue there, so CPU timestamps say
-nothing about completion; CUDA events give duration and exposure, resolved at ``flush()``. Its c10d
+nothing about completion; CUDA events give duration and exposure, resolved at ``drain()`` (the flusher). Its c10d
 part is checked against torch.profiler on a GPU by ``make gpu-check``; the rest has not run on one
 (``comm_nccl`` says which).
 """
@@ -190,9 +190,10 @@ class CollectiveTracer:
         self._pending_tensors.clear()
 
     def flush(self) -> int:
-        """Complete async ops that finished without a Python-visible wait (``wait_s`` 0) and resolve CUDA
-        timings whose events have completed. Call at step end on the training thread (their step is the
-        one ending). Returns how many ops it completed."""
+        """Complete async ops that finished without a Python-visible wait (``wait_s`` 0); CUDA ops among
+        them are queued for ``drain`` (which resolves CUDA timings whose events have completed; here too
+        for a recorder without a flusher). Call at step end on the training thread (their step is the one
+        ending). Returns how many ops it completed."""
         emitted = 0
         try:
             if self._pending_works:
@@ -215,7 +216,7 @@ class CollectiveTracer:
                         else:  # completion is first observed here
                             self.emit(p, t_end=p.t_done if p.t_done is not None else now, wait_s=0.0)
                             emitted += 1
-            if self._cuda is not None:
+            if self._cuda is not None and self._live is None:  # no flusher: the CUDA records are made here
                 emitted += self._cuda.resolve(self)
         except Exception as exc:
             self.error("flush", exc)
@@ -242,6 +243,11 @@ class CollectiveTracer:
         how many records it made."""
         done = self._done
         n = 0
+        if self._cuda is not None:  # CUDA ops whose events completed (comm_nccl), off the training thread
+            try:
+                self._cuda.resolve(self)
+            except Exception as exc:
+                self.error("cuda_resolve", exc)
         while True:
             try:
                 entry = done.popleft()
@@ -412,7 +418,7 @@ class CollectiveTracer:
         if self._cuda is None:
             from meshscope.agent.instrument.comm_nccl import CudaCommTimer
 
-            self._cuda = CudaCommTimer()
+            self._cuda = CudaCommTimer(live=self.hot.live, stats=self.stats)
         return self._cuda
 
     def patch(self, owners: tuple[Any, ...], name: str, make: Callable[[Any], Callable]) -> Any:

@@ -123,7 +123,6 @@ def _unwrap(fut: Any) -> Any:
 
 
 def _arm(state: _HookState, tracer: Any) -> None:
-    import torch
     from torch.autograd import Variable
 
     engine = Variable._execution_engine
@@ -133,9 +132,8 @@ def _arm(state: _HookState, tracer: Any) -> None:
         try:
             ops, state.ops = state.ops, []
             if cuda:
-                ev_b = torch.cuda.Event(enable_timing=True)
-                ev_b.record()
-                tracer.cuda_timer().on_ddp_backward_end(ops, ev_a, ev_b)
+                timer = tracer.cuda_timer()
+                timer.on_ddp_backward_end(ops, ev_a, timer.event())
             else:
                 _emit_window(tracer, [p for p, _ in ops], t_a, tracer.now())
         except Exception as exc:
@@ -145,8 +143,7 @@ def _arm(state: _HookState, tracer: Any) -> None:
         try:
             ev_a = None
             if cuda:
-                ev_a = torch.cuda.Event(enable_timing=True)
-                ev_a.record()
+                ev_a = tracer.cuda_timer().event()
             t_a = tracer.now()
             engine.queue_callback(functools.partial(after_finalize, t_a, ev_a))
         except Exception as exc:

@@ -24,22 +24,27 @@ when the transfer ran. ProcessGroupNCCL makes its stream wait for the current st
   stall is assigned to the last bucket (completion order is not known without NCCL timing); per-bucket
   duration only with ``TORCH_NCCL_ENABLE_TIMING=1``, else NaN.
 
-Records are made by ``resolve`` (called from ``CollectiveTracer.flush`` at step end) once all their
-events have completed: ``query()`` never blocks. ``t_start`` is the CPU issue time; ``t_end`` is
+Records are made by ``resolve`` once all their events have completed (``query()`` never blocks). It runs
+where the tracer is drained: on the telemetry's flusher thread (``CollectiveTracer.drain``), not on the
+training thread, which per op only records its events (pooled ``torch.Event`` objects, recorded on the
+current stream in C) and queues the op with the step it belongs to. A recorder without a flusher
+(``ListRecorder``) gets them at ``flush()``. ``t_start`` is the CPU issue time; ``t_end`` is
 ``t_start + duration`` (GPU and CPU clocks are not aligned; the interval is what is measured).
 """
 
 from __future__ import annotations
 
 import collections
+import threading
 from typing import Any, Callable
 
 _NAN = float("nan")
-_MAX_QUEUED = 8192
+_MAX_QUEUED = 8192  # ops queued or waiting for their events; beyond this the oldest are dropped (counted)
+_MAX_FREE = 1024  # completed events kept for reuse
 
 
 class _CudaOp:
-    __slots__ = ("start", "end", "waits", "work", "exposure_known")
+    __slots__ = ("start", "end", "waits", "work", "exposure_known", "owned")
 
     def __init__(self, start: Any) -> None:
         self.start = start
@@ -47,54 +52,83 @@ class _CudaOp:
         self.waits: list[tuple[Any, Any]] = []
         self.work: Any = None
         self.exposure_known = True
+        self.owned = True  # its wait events are its own (not shared with the other ops of a coalesced wait)
 
 
-def _event() -> Any:
+def _new_event() -> Any:
     import torch
 
-    ev = torch.cuda.Event(enable_timing=True)
-    ev.record()  # on the current stream
-    return ev
+    # torch.Event: constructor and record() in C, record() on the current stream without the Python
+    # detour of torch.cuda.Event.record (torch.cuda.current_stream() builds a Stream object per call).
+    make = getattr(torch, "Event", None)
+    if make is None:  # (a torch before 2.5: no torch.Event)
+        return torch.cuda.Event(enable_timing=True)
+    return make("cuda", enable_timing=True)
 
 
 class CudaCommTimer:
-    """Per-tracer CUDA timing state: ops whose events are recorded but not yet resolved."""
+    """Per-tracer CUDA timing state. The training thread records events and queues ops (``_queue``, with
+    the open step's key); ``resolve`` (one caller at a time, usually the flusher) makes the records of
+    those whose events have completed and gives their events back for reuse (``_free``). Both deques are
+    shared by the two threads through their atomic append / pop only."""
 
-    def __init__(self) -> None:
-        self._queue: collections.deque[Any] = collections.deque()
+    def __init__(self, *, live: Any = None, stats: Any = None) -> None:
+        from meshscope.agent.instrument.ops import _Direct
+
+        self._live = live if live is not None else _Direct()
+        self._stats: Any = stats if stats is not None else collections.Counter()
+        self._queue: collections.deque[tuple[Any, Any]] = collections.deque()
+        self._waiting: list[tuple[Any, Any]] = []  # the resolver's: taken from the queue, not complete yet
+        self._free: collections.deque[Any] = collections.deque()
+        self._lock = threading.Lock()
         self._nccl_timing = True  # until a Work says otherwise
 
+    def event(self) -> Any:
+        """An event recorded now on the current stream: a completed one reused, else a new one."""
+        try:
+            ev = self._free.pop()
+            ev.record()
+            return ev
+        except IndexError:  # none free
+            pass
+        except RuntimeError:  # reused on another device than it was recorded on: dropped
+            pass
+        ev = _new_event()
+        ev.record()
+        return ev
+
     def on_issue(self, p: Any) -> None:
-        p.cuda = _CudaOp(_event())
+        p.cuda = _CudaOp(self.event())
 
     def on_sync_return(self, p: Any) -> None:
-        p.cuda.end = _event()
+        p.cuda.end = self.event()
         self._push(p)
 
     def on_side_stream_return(self, p: Any) -> None:
-        p.cuda.end = _event()
+        p.cuda.end = self.event()
         p.cuda.exposure_known = False
         self._push(p)
 
     def wait(self, tracer: Any, ops: list[Any], original: Callable, work: Any, args: tuple, kwargs: dict) -> Any:
-        e0 = _event()
+        e0 = self.event()
         result = original(work, *args, **kwargs)
         try:
-            e1 = _event()
+            e1 = self.event()
             for p in ops:
                 p.cuda.work = work
                 p.cuda.waits.append((e0, e1))
+                p.cuda.owned = len(ops) == 1
                 self._push(p)
         except Exception as exc:
             tracer.error("cuda_wait", exc)
         return result
 
     def wait_tensor(self, tracer: Any, p: Any, original: Callable, tensor: Any) -> Any:
-        e0 = _event()
+        e0 = self.event()
         out = original(tensor)
         try:
             if p is not None and p.cuda is not None:
-                p.cuda.waits.append((e0, _event()))
+                p.cuda.waits.append((e0, self.event()))
                 if tracer.current() is p:  # a wait inside the issuing call: queued when that call returns
                     p.waited = True
                 else:
@@ -116,26 +150,39 @@ class CudaCommTimer:
             self._push(p)
 
     def resolve(self, tracer: Any) -> int:
-        """Record every queued op whose events have completed (non-blocking); keep the rest."""
-        emitted, keep = 0, collections.deque()
-        while self._queue:
-            p = self._queue.popleft()
-            c = p.cuda
-            events = [c.start] + ([c.end] if c.end is not None else []) + [e for pair in c.waits for e in pair]
-            if not all(ev.query() for ev in events):
-                keep.append(p)
-                continue
-            duration = self._duration(c)
-            if c.end is not None and c.exposure_known:
-                wait_s = c.start.elapsed_time(c.end) / 1e3
-            elif c.exposure_known:
-                wait_s = sum(e0.elapsed_time(e1) for e0, e1 in c.waits) / 1e3
-            else:
-                wait_s = _NAN
-            tracer.emit(p, t_end=p.t_start + duration, wait_s=wait_s)
-            emitted += 1
-        self._queue = keep
-        return emitted
+        """Record every queued op whose events have completed (non-blocking); keep the rest for the next
+        call. Any thread; one at a time."""
+        with self._lock:
+            work, queue = self._waiting, self._queue
+            for _ in range(len(queue)):
+                work.append(queue.popleft())
+            emitted, keep, free = 0, [], self._free
+            for p, context in work:
+                c = p.cuda
+                events = [c.start] + ([c.end] if c.end is not None else []) + [e for pair in c.waits for e in pair]
+                if not all(ev.query() for ev in events):
+                    keep.append((p, context))
+                    continue
+                duration = self._duration(c)
+                if c.end is not None and c.exposure_known:
+                    wait_s = c.start.elapsed_time(c.end) / 1e3
+                elif c.exposure_known:
+                    wait_s = sum(e0.elapsed_time(e1) for e0, e1 in c.waits) / 1e3
+                else:
+                    wait_s = _NAN
+                tracer.put((p.op, p.key, p.nbytes, p.peer, p.source, p.seq, p.t_start, p.t_start + duration, wait_s,
+                            context))
+                emitted += 1
+                if len(free) < _MAX_FREE:  # complete, read: recorded again by a later op
+                    free.extend(events if c.owned else events[:2 if c.end is not None else 1])
+            if len(keep) > _MAX_QUEUED:  # a GPU that never completes them: the oldest go
+                self._stats["dropped_pending"] += len(keep) - _MAX_QUEUED
+                keep = keep[-_MAX_QUEUED:]
+            self._waiting = keep
+            return emitted
+
+    def pending(self) -> int:
+        return len(self._queue) + len(self._waiting)
 
     def _duration(self, c: _CudaOp) -> float:
         if c.work is not None and self._nccl_timing:
@@ -150,6 +197,8 @@ class CudaCommTimer:
         return _NAN
 
     def _push(self, p: Any) -> None:
-        if len(self._queue) >= _MAX_QUEUED:
-            self._queue.popleft()
-        self._queue.append(p)
+        queue = self._queue
+        if len(queue) >= _MAX_QUEUED:
+            queue.popleft()
+            self._stats["dropped_pending"] += 1
+        queue.append((p, self._live.key))
