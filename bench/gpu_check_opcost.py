@@ -2,13 +2,14 @@
 
 bench/hooks_overhead.py measures the per-op cost on CPU tensors (gloo's path, where the C sites run). On a
 GPU every op takes the Python sites and the CUDA-event timing of ``agent/instrument/comm_nccl.py`` instead:
-two or more events recorded per op (pooled, recorded again once resolved), resolved on the telemetry's
-flusher thread (``drain``). This section measures that path the same way (``meshscope.testing.hookcost``'s
-A/B: alternating blocks with and without the tracer attached, the calling thread's CPU time, the garbage
+two or more events recorded per op (``torch.Event``), resolved on the telemetry's flusher thread
+(``drain``). This section measures that path the same way (``meshscope.testing.hookcost``'s A/B:
+alternating blocks with and without the tracer attached, the calling thread's CPU time, the garbage
 collector paused in the blocks, the median over blocks of the difference), on NCCL world size 1 with a
 small tensor so that the GPU's own work is negligible. The recorder is the real telemetry core, a step
 open; the traced arm flushes the tracer every ``FLUSH_EVERY`` ops, as a step's end does. On CUDA it also
-times the calls the path is made of (``primitives``). The check: every path at most ``GOAL_US`` (the per-op goal of bench/hooks_overhead.py).
+times the calls the path is made of (``primitives``). The check: every path at most ``GOAL_US`` (the
+per-op goal of bench/hooks_overhead.py).
 
 ``measure`` takes an initialised process group of one and a device, so that tests run it on CPU / gloo.
 """
@@ -100,7 +101,7 @@ def measure(*, device: Any, calls: int = CALLS, blocks: int = BLOCKS) -> dict:
 PRIMITIVES = {
     "cuda_event_new_record": "`torch.cuda.Event(enable_timing=True)` + `.record()` (meshscope before)",
     "event_new_record": "`torch.Event(\"cuda\", enable_timing=True)` + `.record()`",
-    "pooled_event": "meshscope's `CudaCommTimer.event()` (a completed event recorded again)",
+    "timer_event": "meshscope's `CudaCommTimer.event()`",
     "current_stream": "`torch.cuda.current_stream()`",
     "query": "`event.query()` (complete)",
     "elapsed_time": "`start.elapsed_time(end)`",
@@ -122,12 +123,9 @@ def primitives(*, calls: int) -> dict[str, float]:
     b.record()
     torch.cuda.synchronize()
 
-    def pooled() -> None:
-        timer._free.append(timer.event())  # complete or not, as a resolved op gives it back
-
     fns = {"cuda_event_new_record": lambda: torch.cuda.Event(enable_timing=True).record(),
            "event_new_record": lambda: torch.Event("cuda", enable_timing=True).record(),
-           "pooled_event": pooled, "current_stream": torch.cuda.current_stream, "query": a.query,
+           "timer_event": timer.event, "current_stream": torch.cuda.current_stream, "query": a.query,
            "elapsed_time": lambda: a.elapsed_time(b)}
     out = {}
     for name, fn in fns.items():
@@ -173,7 +171,8 @@ def render_opcost(data: dict) -> Rendered:
     ]
     if data.get("primitives"):
         md += ["", "What the CUDA path is made of, training-thread CPU per call (µs):", "",
-               md_table(["call", "µs"], [[PRIMITIVES.get(k, k), _fmt(v, ".2f")] for k, v in data["primitives"].items()])]
+               md_table(["call", "µs"], [[PRIMITIVES.get(k, k), _fmt(v, ".2f")]
+                                         for k, v in data["primitives"].items()])]
     if data.get("stats"):
         md += ["", f"Tracer counters: {data['stats']}"]
     md += ["", f"**{verdict}**: {line}."]

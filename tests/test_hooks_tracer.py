@@ -264,32 +264,3 @@ def test_cuda_queue_and_resolve_on_two_threads_lose_nothing() -> None:
     timer.resolve(tracer)
     assert len(rec.collectives) == n and timer.pending() == 0 and tracer.stats["dropped_pending"] == 0
     assert sorted(r["seq"] for r in rec.collectives) == list(range(1, n + 1))
-
-
-def test_completed_events_are_recorded_again_but_not_a_shared_wait(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An op's own events go back to the pool once its record is made; the wait events of a coalesced work
-    (shared by its ops) do not, nor does an event still pending."""
-    from meshscope.agent.instrument import comm_nccl
-
-    class Recordable(Event):
-        records = 0
-
-        def record(self) -> None:
-            self.records += 1
-
-    monkeypatch.setattr(comm_nccl, "_new_event", lambda: Recordable(0.0))
-    rec = ListRecorder()
-    tracer = CollectiveTracer(rec, mesh_info=FixedMesh())
-    timer = tracer.cuda_timer()
-    own = cuda_op(tracer, timer.event())
-    own.cuda.end = timer.event()
-    a, b = cuda_op(tracer, timer.event()), cuda_op(tracer, timer.event())
-    timer.wait(tracer, [a, b], lambda work: None, object(), (), {})  # one work, two ops: e0, e1 shared
-    late = cuda_op(tracer, Recordable(0.0, done=False))
-    for p in (own, late):
-        timer.queue(p)
-    assert timer.resolve(tracer) == 3 and timer.pending() == 1
-    pooled = {id(e) for e in timer._free}
-    assert pooled == {id(own.cuda.start), id(own.cuda.end), id(a.cuda.start), id(b.cuda.start)}
-    again = timer.event()
-    assert id(again) in pooled and again.records == 2
