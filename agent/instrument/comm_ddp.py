@@ -29,7 +29,7 @@ Cannot see: DDP's own C++ broadcasts (the one-off bucket-rebuild sync at the sta
 Only one comm hook can ever be registered on a DDP model, and never removed: a model that already has
 one (user hook, DDP mixed precision) is not traced (``record_error``); ``detach`` turns this hook into the
 plain default all-reduce. CUDA (NCCL): the future completes at enqueue, so the window A/B and the buckets
-are timed with CUDA events instead (``comm_nccl``; not yet run on a GPU).
+are timed with CUDA events instead (``comm_nccl``; checked on a GPU by the GPU kit's section 8).
 """
 
 from __future__ import annotations

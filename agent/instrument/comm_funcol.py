@@ -21,7 +21,7 @@ formulas do so for the backward of a funcol op on a tensor that requires grad, e
 waits still pass through ``wait_tensor`` and are counted in ``tracer.stats["unmatched_waits"]`` /
 ``["unmatched_wait_us"]``.
 CUDA: ``wait_tensor`` only makes the current stream wait; the wait is timed with CUDA events
-(``comm_nccl``; not yet run on a GPU).
+(``comm_nccl``; checked on a GPU by the GPU kit's section 2).
 """
 
 from __future__ import annotations

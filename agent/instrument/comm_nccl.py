@@ -1,10 +1,11 @@
 """Timing of collectives on CUDA tensors (NCCL), kept apart so it can be checked on a GPU machine.
 
 Written from torch 2.13's source on a machine without a GPU. Its c10d path (blocking and async
-all-reduce and all-gather, ``Work.wait``) is checked on a GPU by the GPU kit's section 2
-(``make gpu-check``: against torch.profiler's GPU time of the same ops, within 0.8-1.25x or 5 us in all 18
-cells on one H100, 2026-11-26 and -27). Its funcol (``wait_tensor``), FSDP2 and DDP paths have not run on
-a GPU yet: check them with a profiler trace before trusting their numbers.
+all-reduce and all-gather, ``Work.wait``) and its funcol path (all-reduce, all-gather, ``wait_tensor``) are
+checked on a GPU by the GPU kit's section 2 (``make gpu-check``: against torch.profiler's GPU time of the
+same ops, within 0.8-1.25x or 5 us in all 30 cells on one H100 with torch 2.11, 2026-11-27), its DDP path
+by section 8 (one record per bucket, bytes as DDP's reducer reports). Its FSDP2 path has not run on a GPU
+yet: check it with a profiler trace before trusting its numbers.
 
 Why CUDA events: on NCCL a ``Work``'s future completes when the op is *enqueued*, and ``Work.wait`` /
 ``wait_tensor`` only make the current stream wait for the NCCL stream; CPU timestamps say nothing about
@@ -60,7 +61,8 @@ def _new_event() -> Any:
 
     # torch.Event: constructor and record() in C, record() on the current stream without the Python
     # detour of torch.cuda.Event.record (torch.cuda.current_stream() builds a Stream object per call):
-    # 4.8 µs of CPU per event made and recorded against 14.4 (one H100, GPU check section 7, 2026-11-27).
+    # 2.7-4.8 µs of CPU per event made and recorded against 9.1-14.4 (one H100, GPU check section 7, two
+    # runs on 2026-11-27).
     make = getattr(torch, "Event", None)
     if make is None:  # (a torch before 2.5: no torch.Event)
         return torch.cuda.Event(enable_timing=True)
