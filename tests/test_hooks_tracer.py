@@ -264,3 +264,20 @@ def test_cuda_queue_and_resolve_on_two_threads_lose_nothing() -> None:
     timer.resolve(tracer)
     assert len(rec.collectives) == n and timer.pending() == 0 and tracer.stats["dropped_pending"] == 0
     assert sorted(r["seq"] for r in rec.collectives) == list(range(1, n + 1))
+
+
+def test_an_op_whose_events_fail_is_counted_and_the_others_still_recorded() -> None:
+    rec = ListRecorder()
+    tracer = CollectiveTracer(rec, mesh_info=FixedMesh())
+    timer = tracer.cuda_timer()
+    bad, good = cuda_op(tracer, Event(0.0)), cuda_op(tracer, Event(1.0))
+    bad.cuda.end, good.cuda.end = Event(2.0), Event(3.0)
+
+    def broken() -> bool:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    bad.cuda.start.query = broken
+    timer.queue(bad)
+    timer.queue(good)
+    assert timer.resolve(tracer) == 1 and timer.pending() == 0
+    assert [r["seq"] for r in rec.collectives] == [2] and [w for w, _ in rec.errors] == ["collectives.cuda_resolve"]
+    assert timer.resolve(tracer) == 0 and len(rec.collectives) == 1  # not made twice

@@ -31,8 +31,9 @@ training thread, which per op only records its events (``torch.Event``: made and
 current stream in C) and queues the op with the step it belongs to. Events are not reused: on an H100
 (GPU check, 2026-11-27) an event recorded again after completing read 1.5-2 µs longer intervals than a
 new one (async c10d ops then fell outside the check's ±5 µs of the profiler), for 2.3 µs of CPU saved.
-A recorder without a flusher (``ListRecorder``) gets them at ``flush()``. ``t_start`` is the CPU issue time; ``t_end`` is
-``t_start + duration`` (GPU and CPU clocks are not aligned; the interval is what is measured).
+A recorder without a flusher (``ListRecorder``) gets them at ``flush()``. ``t_start`` is the CPU issue
+time; ``t_end`` is ``t_start + duration`` (GPU and CPU clocks are not aligned; the interval is what is
+measured).
 """
 
 from __future__ import annotations
@@ -151,18 +152,22 @@ class CudaCommTimer:
                 work.append(queue.popleft())
             emitted, keep = 0, []
             for p, context in work:
-                c = p.cuda
-                events = [c.start] + ([c.end] if c.end is not None else []) + [e for pair in c.waits for e in pair]
-                if not all(ev.query() for ev in events):
-                    keep.append((p, context))
+                try:
+                    c = p.cuda
+                    events = [c.start] + ([c.end] if c.end is not None else []) + [e for pair in c.waits for e in pair]
+                    if not all(ev.query() for ev in events):
+                        keep.append((p, context))
+                        continue
+                    duration = self._duration(c)
+                    if c.end is not None and c.exposure_known:
+                        wait_s = c.start.elapsed_time(c.end) / 1e3
+                    elif c.exposure_known:
+                        wait_s = sum(e0.elapsed_time(e1) for e0, e1 in c.waits) / 1e3
+                    else:
+                        wait_s = _NAN
+                except Exception as exc:  # this op's events (a CUDA error): it goes, counted; the rest still flow
+                    tracer.error("cuda_resolve", exc)
                     continue
-                duration = self._duration(c)
-                if c.end is not None and c.exposure_known:
-                    wait_s = c.start.elapsed_time(c.end) / 1e3
-                elif c.exposure_known:
-                    wait_s = sum(e0.elapsed_time(e1) for e0, e1 in c.waits) / 1e3
-                else:
-                    wait_s = _NAN
                 tracer.put((p.op, p.key, p.nbytes, p.peer, p.source, p.seq, p.t_start, p.t_start + duration, wait_s,
                             context))
                 emitted += 1
