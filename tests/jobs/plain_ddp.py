@@ -2,6 +2,7 @@
 meshscope in it: the third-party code of tests/test_zerocode.py."""
 
 import argparse
+import gc
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,12 @@ def main():
         dist.all_reduce(reduced)
         if rank == 0:
             print(f"step {step} loss {reduced.item() / dist.get_world_size():.4f}", flush=True)
+    # torch's gloo teardown race (pytorch/pytorch#179291): a gloo worker thread still holding a finished op's
+    # tensors when the interpreter finalizes aborts the rank (-6) after a finished run. Released first, as a
+    # careful job does: the group's threads are done with them before finalization.
+    dist.barrier()
+    model = optimizer = scheduler = outputs = loss = reduced = None
+    gc.collect()
     dist.destroy_process_group()
 
 

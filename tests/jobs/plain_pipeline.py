@@ -2,6 +2,7 @@
 meshscope in it: third-party code for tests/test_zerocode.py."""
 
 import argparse
+import gc
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,12 @@ def main():
         optimizer.zero_grad()
         if rank == 1:
             print(f"step {step} loss {sum(l.item() for l in losses) / len(losses):.4f}", flush=True)
+    # torch's gloo teardown race (pytorch/pytorch#179291): a gloo worker thread still holding a finished op's
+    # tensors when the interpreter finalizes aborts the rank (-6) after a finished run. Released first, as a
+    # careful job does: the group's threads are done with them before finalization.
+    dist.barrier()
+    stage = schedule = module = optimizer = losses = None
+    gc.collect()
     dist.destroy_process_group()
 
 
