@@ -320,3 +320,56 @@ def test_back_to_back_steps_share_their_boundary_and_a_gap_does_not():
         assert 0 < cpu_first <= first.t_end - first.t_start + 1e-3
     finally:
         tel.close()
+
+
+def test_cuda_ops_resolved_on_the_flusher_keep_the_step_they_were_queued_in():
+    """CUDA ops (stand-in events: no GPU here) are resolved where the tracer is drained, the flusher: an
+    op whose events completed by then is accounted to its step; one whose events complete only after its
+    step's record was built still carries that step, not the step open when it resolved."""
+    from meshscope.agent.instrument.collectives import CollectiveTracer
+    from meshscope.agent.instrument.comm_nccl import _CudaOp
+    from meshscope.agent.instrument.meshinfo import GroupInfo, MeshInfo
+
+    class FixedMesh(MeshInfo):
+        def lookup(self, group):
+            return GroupInfo(dim="dp", size=2, name="g", ranks=(0, 1))
+
+    class Event:  # a GPU timestamp in ms, and whether it has completed
+        def __init__(self, ms, done=True):
+            self.ms, self.done = ms, done
+
+        def query(self):
+            return self.done
+
+        def elapsed_time(self, end):
+            return end.ms - self.ms
+
+    def blocking_op(t0_ms, t1_ms, done=True):  # as comm_nccl's sync path leaves it: start and end events
+        p = tracer.begin("all_reduce", "g", 64, "c10d")
+        p.cuda = _CudaOp(Event(t0_ms))
+        p.cuda.end = Event(t1_ms, done)
+        tracer.cuda_timer().queue(p)
+        return p
+
+    tel, w = make(flush_interval_s=0.05)
+    tracer = CollectiveTracer(tel, mesh_info=FixedMesh())
+    tel._tracers.append(tracer)
+    with tel.step(0):
+        with tel.phase("forward"):
+            blocking_op(0.0, 2.0)  # stalled the stream 2 ms; complete by the time the flusher looks
+            late = blocking_op(5.0, 8.0, done=False)  # still running on the GPU when step 0 is built
+    deadline = time.monotonic() + 10
+    while not w.rows["step"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert w.rows["step"], "step 0 was not built by the flusher"
+    late.cuda.end.done = True
+    with tel.step(1):
+        with tel.phase("forward"):
+            time.sleep(0.001)
+    tel.close()
+    steps = {s["step"]: s for s in w.table("step")}
+    assert steps[0]["exposed_comm_s"] == pytest.approx(0.002) and steps[0]["n_collectives"] == 1
+    assert steps[1]["exposed_comm_s"] == 0 and steps[1]["n_collectives"] == 0
+    colls = sorted(w.table("collective"), key=lambda c: c["seq"])
+    assert [(c["step"], round(c["wait_s"], 6), round(c["duration_s"], 6)) for c in colls] == [
+        (0, 0.002, 0.002), (0, 0.003, 0.003)]
