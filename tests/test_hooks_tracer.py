@@ -281,3 +281,16 @@ def test_an_op_whose_events_fail_is_counted_and_the_others_still_recorded() -> N
     assert timer.resolve(tracer) == 1 and timer.pending() == 0
     assert [r["seq"] for r in rec.collectives] == [2] and [w for w, _ in rec.errors] == ["collectives.cuda_resolve"]
     assert timer.resolve(tracer) == 0 and len(rec.collectives) == 1  # not made twice
+
+
+def test_detach_counts_cuda_ops_whose_events_never_completed() -> None:
+    rec = ListRecorder()
+    tracer = CollectiveTracer(rec, mesh_info=FixedMesh())
+    timer = tracer.cuda_timer()
+    done, stuck = cuda_op(tracer, Event(0.0)), cuda_op(tracer, Event(1.0))
+    done.cuda.end, stuck.cuda.end = Event(2.0), Event(3.0, done=False)
+    timer.queue(done)
+    timer.queue(stuck)
+    tracer.detach()
+    assert [r["seq"] for r in rec.collectives] == [1]
+    assert tracer.stats["dropped_pending"] == 1 and timer.pending() == 0

@@ -51,9 +51,9 @@ thread and has to take the GIL from the training thread: +20-30 µs of training-
 measured). Any other recorder (``ListRecorder``, tests) gets each record synchronously, at completion.
 
 CUDA tensors (NCCL) take the ``comm_nccl`` path: futures complete at enqueue there, so CPU timestamps say
-nothing about completion; CUDA events give duration and exposure, resolved at ``drain()`` (the flusher). Its c10d
-part is checked against torch.profiler on a GPU by ``make gpu-check``; the rest has not run on one
-(``comm_nccl`` says which).
+nothing about completion; CUDA events give duration and exposure, resolved at ``drain()`` (the flusher).
+``make gpu-check`` checks its c10d and funcol parts against torch.profiler on a GPU, and its DDP part
+against DDP's own buckets; FSDP2's has not run on one (``comm_nccl``).
 """
 
 from __future__ import annotations
@@ -188,6 +188,8 @@ class CollectiveTracer:
         self.stats["dropped_pending"] += len(self._pending_works) + len(self._pending_tensors)
         self._pending_works.clear()
         self._pending_tensors.clear()
+        if self._cuda is not None:  # CUDA ops whose events had not completed when drained above
+            self.stats["dropped_pending"] += self._cuda.clear()
 
     def flush(self) -> int:
         """Complete async ops that finished without a Python-visible wait (``wait_s`` 0); CUDA ops among

@@ -180,6 +180,14 @@ class CudaCommTimer:
     def pending(self) -> int:
         return len(self._queue) + len(self._waiting)
 
+    def clear(self) -> int:
+        """Forget every op not resolved yet (the tracer detaches); returns how many."""
+        with self._lock:
+            n = self.pending()
+            self._queue.clear()
+            self._waiting = []
+            return n
+
     def _duration(self, c: _CudaOp) -> float:
         if c.work is not None and self._nccl_timing:
             try:
