@@ -1,5 +1,5 @@
 """One-command GPU check of meshscope (``make gpu-check``): on a machine with an NVIDIA GPU and its own torch,
-eight sections, then a Markdown report written to ``--out`` and printed:
+ten sections, then a Markdown report written to ``--out`` and printed:
 
 1. the trainer's ``1b`` flavor for ``--steps`` steps, bf16 autocast on NCCL (world size 1), telemetry on:
    median tokens/s and MFU after warm-up, PASS when MFU >= 45 % (the goal on one H100);
@@ -13,7 +13,8 @@ eight sections, then a Markdown report written to ``--out`` and printed:
 7. the training thread's CPU per traced collective on CUDA tensors (c10d and functional), PASS when every
    path is at most 2 µs per op (``bench/gpu_check_opcost.py``);
 8. DDP's buckets on CUDA as meshscope records them, against DDP's reducer's own bucket list
-   (``bench/gpu_check_ddp.py``).
+   (``bench/gpu_check_ddp.py``);
+9. and 10. sections 7 and 8 again with NCCL's own per-op timing on (``TORCH_NCCL_ENABLE_TIMING=1``).
 
 Each section runs in a process of its own (``bench/gpu_check_sections.py``) under its own time budget,
 all within one global deadline (``--timeout-s``): a section that crashes or outlives its budget is
@@ -50,7 +51,8 @@ from bench.gpu_check_opcost import render_opcost  # noqa: E402
 from meshscope.agent.cliargs import ArgParser, UsageError, run_command  # noqa: E402
 
 PROG = "gpu-check"
-RENDERERS = {**CHECK_RENDERERS, "breakdown": render_breakdown, "opcost": render_opcost, "ddp": render_ddp}
+RENDERERS = {**CHECK_RENDERERS, "breakdown": render_breakdown, "opcost": render_opcost, "ddp": render_ddp,
+             "opcost_timing": render_opcost, "ddp_timing": render_ddp}
 # A section whose verdict sets its figures against another section's: key -> the other's key.
 COMPARED_WITH = {"breakdown": "train"}
 WORKER = ROOT / "bench" / "gpu_check_sections.py"
@@ -69,6 +71,7 @@ class Section:
     budget_s: float
     min_s: float  # with less time than this left before the deadline, the section is skipped
     argv: tuple[str, ...]  # the command; the runner appends ``--result FILE``
+    env: tuple[tuple[str, str], ...] = ()  # set for this section's process only (before its process group)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -85,26 +88,33 @@ def plan(*, steps: int, workdir: Path, python: str = sys.executable) -> list[Sec
     def argv(key: str) -> tuple[str, ...]:
         return (python, str(WORKER), key, "--workdir", str(workdir / key), "--steps", str(steps))
 
-    # Budgets: about twice what one H100 took on 2026-11-26 and -27 (train 38 s eager / 44-66 s compiling,
-    # collectives 9-14 s, memory 4-6 s, NVML 15-18 s, overhead 33-55 s, breakdown 48-49 s), together within
-    # the default deadline; the deadline caps each in any case.
+    # Budgets: 1.5-2x what one H100 took on 2026-11-26 and -27 (train 38 s eager / 44-66 s compiling,
+    # collectives 9-14 s, memory 4-6 s, NVML 15-18 s, overhead 33-55 s, breakdown 48-69 s, op cost 21-25 s,
+    # DDP 10-12 s), together within the default deadline; the deadline caps each in any case.
+    # The last two run sections 7 and 8 again with NCCL's own per-op timing on (TORCH_NCCL_ENABLE_TIMING=1,
+    # set before the process group exists): what it costs the issuing thread, and DDP's per-bucket durations
+    # from ``Work._get_duration`` (NaN without it), for the design that would time ops without Python events.
+    timing = (("TORCH_NCCL_ENABLE_TIMING", "1"),)
     return [
         Section(key="train", title=f"Trainer `1b`, {steps} steps, bf16 on NCCL, telemetry on",
-                budget_s=90 + 1.2 * steps, min_s=60, argv=argv("train")),
-        Section(key="collectives", title="Collective timing: CUDA events vs torch.profiler", budget_s=40, min_s=20,
+                budget_s=90 + 0.6 * steps, min_s=60, argv=argv("train")),
+        Section(key="collectives", title="Collective timing: CUDA events vs torch.profiler", budget_s=30, min_s=20,
                 argv=argv("collectives")),
-        Section(key="memory", title="CUDA allocator fields: meshscope's sample vs torch.cuda", budget_s=20, min_s=10,
+        Section(key="memory", title="CUDA allocator fields: meshscope's sample vs torch.cuda", budget_s=15, min_s=10,
                 argv=argv("memory")),
         Section(key="nvml", title="NVML sampler vs nvidia-smi", budget_s=30, min_s=25, argv=argv("nvml")),
-        Section(key="overhead", title="Telemetry overhead on GPU, on vs off", budget_s=90, min_s=60,
+        Section(key="overhead", title="Telemetry overhead on GPU, on vs off", budget_s=75, min_s=60,
                 argv=argv("overhead")),
         Section(key="breakdown", title="Where a step goes: the bare train_step loop, eager vs compiled",
-                budget_s=75, min_s=50, argv=argv("breakdown")),
-        # (estimated, never run on a GPU yet: each takes a few seconds on the dev VM's CPU, plus NCCL's set-up)
-        Section(key="opcost", title="Training-thread CPU per traced CUDA collective", budget_s=30, min_s=20,
+                budget_s=85, min_s=50, argv=argv("breakdown")),
+        Section(key="opcost", title="Training-thread CPU per traced CUDA collective", budget_s=28, min_s=20,
                 argv=argv("opcost")),
-        Section(key="ddp", title="DDP's buckets on CUDA: meshscope's records vs DDP's own", budget_s=30, min_s=15,
+        Section(key="ddp", title="DDP's buckets on CUDA: meshscope's records vs DDP's own", budget_s=22, min_s=15,
                 argv=argv("ddp")),
+        Section(key="opcost_timing", title="Training-thread CPU per traced CUDA collective, NCCL's own timing on",
+                budget_s=28, min_s=20, argv=argv("opcost"), env=timing),
+        Section(key="ddp_timing", title="DDP's buckets on CUDA, NCCL's own timing on", budget_s=22, min_s=15,
+                argv=argv("ddp"), env=timing),
     ]
 
 
@@ -143,6 +153,8 @@ def run_one(section: Section, *, budget_s: float, workdir: Path, env: dict[str, 
     t0 = clock()
     with open(log, "wb") as out:
         try:
+            if section.env:
+                env = {**(os.environ if env is None else env), **dict(section.env)}
             proc = subprocess.Popen([*section.argv, "--result", str(result)], stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env, cwd=ROOT, start_new_session=True)
         except OSError as exc:

@@ -16,6 +16,7 @@ per-op goal of bench/hooks_overhead.py).
 
 from __future__ import annotations
 
+import os
 import tempfile
 from typing import Any, Callable
 
@@ -95,7 +96,8 @@ def measure(*, device: Any, calls: int = CALLS, blocks: int = BLOCKS) -> dict:
         tel.close()
     return {"paths": out, "errors": tel.errors, "dropped_records": tel.dropped_records,
             "stats": {k: v for k, v in tracer.stats.items() if v}, "calls": calls, "blocks": blocks,
-            "device": str(device), "primitives": primitives(calls=calls * blocks) if cuda else {}}
+            "device": str(device), "primitives": primitives(calls=calls * blocks) if cuda else {},
+            "nccl_timing_env": os.environ.get("TORCH_NCCL_ENABLE_TIMING", "")}
 
 
 PRIMITIVES = {
@@ -162,7 +164,9 @@ def render_opcost(data: dict) -> Rendered:
     md = [
         f"Each path on {data.get('device', 'cuda')} (NCCL world size 1, a 1 KiB tensor), traced by meshscope's "
         "Python sites and CUDA events (`agent/instrument/comm_nccl.py`) with the telemetry core as recorder, "
-        f"against the same op untraced: {data.get('blocks')} alternating blocks of {data.get('calls')} ops, the "
+        f"against the same op untraced (`TORCH_NCCL_ENABLE_TIMING={data.get('nccl_timing_env') or 'unset'}`: "
+        "with it, NCCL records its own start event per op, and each op's duration is NCCL's): "
+        f"{data.get('blocks')} alternating blocks of {data.get('calls')} ops, the "
         "training thread's CPU time, the median of the per-block difference (`meshscope.testing.hookcost`). "
         f"The traced arm flushes the tracer every {FLUSH_EVERY} ops, as a step's end does; the events are "
         "resolved where the tracer is drained, on the telemetry's flusher thread.",

@@ -121,6 +121,22 @@ def test_a_failing_or_overrunning_section_is_reported_and_the_rest_still_run(tmp
     assert len(lines) == 10 and "FAILED" in lines[5]
 
 
+def test_a_sections_own_environment_reaches_its_process_only(tmp_path):
+    """Sections 9 and 10 set TORCH_NCCL_ENABLE_TIMING for their own process (it must be set before the
+    process group exists); the sections around them run without it."""
+    reads = ("import json, os, sys; "
+             "open(sys.argv[2], 'w').write(json.dumps({'v': os.environ.get('TORCH_NCCL_ENABLE_TIMING')}))")
+    timed = gpu_check.Section(key="timed", title="timed", budget_s=30, min_s=0, argv=(sys.executable, "-c", reads),
+                              env=(("TORCH_NCCL_ENABLE_TIMING", "1"),))
+    env = {k: v for k, v in gpu_check.worker_env().items() if k != "TORCH_NCCL_ENABLE_TIMING"}
+    out = gpu_check.run_sections([py_section("before", reads), timed, py_section("after", reads)],
+                                 deadline=time.monotonic() + 100, workdir=tmp_path / "w", env=env)
+    assert [o.data for o in out] == [{"v": None}, {"v": "1"}, {"v": None}]
+    plan = {s.key: s for s in gpu_check.plan(steps=50, workdir=tmp_path)}
+    assert dict(plan["opcost_timing"].env) == dict(plan["ddp_timing"].env) == {"TORCH_NCCL_ENABLE_TIMING": "1"}
+    assert plan["opcost_timing"].argv[2] == "opcost" and plan["ddp_timing"].argv[2] == "ddp"
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
