@@ -57,7 +57,7 @@ def measure(*, device: Any, calls: int = CALLS, blocks: int = BLOCKS) -> dict:
     t = torch.ones(TENSOR_VALUES, device=device)
     state = {"on": False, "n": 0}
 
-    def drain() -> None:  # untimed: every event complete, then resolved
+    def drain() -> None:  # untimed: every event complete, then recorded (detach resolves what is left)
         if cuda:
             torch.cuda.synchronize()
         tracer.flush()
@@ -78,7 +78,7 @@ def measure(*, device: Any, calls: int = CALLS, blocks: int = BLOCKS) -> dict:
             if state["on"]:  # (read in both arms: its cost cancels)
                 state["n"] += 1
                 if state["n"] % FLUSH_EVERY == 0:
-                    tracer.flush()  # a step's end, where the CUDA events are resolved
+                    tracer.flush()  # a step's end (the events are resolved by the flusher's drain)
         return run
 
     ops: dict[str, Callable[[], Any]] = {

@@ -283,7 +283,10 @@ def test_an_op_whose_events_fail_is_counted_and_the_others_still_recorded() -> N
     assert timer.resolve(tracer) == 0 and len(rec.collectives) == 1  # not made twice
 
 
-def test_detach_counts_cuda_ops_whose_events_never_completed() -> None:
+def test_detach_counts_cuda_ops_whose_events_never_completed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from meshscope.agent.instrument import collectives
+
+    monkeypatch.setattr(collectives, "_CUDA_SETTLE_S", 0.05)
     rec = ListRecorder()
     tracer = CollectiveTracer(rec, mesh_info=FixedMesh())
     timer = tracer.cuda_timer()
@@ -294,3 +297,74 @@ def test_detach_counts_cuda_ops_whose_events_never_completed() -> None:
     tracer.detach()
     assert [r["seq"] for r in rec.collectives] == [1]
     assert tracer.stats["dropped_pending"] == 1 and timer.pending() == 0
+
+
+def test_detach_waits_for_the_last_cuda_ops_to_complete() -> None:
+    """The last step's ops may still run on the GPU when the job closes: detach resolves until they
+    complete (within its bound) rather than dropping them."""
+    rec = ListRecorder()
+    tracer = CollectiveTracer(rec, mesh_info=FixedMesh())
+    p = cuda_op(tracer, Event(0.0))
+    p.cuda.end = Event(4.0, done=False)
+    polls = []
+
+    def query() -> bool:  # completes on the GPU at the third look
+        polls.append(1)
+        return len(polls) >= 3
+    p.cuda.end.query = query
+    tracer.cuda_timer().queue(p)
+    tracer.detach()
+    assert len(rec.collectives) == 1 and rec.collectives[0]["wait_s"] == pytest.approx(0.004)
+    assert tracer.stats["dropped_pending"] == 0
+
+
+def test_an_op_queued_while_resolve_runs_waits_for_the_next_resolve() -> None:
+    """The training thread may queue an op while the flusher resolves: a pass takes what was queued when
+    it began, and the op queued meanwhile is the next pass's (neither lost nor recorded twice)."""
+    rec = ListRecorder()
+    tracer = CollectiveTracer(rec, mesh_info=FixedMesh())
+    timer = tracer.cuda_timer()
+    first, second = cuda_op(tracer, Event(0.0)), cuda_op(tracer, Event(1.0))
+    first.cuda.end, second.cuda.end = Event(2.0), Event(3.0)
+    first.cuda.start.query = lambda: timer.queue(second) or True  # queued "meanwhile", mid-resolve
+    timer.queue(first)
+    assert timer.resolve(tracer) == 1 and timer.pending() == 1
+    assert timer.resolve(tracer) == 1 and [r["seq"] for r in rec.collectives] == [1, 2]
+
+
+def test_a_resolving_thread_takes_the_recording_threads_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flusher resolves CUDA events of the training thread's device: it makes that device its own
+    first (a CUDA call on a thread without one creates a context on device 0, on every rank); the
+    recording thread itself is never switched."""
+    import threading
+
+    from meshscope.agent.instrument import comm_nccl
+
+    class Recordable(Event):
+        def record(self) -> None:
+            pass
+
+    switched = []
+    monkeypatch.setattr(comm_nccl, "_new_event", lambda: Recordable(0.0))
+    monkeypatch.setattr(comm_nccl, "_current_device", lambda: 3)
+    monkeypatch.setattr(comm_nccl, "_set_device", switched.append)
+    rec = ListRecorder()
+    tracer = CollectiveTracer(rec, mesh_info=FixedMesh())
+    timer = tracer.cuda_timer()
+    for _ in range(2):
+        p = cuda_op(tracer, timer.event())
+        p.cuda.end = timer.event()
+        timer.queue(p)
+        timer.resolve(tracer)  # the recording thread: stays as it is
+    assert switched == [] and len(rec.collectives) == 2
+
+    def flusher() -> None:
+        for _ in range(2):
+            p = cuda_op(tracer, Event(0.0))
+            p.cuda.end = Event(1.0)
+            timer.queue(p)
+            timer.resolve(tracer)
+    thread = threading.Thread(target=flusher)
+    thread.start()
+    thread.join()
+    assert switched == [3] and len(rec.collectives) == 4

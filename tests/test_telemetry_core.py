@@ -322,13 +322,18 @@ def test_back_to_back_steps_share_their_boundary_and_a_gap_does_not():
         tel.close()
 
 
-def test_cuda_ops_resolved_on_the_flusher_keep_the_step_they_were_queued_in():
-    """CUDA ops (stand-in events: no GPU here) are resolved where the tracer is drained, the flusher: an
-    op whose events completed by then is accounted to its step; one whose events complete only after its
-    step's record was built still carries that step, not the step open when it resolved."""
+def test_cuda_ops_resolved_on_the_flusher_are_accounted_to_the_step_they_were_queued_in(monkeypatch):
+    """CUDA ops (stand-in events: no GPU here) are resolved where the tracer is drained, the flusher, each
+    for the step it was queued in. An ended step whose ops are still running on the GPU waits for them
+    (up to CUDA_HOLD_S), then is built without them; detach waits for the last ones (up to its own
+    bound) and counts those that never complete."""
+    from meshscope.agent.instrument import collectives, telemetry
     from meshscope.agent.instrument.collectives import CollectiveTracer
     from meshscope.agent.instrument.comm_nccl import _CudaOp
     from meshscope.agent.instrument.meshinfo import GroupInfo, MeshInfo
+
+    monkeypatch.setattr(telemetry, "CUDA_HOLD_S", 0.5)
+    monkeypatch.setattr(collectives, "_CUDA_SETTLE_S", 0.2)
 
     class FixedMesh(MeshInfo):
         def lookup(self, group):
@@ -351,25 +356,32 @@ def test_cuda_ops_resolved_on_the_flusher_keep_the_step_they_were_queued_in():
         tracer.cuda_timer().queue(p)
         return p
 
-    tel, w = make(flush_interval_s=0.05)
+    def wait_for(what):
+        deadline = time.monotonic() + 10
+        while not what() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return what()
+
+    tel, w = make(flush_interval_s=0.02)
     tracer = CollectiveTracer(tel, mesh_info=FixedMesh())
     tel._tracers.append(tracer)
     with tel.step(0):
         with tel.phase("forward"):
-            blocking_op(0.0, 2.0)  # stalled the stream 2 ms; complete by the time the flusher looks
-            late = blocking_op(5.0, 8.0, done=False)  # still running on the GPU when step 0 is built
-    deadline = time.monotonic() + 10
-    while not w.rows["step"] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert w.rows["step"], "step 0 was not built by the flusher"
+            blocking_op(0.0, 2.0)  # stalled the stream 2 ms; complete when the flusher looks
+            late = blocking_op(5.0, 8.0, done=False)  # still running on the GPU when step 0 ends
+    time.sleep(0.15)  # several drains: step 0 waits for its op
+    assert not w.rows["step"]
     late.cuda.end.done = True
+    assert wait_for(lambda: w.rows["step"]), "step 0 was not built"
     with tel.step(1):
         with tel.phase("forward"):
-            time.sleep(0.001)
+            blocking_op(10.0, 11.0, done=False)  # never completes
+    assert wait_for(lambda: len(w.rows["step"]) == 2), "step 1 was not built after its hold"
     tel.close()
     steps = {s["step"]: s for s in w.table("step")}
-    assert steps[0]["exposed_comm_s"] == pytest.approx(0.002) and steps[0]["n_collectives"] == 1
+    assert steps[0]["exposed_comm_s"] == pytest.approx(0.005) and steps[0]["n_collectives"] == 2
     assert steps[1]["exposed_comm_s"] == 0 and steps[1]["n_collectives"] == 0
     colls = sorted(w.table("collective"), key=lambda c: c["seq"])
     assert [(c["step"], round(c["wait_s"], 6), round(c["duration_s"], 6)) for c in colls] == [
         (0, 0.002, 0.002), (0, 0.003, 0.003)]
+    assert tracer.stats["dropped_pending"] == 1  # step 1's op: counted at detach, never recorded

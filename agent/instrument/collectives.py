@@ -73,6 +73,7 @@ from meshscope.agent.instrument.recorder import DIRECT
 
 _MAX_PENDING = 4096  # async ops waiting for their wait(); beyond this the oldest are dropped (and counted)
 _MAX_DONE = 65536  # completed ops waiting for drain(); beyond this new ones are dropped (and counted)
+_CUDA_SETTLE_S = 2.0  # at detach, how long the last CUDA ops may take to complete on the GPU
 
 
 class _Patch:
@@ -173,8 +174,14 @@ class CollectiveTracer:
                 self._model_hooks[key] = handle
 
     def detach(self) -> None:
-        """Restore every original; emit what already completed. Safe to call twice."""
+        """Restore every original; emit what already completed (CUDA ops: what completes within
+        ``_CUDA_SETTLE_S``). Safe to call twice."""
         self.flush()
+        if self._cuda is not None:
+            try:
+                self._cuda.settle(self, timeout_s=_CUDA_SETTLE_S, clock=time.monotonic, sleep=time.sleep)
+            except Exception as exc:
+                self.error("cuda_resolve", exc)
         self.drain()
         self.enabled = False
         for handle in self._model_hooks.values():
@@ -188,7 +195,7 @@ class CollectiveTracer:
         self.stats["dropped_pending"] += len(self._pending_works) + len(self._pending_tensors)
         self._pending_works.clear()
         self._pending_tensors.clear()
-        if self._cuda is not None:  # CUDA ops whose events had not completed when drained above
+        if self._cuda is not None:  # CUDA ops whose events did not complete within the settle above
             self.stats["dropped_pending"] += self._cuda.clear()
 
     def flush(self) -> int:
@@ -240,9 +247,10 @@ class CollectiveTracer:
             return False
 
     def drain(self) -> int:
-        """Hand every completed op to the recorder as a record (``record_collective``). Safe on any thread
-        (Telemetry calls it from its flusher); a no-op for a recorder that records synchronously. Returns
-        how many records it made."""
+        """Resolve the CUDA ops whose events completed (``comm_nccl``) and hand every completed op to the
+        recorder as a record (``record_collective``). Safe on any thread (Telemetry calls it from its
+        flusher). Returns how many records it handed over from the queue (a recorder that records
+        synchronously has none there: its records were made at completion)."""
         done = self._done
         n = 0
         if self._cuda is not None:  # CUDA ops whose events completed (comm_nccl), off the training thread
@@ -415,6 +423,9 @@ class CollectiveTracer:
             self.recorder.record_error(f"collectives.{where}", exc)
         except Exception:  # a broken recorder must not take training down either
             pass
+
+    def unresolved_steps(self) -> frozenset:  # steps (live.key) with CUDA ops not complete at the last drain
+        return self._cuda.unresolved if self._cuda is not None else frozenset()
 
     def cuda_timer(self) -> Any:
         if self._cuda is None:

@@ -43,7 +43,7 @@ import threading
 from typing import Any, Callable
 
 _NAN = float("nan")
-_MAX_QUEUED = 8192  # ops queued or waiting for their events; beyond this the oldest are dropped (counted)
+_MAX_QUEUED = 8192  # bound of the queue, and of the ops waiting for their events; beyond it the oldest go (counted)
 
 
 class _CudaOp:
@@ -55,6 +55,18 @@ class _CudaOp:
         self.waits: list[tuple[Any, Any]] = []
         self.work: Any = None
         self.exposure_known = True
+
+
+def _current_device() -> int:
+    import torch
+
+    return torch.cuda.current_device()
+
+
+def _set_device(index: int) -> None:
+    import torch
+
+    torch.cuda.set_device(index)
 
 
 def _new_event() -> Any:
@@ -73,8 +85,12 @@ def _new_event() -> Any:
 class CudaCommTimer:
     """Per-tracer CUDA timing state. The training thread records events and queues ops (``_queue``, with
     the open step's key); ``resolve`` (one caller at a time, usually the flusher) makes the records of
-    those whose events have completed. The queue is shared by the two threads through its atomic append /
-    popleft only."""
+    those whose events have completed. The queue is shared by the two threads through deque operations
+    that are each atomic (append, popleft), a popleft of an emptied queue being expected (the other
+    thread got there first).
+
+    Another thread that resolves (the flusher) first makes the training thread's device its own current
+    device: CUDA calls there would otherwise create a context on device 0 (its default), on every rank."""
 
     def __init__(self, *, live: Any = None, stats: Any = None) -> None:
         from meshscope.agent.instrument.ops import _Direct
@@ -85,11 +101,17 @@ class CudaCommTimer:
         self._waiting: list[tuple[Any, Any]] = []  # the resolver's: taken from the queue, not complete yet
         self._lock = threading.Lock()
         self._nccl_timing = True  # until a Work says otherwise
+        self._device: int | None = None  # the recording thread's device, read at its first event
+        self._owner = 0  # that thread
+        self._on_device: set[int] = set()  # threads that resolve and were set to it
+        self.unresolved: frozenset = frozenset()  # step keys of the ops left waiting by the last resolve
 
     def event(self) -> Any:
         """A new event, recorded now on the current stream."""
         ev = _new_event()
         ev.record()
+        if self._device is None:
+            self._device, self._owner = _current_device(), threading.get_ident()
         return ev
 
     def on_issue(self, p: Any) -> None:
@@ -148,8 +170,15 @@ class CudaCommTimer:
         call. Any thread; one at a time."""
         with self._lock:
             work, queue = self._waiting, self._queue
+            tid = threading.get_ident()
+            if self._device is not None and tid != self._owner and tid not in self._on_device:
+                _set_device(self._device)
+                self._on_device.add(tid)
             for _ in range(len(queue)):
-                work.append(queue.popleft())
+                try:
+                    work.append(queue.popleft())
+                except IndexError:  # the training thread dropped the oldest meanwhile (a full queue)
+                    break
             emitted, keep = 0, []
             for p, context in work:
                 try:
@@ -175,7 +204,19 @@ class CudaCommTimer:
                 self._stats["dropped_pending"] += len(keep) - _MAX_QUEUED
                 keep = keep[-_MAX_QUEUED:]
             self._waiting = keep
+            self.unresolved = frozenset(context for _, context in keep)
             return emitted
+
+    def settle(self, tracer: Any, *, timeout_s: float, clock: Callable[[], float], sleep: Callable[[float], None]
+               ) -> None:
+        """Resolve until nothing is left or ``timeout_s`` has passed (a detach: the last step's ops may
+        still be running on the GPU)."""
+        deadline = clock() + timeout_s
+        while True:
+            self.resolve(tracer)
+            if not self.pending() or clock() >= deadline:
+                return
+            sleep(0.005)
 
     def pending(self) -> int:
         return len(self._queue) + len(self._waiting)
@@ -203,6 +244,9 @@ class CudaCommTimer:
     def _push(self, p: Any) -> None:
         queue = self._queue
         if len(queue) >= _MAX_QUEUED:
-            queue.popleft()
-            self._stats["dropped_pending"] += 1
+            try:
+                queue.popleft()
+                self._stats["dropped_pending"] += 1
+            except IndexError:  # the resolver took them all meanwhile
+                pass
         queue.append((p, self._live.key))

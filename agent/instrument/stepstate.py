@@ -137,6 +137,18 @@ def pop_phase(state: StepState) -> None:
     state.phase_t0 = now
 
 
+def ready_steps(ended: list[StepState], *, tracers: list, now: float, hold_s: float
+                ) -> tuple[list[StepState], list[StepState]]:
+    """(the ended steps whose records can be built now, those held): a step with CUDA ops still running on
+    the GPU (a tracer's ``unresolved_steps()``: the CPU runs ahead of it) waits for them, up to ``hold_s``
+    after its end; past that it is built without them (their records still carry the step)."""
+    if not ended:
+        return [], []
+    waiting = frozenset().union(*(t.unresolved_steps() for t in tracers if hasattr(t, "unresolved_steps")))
+    held = [s for s in ended if s.key in waiting and now - s.t_end < hold_s]
+    return ([s for s in ended if s not in held] if held else ended), held
+
+
 def span_microbatch(value: Any) -> int:
     """A span's microbatch as the schedule passed it: an int, else -1 (never an error in the record)."""
     return value if type(value) is int else -1

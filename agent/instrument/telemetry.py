@@ -59,14 +59,15 @@ from meshscope.agent.instrument.config import TelemetryConfig
 from meshscope.agent.instrument.readout import hang_message, take_all
 from meshscope.agent.instrument.recorder import DIRECT
 from meshscope.agent.instrument.stepstate import (
-    Live, PendingSteps, StepContext, StepState, account, flat_segments, pop_phase as _pop_phase, span_microbatch,
-    step_rows,
+    Live, PendingSteps, StepContext, StepState, account, flat_segments, pop_phase as _pop_phase, ready_steps,
+    span_microbatch, step_rows,
 )
 
 # A run record's fields the caller's info does not give: empty, not NULL (every rank writes the same columns).
 # A step that begins this soon after the last one ended begins at that end (see the module docstring): what
 # separates them then is the loop's own turn-around, not work of its own.
 SHARED_BOUNDARY_S = 50e-6
+CUDA_HOLD_S = 2.0  # how long an ended step waits for its CUDA ops still on the GPU (stepstate.ready_steps)
 
 _RUN_DEFAULTS = {f.name: ("" if f.type == "string" else 0) for f in SCHEMAS["run"]}
 
@@ -99,6 +100,7 @@ class Telemetry:
         self.live = Live()  # the open step, read by the collective tracer's hot path
         # Ended steps waiting for the flusher to build their records (the end's figures held on each)
         self._ended: collections.deque[StepState] = collections.deque()
+        self._held: list[StepState] = []  # ended, waiting for their CUDA ops (the flusher's own)
         self._pending = PendingSteps()  # steps begun and not built yet, by key (their ops name them so)
         self._writer = writer if writer is not None else self._open_writer()
         # Hang watchdog state: the training thread (the one that builds the Telemetry), the last time it
@@ -304,8 +306,8 @@ class Telemetry:
                           t_end: float, wait_s: float, peer: int = -1, source: str, seq: int = 0,
                           context: Any = DIRECT) -> None:
         """One collective record. A direct caller's op is accounted to the open step now; the tracer's
-        deferred records (``context``: the ``live.key`` of the step the op completed in) are accounted when
-        their step's record is built (``_build_step``)."""
+        deferred records (``context``: the ``live.key`` of the step the op completed in, or for a CUDA op
+        was queued in) are accounted when their step's record is built (``_build_step``)."""
         if context is DIRECT:
             state = self._cur
             if state is not None:
@@ -471,13 +473,19 @@ class Telemetry:
             self.record_error("hang_watchdog", exc)
 
     def _drain(self) -> None:
-        # Records whose building was deferred off the training thread. The ended steps are taken first:
-        # every collective of a step was queued before the step itself, so once the tracers are drained
-        # below, each step taken here has all its collectives accounted before its record is built.
-        ended = take_all(self._ended)
+        # Records whose building was deferred off the training thread. The ended steps are taken first: every
+        # collective of a step was queued before the step itself, so once the tracers are drained below, each
+        # step taken here has its collectives accounted before its record is built (CUDA ops: ready_steps).
+        ended = self._held + take_all(self._ended)
         self._each_tracer("drain")
+        try:
+            ready, self._held = ready_steps(ended, tracers=self._tracers, now=self.clock.now(),
+                                            hold_s=CUDA_HOLD_S)
+        except Exception as exc:  # never the flusher's end: the steps are built as they are
+            self.record_error("ready_steps", exc)
+            ready, self._held = ended, []
         memory_now: dict = {}
-        for state in ended:
+        for state in ready:
             self._build_step(state, memory_now=memory_now)
         for kind, buf in self._bufs.items():
             if not buf:
