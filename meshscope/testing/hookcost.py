@@ -157,11 +157,13 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
         boundary["on"] = True
         if tracer not in tel._tracers:
             tel._tracers.append(tracer)
+            tel._index_tracers()
 
     def steps_off() -> None:
         boundary["on"] = False
         if tracer in tel._tracers:
             tel._tracers.remove(tracer)
+            tel._index_tracers()
 
     floor_on, floor_off = _floor(tel)
     profiled: dict[str, Any] = {"p": None}
