@@ -112,7 +112,8 @@ CATALOG: tuple[MetricSpec, ...] = (
        "Optimizer steps skipped (non-finite gradients).", "step.skipped (count true)", "rank",
        per_rank="fixed"),
     _m("rank_dropped_records_total", "counter", "", RANK,
-       "Telemetry records the rank could not write (its own count; resets when the rank restarts).",
+       "Telemetry records the rank could not write or make: full buffers, and the collectives and pipeline "
+       "spans its tracers had to drop (its own count; resets when the rank restarts).",
        "step.dropped_records_total (newest)", "rank", per_rank="fixed"),
     # --- per rank: memory (from `memory` records) -----------------------------------------------------
     _m("rank_memory_rss_bytes", "gauge", "bytes", RANK, "Resident set size of the rank's process.",

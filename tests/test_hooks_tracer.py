@@ -283,6 +283,32 @@ def test_an_op_whose_events_fail_is_counted_and_the_others_still_recorded() -> N
     assert timer.resolve(tracer) == 0 and len(rec.collectives) == 1  # not made twice
 
 
+def test_cuda_ops_beyond_the_bound_are_counted_apart_on_each_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ops that never complete are kept up to ``_MAX_QUEUED``: the oldest beyond it go, counted by the
+    resolver under its own key (``dropped_unresolved``) and by the training thread's queue under
+    ``dropped_pending``, so that no += of one thread overwrites the other's. Both are records lost."""
+    from meshscope.agent.instrument import comm_nccl
+    from meshscope.agent.instrument.readout import tracer_losses
+
+    monkeypatch.setattr(comm_nccl, "_MAX_QUEUED", 2)
+    rec = ListRecorder()
+    tracer = CollectiveTracer(rec, mesh_info=FixedMesh())
+    timer = tracer.cuda_timer()
+    for i in range(2):  # resolved, none complete: kept
+        stuck = cuda_op(tracer, Event(float(i)))
+        stuck.cuda.end = Event(9.0, done=False)
+        timer.queue(stuck)
+    timer.resolve(tracer)
+    for i in range(3):  # the queue's own bound: its oldest goes at the third
+        stuck = cuda_op(tracer, Event(float(i)))
+        stuck.cuda.end = Event(9.0, done=False)
+        timer.queue(stuck)
+    assert tracer.stats["dropped_pending"] == 1
+    timer.resolve(tracer)  # 2 kept + 2 queued: the 2 oldest go
+    assert tracer.stats["dropped_unresolved"] == 2 and timer.pending() == 2 and rec.collectives == []
+    assert tracer_losses([tracer]) == 3
+
+
 def test_detach_counts_cuda_ops_whose_events_never_completed(monkeypatch: pytest.MonkeyPatch) -> None:
     from meshscope.agent.instrument import collectives
 

@@ -405,3 +405,47 @@ def test_a_gone_step_keeps_its_number_for_the_last_4096_steps():
     assert pending.step_of(states[6000 - 4096].key, -1) == 100 + 6000 - 4096
     assert pending.step_of(states[6000 - 4097].key, -1) == -1  # evicted: the caller's default
     assert len(pending._gone) == 4096
+
+
+def test_what_the_tracers_could_not_record_is_in_the_step_rows_dropped_count_which_only_grows(monkeypatch):
+    """Ops a tracer had to drop (its pending map full, still pending at detach) and pipeline spans beyond
+    its bound are records lost: each step row's ``dropped_records_total`` (a counter in /metrics, watched
+    by the dropped-records alert) includes them, and keeps them after the tracers detach."""
+    from meshscope.agent.instrument import collectives
+    from meshscope.agent.instrument.collectives import CollectiveTracer
+    from meshscope.agent.instrument.meshinfo import GroupInfo, MeshInfo
+
+    class FixedMesh(MeshInfo):
+        def lookup(self, group):
+            return GroupInfo(dim="dp", size=2, name="g", ranks=(0, 1))
+
+    class Running:  # an async op's work that has not completed
+        def is_completed(self):
+            return False
+
+        def get_future(self):
+            raise RuntimeError("no future")
+
+    monkeypatch.setattr(collectives, "_MAX_PENDING", 2)
+    tel, w = make(flush_interval_s=0.02)
+    tracer = CollectiveTracer(tel, mesh_info=FixedMesh())
+
+    class Spans:  # a pipeline tracer that dropped spans beyond its bound
+        dropped = 4
+
+    tel._tracers += [tracer, Spans()]
+    tel._index_tracers()
+    works = [Running() for _ in range(3)]
+    with tel.step(0):
+        for work in works:  # the third drops the oldest
+            tracer.track_work(work, [tracer.begin("all_reduce", "g", 64, "test")])
+    with tel.step(1):
+        pass
+    time.sleep(0.15)  # several drains: steps 0 and 1 are built (each row counts what was lost by then)
+    tel.detach()  # the two still pending are counted as lost
+    with tel.step(2):
+        pass
+    tel.close()
+    rows = {r["step"]: r["dropped_records_total"] for r in w.table("step")}
+    assert rows == {0: 1 + 4, 1: 1 + 4, 2: 3 + 4}, rows
+    assert tracer.stats["dropped_pending"] == 3

@@ -201,7 +201,9 @@ class CudaCommTimer:
                             context))
                 emitted += 1
             if len(keep) > _MAX_QUEUED:  # a GPU that never completes them: the oldest go
-                self._stats["dropped_pending"] += len(keep) - _MAX_QUEUED
+                # its own key: the training thread adds to "dropped_pending" (``_push``), and a Counter's += is
+                # a read and a write that two threads could interleave
+                self._stats["dropped_unresolved"] += len(keep) - _MAX_QUEUED
                 keep = keep[-_MAX_QUEUED:]
             self._waiting = keep
             self.unresolved = frozenset(context for _, context in keep)

@@ -41,6 +41,23 @@ def as_float(value: Any, default: float = float("nan")) -> float:
         return default
 
 
+# The tracers' counts of what they could not record: CollectiveTracer.stats (the done queue full, ops left
+# pending at detach or beyond a bound, CUDA ops never resolved) and PipelineTracer.dropped (spans).
+LOST_STATS = ("dropped_done", "dropped_pending", "dropped_unresolved")
+
+
+def tracer_losses(tracers: Any) -> int:
+    """Records the tracers could not make so far (each counter only grows): part of a step row's
+    ``dropped_records_total``, which /metrics exposes and an alert watches."""
+    n = 0
+    for tracer in tracers:
+        stats = getattr(tracer, "stats", None)
+        if stats is not None:
+            n += sum(stats.get(key, 0) for key in LOST_STATS)
+        n += getattr(tracer, "dropped", 0)
+    return n
+
+
 def take_all(buf: collections.deque) -> list:
     """Everything in ``buf`` now, popped one by one (other threads may append meanwhile)."""
     out = []

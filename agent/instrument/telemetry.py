@@ -53,7 +53,7 @@ from meshscope.agent.contract import (
 from meshscope.agent.instrument import memory
 from meshscope.agent.instrument.cpu import ThreadCPU
 from meshscope.agent.instrument.config import TelemetryConfig
-from meshscope.agent.instrument.readout import hang_message, take_all
+from meshscope.agent.instrument.readout import hang_message, take_all, tracer_losses
 from meshscope.agent.instrument.recorder import DIRECT
 from meshscope.agent.instrument.stepstate import (
     Live, PendingSteps, StepContext, StepState, account, flat_segments, pop_phase as _pop_phase, ready_steps,
@@ -71,10 +71,8 @@ _RUN_DEFAULTS = {f.name: ("" if f.type == "string" else 0) for f in SCHEMAS["run
 class Telemetry:
     """Per-rank recorder. Implements ``agent.instrument.recorder.Recorder`` for the hooks."""
 
-    def __init__(
-        self, *, config: TelemetryConfig, rank: int, world_size: int, local_rank: int = 0, attempt: int = 0,
-        clock: Clock | None = None, writer: Any = None, device: Any = None,
-    ) -> None:
+    def __init__(self, *, config: TelemetryConfig, rank: int, world_size: int, local_rank: int = 0, attempt: int = 0,
+                 clock: Clock | None = None, writer: Any = None, device: Any = None) -> None:
         self.config = config
         self.rank, self.world_size, self.local_rank, self.attempt = rank, world_size, local_rank, attempt
         self.clock = clock or AnchoredClock()
@@ -88,7 +86,9 @@ class Telemetry:
         self._last_step = -1
         self._last_end: tuple[float, Any, int] | None = None  # the last step end's (t_end, CPU reading, thread)
         self._tracers: list[Any] = []
-        self._flushes = self._drains = ()  # the tracers' flush / drain methods (_index_tracers)
+        # the tracers' flush / drain methods; every tracer ever attached, kept after detach: the losses they
+        # count are part of each step row's dropped_records_total, a counter in /metrics that only grows
+        self._flushes = self._drains = self._counted = ()
         self._ptracer: Any = None  # the pipeline tracer whose spans each step takes (attach)
         # What to add to a perf_counter reading for this clock's time: hot paths (collective tracer, pipeline
         # spans, phases) take raw perf_counter readings; records are stamped in the clock's time.
@@ -117,10 +117,8 @@ class Telemetry:
         from meshscope.agent.transport import SpoolWriter
 
         run, rank, attempt = self.config.run, self.rank, self.attempt
-        return SpoolWriter(
-            path=spool_path(self.config.store, run=run, rank=rank, attempt=attempt), run=run, rank=rank,
-            attempt=attempt, host=socket.gethostname(), max_hold_bytes=self.config.spool_hold_bytes,
-        )
+        return SpoolWriter(path=spool_path(self.config.store, run=run, rank=rank, attempt=attempt), run=run, rank=rank,
+                           attempt=attempt, host=socket.gethostname(), max_hold_bytes=self.config.spool_hold_bytes)
 
     def start(self, info: dict[str, Any]) -> None:
         """Write this rank's ``run`` record. ``info`` holds run-level fields of agent.contract's 'run'
@@ -362,8 +360,7 @@ class Telemetry:
 
     def _next_seq(self, group: str) -> int:
         seqs = self.__dict__.setdefault("_seq", {})
-        n = seqs.get(group, 0) + 1
-        seqs[group] = n
+        n = seqs[group] = seqs.get(group, 0) + 1
         return n
 
     def _push(self, kind: str, row: tuple) -> None:
@@ -409,7 +406,8 @@ class Telemetry:
         ``memory.readings``, read by the first step that samples."""
         self._pending.forget(state)
         try:
-            dropped = self.dropped_records + int(getattr(self._writer, "dropped_records", 0))
+            lost = tracer_losses(self._counted)
+            dropped = self.dropped_records + int(getattr(self._writer, "dropped_records", 0)) + lost
             span_rows, step_row = step_rows(state, t_end=state.t_end, cpu_end=state.cpu_end, spans=state.spans,
                                             epoch=self.epoch, peak_flops=self._peak_flops, dropped=dropped)
             for row in span_rows:
@@ -428,6 +426,7 @@ class Telemetry:
         # Bound methods, gathered once: a getattr loop cost every step boundary 0.4 µs (bench/hooks_overhead.py)
         self._flushes = tuple(t.flush for t in self._tracers if hasattr(t, "flush"))
         self._drains = tuple(t.drain for t in self._tracers if hasattr(t, "drain"))
+        self._counted = tuple(dict.fromkeys((*self._counted, *self._tracers)))
 
     def _call_each(self, calls: tuple, where: str) -> None:
         for call in calls:
