@@ -82,12 +82,12 @@ def ddp_hook_per_call(calls: int, blocks: int) -> dict[str, Any]:
 
     def on() -> None:
         tracer.attach(None)
-        state.tracer = tracer
+        state.bind(tracer)
         hook["fn"] = lambda: traced_allreduce_hook(state, bucket)
 
     def off() -> None:
         tracer.detach()
-        state.tracer = None
+        state.bind(None)
         hook["fn"] = lambda: allreduce_hook(world, bucket)
 
     def settle(fut: Any) -> None:
@@ -98,7 +98,7 @@ def ddp_hook_per_call(calls: int, blocks: int) -> dict[str, Any]:
 
     def untimed() -> None:  # the same hook with no tracer: the direct ProcessGroup call, no timestamps
         tracer.detach()
-        state.tracer = None
+        state.bind(None)
         hook["fn"] = lambda: traced_allreduce_hook(state, bucket)
 
     try:

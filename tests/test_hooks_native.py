@@ -188,3 +188,47 @@ def test_a_site_refuses_keyword_names_that_are_not_str() -> None:
     with pytest.raises(TypeError, match="known must be a tuple of str"):
         native._hot.Site(native._hot.KIND_C10D, print, print, tracer.hot, "send", "c10d", "send", tensor=0,
                          works={}, learn=print, known=("tensor", 3))
+
+
+@pytest.mark.parametrize("form", ["c", "python"])
+def test_a_ddp_models_bucket_ops_are_made_with_its_group_looked_up_once(monkeypatch: pytest.MonkeyPatch,
+                                                                         form: str) -> None:
+    """The hook state binds the tracer once (``_HookState.bind``): in C a ``DdpOps`` holding the group's
+    entry makes each bucket's op, with the fields the tracer's own ``begin`` gives the same group, numbered
+    on the group's counter; called as the future's callback it stamps completion and unwraps the bucket.
+    Detached, it holds nothing; and thousands of ops leak no reference."""
+    from meshscope.agent.instrument.comm_ddp import _HookState
+
+    if form == "c" and not native._USABLE:
+        pytest.skip("the C sites are not built here")
+    tracer, _ = _tracer(monkeypatch, form)
+    group, t = object(), torch.ones(4)
+    state = _HookState(group, tracer)
+    assert (type(state.make_op).__name__ == "DdpOps") == (form == "c") and (state.make_op is None) == (form != "c")
+    if form != "c":
+        return  # the hook's Python form makes its ops inline (tests/test_hooks_gloo.py runs it on DDP)
+    reference = tracer.begin("all_reduce", group, 64, "ddp_comm_hook")
+    t0 = time.perf_counter()
+    p = state.make_op(64)
+    assert (p.op, p.info, p.key, p.nbytes, p.peer, p.source, p.cuda, p.t_done) == (
+        "all_reduce", reference.info, reference.key, 64, -1, "ddp_comm_hook", None, None)
+    assert p.seq == reference.seq + 1 and t0 <= p.t_start <= time.perf_counter()
+    fut = torch.futures.Future()
+    fut.set_result([t])
+    assert fut.then(p).wait() is t and p.t_start <= p.t_done <= time.perf_counter()
+    with pytest.raises(TypeError):
+        state.make_op(64, 1)
+
+    def burst(n: int) -> None:
+        for _ in range(n):
+            op = state.make_op(t.nbytes)
+            op(fut)
+
+    burst(200)
+    gc.collect()
+    refs, objects = (sys.getrefcount(t), sys.getrefcount(group)), len(gc.get_objects())
+    burst(3000)
+    gc.collect()
+    assert (sys.getrefcount(t), sys.getrefcount(group)) == refs and len(gc.get_objects()) - objects < 100
+    state.bind(None)
+    assert state.tracer is None and state.make_op is None

@@ -14,6 +14,7 @@
  *   Wait(...)              comm_c10d.wait's ``traced_wait`` (Work.wait, bound as a method)
  *   Batch(...)             comm_c10d.batch's ``wrapper``    (batch_isend_irecv on gloo: pipeline P2P)
  *   DdpOp(hot, group, n)   comm_ddp's op + ops.stamp_unwrap (a DDP bucket's op and its completion callback)
+ *   DdpOps(hot, group)(n)  the same ops of one DDP model's group, its entry looked up once
  *   Span(...)              pipeline.PipelineTracer's deferred ``span`` (a pipeline stage's compute)
  *   read_fd(fd, n)         a pread that keeps the GIL      (cpu.ThreadCPU: /proc/thread-self/schedstat)
  *
@@ -61,28 +62,17 @@ static PyObject *ddpop_call(DdpOp *d, PyObject *const *args, size_t nargsf, PyOb
     return first;
 }
 
-static PyObject *ddpop_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    PyObject *hot, *group, *nbytes;
-    if (!PyArg_ParseTuple(args, "OOO:DdpOp", &hot, &group, &nbytes)) return NULL;
-    Hot h;
-    if (!PyTuple_Check(hot) || PyTuple_GET_SIZE(hot) != 15 || !PyDict_Check(PyTuple_GET_ITEM(hot, 5))) {
-        PyErr_SetString(PyExc_TypeError, "hot must be an ops.Hot");
-        return NULL;
-    }
-    h.groups = PyTuple_GET_ITEM(hot, 5);
-    h.resolve = PyTuple_GET_ITEM(hot, 6);
-    PyObject *hit = group_entry(&h, group);
-    if (!hit) return NULL;
+/* A DdpOp of the group entry ``hit`` (designator, GroupInfo, counter, key) and ``nbytes``, issued now. */
+static PyObject *ddpop_make(PyTypeObject *type, PyObject *hit, PyObject *nbytes) {
     PyObject *seq = PyIter_Next(PyTuple_GET_ITEM(hit, 2));
     if (!seq) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_StopIteration, "group counter exhausted");
-        Py_DECREF(hit);
         return NULL;
     }
     PyObject *t0 = PyFloat_FromDouble(now_s());
     DdpOp *d = t0 ? (DdpOp *)type->tp_alloc(type, 0) : NULL;
     if (!d) {
-        Py_DECREF(hit); Py_DECREF(seq); Py_XDECREF(t0);
+        Py_DECREF(seq); Py_XDECREF(t0);
         return NULL;
     }
     d->vectorcall = (vectorcallfunc)ddpop_call;
@@ -96,8 +86,29 @@ static PyObject *ddpop_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     d->t_start = t0;
     d->t_done = Py_NewRef(Py_None);
     d->cuda = Py_NewRef(Py_None);
-    Py_DECREF(hit);
     return (PyObject *)d;
+}
+
+/* The group's entry in ``hot``'s table (resolved if missing), a new reference. */
+static PyObject *ddp_group_entry(PyObject *hot, PyObject *group) {
+    Hot h;
+    if (!PyTuple_Check(hot) || PyTuple_GET_SIZE(hot) != 15 || !PyDict_Check(PyTuple_GET_ITEM(hot, 5))) {
+        PyErr_SetString(PyExc_TypeError, "hot must be an ops.Hot");
+        return NULL;
+    }
+    h.groups = PyTuple_GET_ITEM(hot, 5);
+    h.resolve = PyTuple_GET_ITEM(hot, 6);
+    return group_entry(&h, group);
+}
+
+static PyObject *ddpop_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *hot, *group, *nbytes;
+    if (!PyArg_ParseTuple(args, "OOO:DdpOp", &hot, &group, &nbytes)) return NULL;
+    PyObject *hit = ddp_group_entry(hot, group);
+    if (!hit) return NULL;
+    PyObject *d = ddpop_make(type, hit, nbytes);
+    Py_DECREF(hit);
+    return d;
 }
 
 static int ddpop_traverse(DdpOp *d, visitproc visit, void *arg) {
@@ -145,6 +156,68 @@ static PyTypeObject DdpOpType = {
     .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(DdpOp, vectorcall),
     .tp_members = ddpop_members,
+};
+
+/* DdpOps(hot, group): a DDP model's bucket ops, made by calling it with a bucket's bytes: DdpOp(hot, group,
+ * nbytes) with the group's entry looked up once, here (its GroupInfo, counter and key stay the group's for
+ * the tracer's life), and no argument tuple per bucket. */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *hit;
+} DdpOps;
+
+static PyObject *ddpops_call(DdpOps *f, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    if (PyVectorcall_NARGS(nargsf) != 1 || kwnames) {
+        PyErr_SetString(PyExc_TypeError, "DdpOps is called with a bucket's bytes only");
+        return NULL;
+    }
+    return ddpop_make(&DdpOpType, f->hit, args[0]);
+}
+
+static PyObject *ddpops_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *hot, *group;
+    if (!PyArg_ParseTuple(args, "OO:DdpOps", &hot, &group)) return NULL;
+    PyObject *hit = ddp_group_entry(hot, group);
+    if (!hit) return NULL;
+    DdpOps *f = (DdpOps *)type->tp_alloc(type, 0);
+    if (!f) {
+        Py_DECREF(hit);
+        return NULL;
+    }
+    f->vectorcall = (vectorcallfunc)ddpops_call;
+    f->hit = hit;
+    return (PyObject *)f;
+}
+
+static int ddpops_traverse(DdpOps *f, visitproc visit, void *arg) {
+    Py_VISIT(f->hit);
+    return 0;
+}
+
+static int ddpops_clear(DdpOps *f) {
+    Py_CLEAR(f->hit);
+    return 0;
+}
+
+static void ddpops_dealloc(DdpOps *f) {
+    PyObject_GC_UnTrack(f);
+    ddpops_clear(f);
+    Py_TYPE(f)->tp_free((PyObject *)f);
+}
+
+static PyTypeObject DdpOpsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "meshscope.agent.instrument._hot.DdpOps",
+    .tp_doc = "DdpOps(hot, group)(nbytes) -> DdpOp: a DDP model's bucket ops (comm_ddp).",
+    .tp_basicsize = sizeof(DdpOps),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_new = ddpops_new,
+    .tp_traverse = (traverseproc)ddpops_traverse,
+    .tp_clear = (inquiry)ddpops_clear,
+    .tp_dealloc = (destructor)ddpops_dealloc,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(DdpOps, vectorcall),
 };
 
 /* ---------------------------------------------------------------------------------------- read_fd */
@@ -293,13 +366,14 @@ PyMODINIT_FUNC PyInit__hot(void) {
     if (!(k_minus_one = PyLong_FromLong(-1)) || !(k_one = PyLong_FromLong(1)))
         return NULL;
     if (PyType_Ready(&SiteType) < 0 || PyType_Ready(&WaitType) < 0 || PyType_Ready(&DdpOpType) < 0
-        || PyType_Ready(&BatchType) < 0 || PyType_Ready(&SpanType) < 0)
+        || PyType_Ready(&BatchType) < 0 || PyType_Ready(&SpanType) < 0 || PyType_Ready(&DdpOpsType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
     if (PyModule_AddObjectRef(m, "Site", (PyObject *)&SiteType) < 0
         || PyModule_AddObjectRef(m, "Wait", (PyObject *)&WaitType) < 0
         || PyModule_AddObjectRef(m, "DdpOp", (PyObject *)&DdpOpType) < 0
+        || PyModule_AddObjectRef(m, "DdpOps", (PyObject *)&DdpOpsType) < 0
         || PyModule_AddObjectRef(m, "Batch", (PyObject *)&BatchType) < 0
         || PyModule_AddObjectRef(m, "Span", (PyObject *)&SpanType) < 0
         || PyModule_AddIntConstant(m, "KIND_C10D", KIND_C10D) < 0

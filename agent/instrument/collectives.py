@@ -65,7 +65,6 @@ import threading
 import time
 from typing import Any, Callable
 
-from meshscope.agent.instrument import native
 from meshscope.agent.instrument.grouptable import GroupTable
 from meshscope.agent.instrument.meshinfo import GroupInfo, MeshInfo
 from meshscope.agent.instrument.ops import Hot, _Direct, _Nesting, _Op, _TLS
@@ -395,8 +394,6 @@ class CollectiveTracer:
         self._begin = self.begin = begin
         self._emit = self.emit = emit
         self.put = put
-        # A DDP bucket's op in C, or None (comm_ddp's Python form): decided once per tracer, not per bucket.
-        self.ddp_op = native.ddp_op(self)
         self.hot = Hot(tracer=self, main=self._main, main_tid=self._main_tid, local=self._tls,
                        get_ident=threading.get_ident, groups=groups, resolve=resolve, now=now, live=live,
                        push=push, done=done, max_done=_MAX_DONE, pending=self._pending_works,

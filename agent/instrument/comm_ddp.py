@@ -39,6 +39,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from meshscope.agent.instrument import native
 from meshscope.agent.instrument.ops import stamp_unwrap
 
 _NAN = float("nan")
@@ -46,15 +47,27 @@ _default_group = dist.distributed_c10d._get_default_group
 
 
 class _HookState:
-    __slots__ = ("process_group", "tracer", "ops")
+    __slots__ = ("process_group", "tracer", "ops", "make_op")
 
     def __init__(self, process_group: Any, tracer: Any) -> None:
         self.process_group = process_group
-        self.tracer = tracer
         self.ops: list[tuple[Any, Any]] = []  # (op record, Work on CUDA / None) of the current backward
+        self.bind(tracer)
+
+    def bind(self, tracer: Any) -> None:
+        """Record the buckets through ``tracer`` (None: not at all). A CPU bucket's op is made by
+        ``make_op(nbytes)``, in C (``native.ddp_ops``: the group's entry looked up here, once), or None
+        (the Python form)."""
+        self.tracer, self.make_op = tracer, None
+        if tracer is None:
+            return
+        try:
+            self.make_op = native.ddp_ops(tracer, self.process_group or _default_group())
+        except Exception as exc:  # the Python form then: the buckets are still recorded
+            tracer.error("ddp_comm_hook", exc)
 
     def detach(self) -> None:
-        self.tracer = None
+        self.bind(None)
         self.ops = []
 
 
@@ -80,8 +93,8 @@ def traced_allreduce_hook(state, bucket):  # no annotations: DDP compares them t
     try:
         if buffer.is_cuda:
             p = tracer.begin("all_reduce", group, buffer.nbytes, "ddp_comm_hook", cuda=True)
-        elif tracer.ddp_op is not None:  # C (``native``): the op is also its completion callback
-            p = stamp = tracer.ddp_op(tracer.hot, group, buffer.nbytes)
+        elif state.make_op is not None:  # C (``native``): the op is also its completion callback
+            p = stamp = state.make_op(buffer.nbytes)
         else:  # tracer.begin, inline (a frame and a keyword call less per bucket)
             hot = tracer.hot
             hit = hot.groups.get(id(group))
@@ -105,7 +118,7 @@ def traced_allreduce_hook(state, bucket):  # no annotations: DDP compares them t
 
 def _allreduce(buffer: Any, group: Any, stamp: Any = None) -> tuple[Any, Any]:
     """``default_hooks._allreduce_fut`` after its division, keeping the work. With ``stamp`` (``ops.stamp_unwrap``
-    bound to the bucket's op; in C the op itself, see ``native.ddp_op``), the one Python
+    bound to the bucket's op; in C the op itself, see ``native.ddp_ops``), the one Python
     callback the default hook already has (unwrapping the result list: DDP's Python hook result must be a
     Python object, not the work's list future) also stamps completion. One callback, not two: each one runs
     on the gloo worker thread and has to take the GIL, so a second one is a second wait behind the training
@@ -189,7 +202,7 @@ def attach(tracer: Any, module: Any) -> _HookState | None:
         return None
     for hook, state in module._comm_hooks:
         if hook is traced_allreduce_hook:  # attached before: re-enable, DDP allows one registration only
-            state.tracer = tracer
+            state.bind(tracer)
             return state
     if module._comm_hooks:
         raise RuntimeError("DDP model already has a comm hook; its buckets are not traced")

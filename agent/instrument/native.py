@@ -89,11 +89,11 @@ def work_wait(original: Callable, python: Callable, *, tracer: Any) -> Callable:
     return _hot.Wait(original, python, tracer.hot, "wait")
 
 
-def ddp_op(tracer: Any) -> type | None:
-    """What comm_ddp makes a CPU bucket's op with, in C: ``_hot.DdpOp(hot, group, nbytes)``, the op record
-    (``ops._Op``'s fields) that is also its future's completion callback (``ops.stamp_unwrap``); None where
-    the Python form runs."""
-    return _hot.DdpOp if active(tracer) else None
+def ddp_ops(tracer: Any, group: Any) -> Callable[[int], Any] | None:
+    """What comm_ddp makes a CPU bucket's op with, in C: ``_hot.DdpOps(hot, group)(nbytes)``, the op record
+    (``ops._Op``'s fields) that is also its future's completion callback (``ops.stamp_unwrap``), the group's
+    entry looked up once per model, not per bucket; None where the Python form runs."""
+    return _hot.DdpOps(tracer.hot, group) if active(tracer) else None
 
 
 def read_fd() -> Callable[[int, int], bytes] | None:

@@ -374,11 +374,11 @@ def _ddp_hook(tracer: Any, group: Any, t: Any) -> tuple[Callable[[], Any], Calla
 
     def on() -> None:
         tracer.attach(None)
-        state.tracer = tracer
+        state.bind(tracer)
 
     def off() -> None:
         tracer.detach()
-        state.tracer = None
+        state.bind(None)
 
     def run() -> None:
         traced_allreduce_hook(state, bucket)
