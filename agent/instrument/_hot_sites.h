@@ -13,6 +13,10 @@ typedef struct {
     int kind;
     PyObject *original, *slow, *op, *source, *where, *tname, *coalesce, *works, *learn;
     PyObject *peer_kw, *group_peer_kw, *known;  /* P2P called as torch's API is: its keywords */
+    /* The last group's entry (a site is called with one group again and again: a stage's P2P, FSDP's, the
+     * world): no key object and no dict look-up then. The group is held, so its identity cannot be reused;
+     * its GroupInfo, counter and key stay the group's for the tracer's life. */
+    PyObject *last_group, *last_hit;
     Py_ssize_t ti, gi, ai, pi, buffer;
     int fixed_async;
 } Site;
@@ -81,8 +85,14 @@ static PyObject *site_call(Site *s, PyObject *const *args, size_t nargsf, PyObje
         if (is_cuda < 0) goto describe_failed;
         goto slow;
     }
-    hit = group_entry(h, group);
-    if (!hit) goto describe_failed;
+    if (group == s->last_group && s->last_hit) {
+        hit = Py_NewRef(s->last_hit);
+    } else {
+        hit = group_entry(h, group);
+        if (!hit) goto describe_failed;
+        Py_XSETREF(s->last_group, Py_NewRef(group));
+        Py_XSETREF(s->last_hit, Py_NewRef(hit));
+    }
     nbytes = PyObject_GetAttr(t, s_nbytes);
     if (!nbytes) goto describe_failed;
     if (s->kind == KIND_C10D && s->pi >= 0) {  /* P2P: the peer's global rank, or the group peer's */
@@ -247,14 +257,16 @@ static PyObject *site_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
 static int site_traverse(Site *s, visitproc visit, void *arg) {
     Py_VISIT(s->dict); Py_VISIT(s->original); Py_VISIT(s->slow); Py_VISIT(s->op); Py_VISIT(s->source);
     Py_VISIT(s->where); Py_VISIT(s->tname); Py_VISIT(s->coalesce); Py_VISIT(s->works); Py_VISIT(s->learn);
-    Py_VISIT(s->peer_kw); Py_VISIT(s->group_peer_kw); Py_VISIT(s->known);
+    Py_VISIT(s->peer_kw); Py_VISIT(s->group_peer_kw); Py_VISIT(s->known); Py_VISIT(s->last_group);
+    Py_VISIT(s->last_hit);
     return hot_traverse(&s->h, visit, arg);
 }
 
 static int site_clear(Site *s) {
     Py_CLEAR(s->dict); Py_CLEAR(s->original); Py_CLEAR(s->slow); Py_CLEAR(s->op); Py_CLEAR(s->source);
     Py_CLEAR(s->where); Py_CLEAR(s->tname); Py_CLEAR(s->coalesce); Py_CLEAR(s->works); Py_CLEAR(s->learn);
-    Py_CLEAR(s->peer_kw); Py_CLEAR(s->group_peer_kw); Py_CLEAR(s->known);
+    Py_CLEAR(s->peer_kw); Py_CLEAR(s->group_peer_kw); Py_CLEAR(s->known); Py_CLEAR(s->last_group);
+    Py_CLEAR(s->last_hit);
     hot_clear(&s->h);
     return 0;
 }
