@@ -62,7 +62,8 @@ class _HookState:
         if tracer is None:
             return
         try:
-            self.make_op = native.ddp_ops(tracer, self.process_group or _default_group())
+            group = self.process_group if self.process_group is not None else _default_group()
+            self.make_op = native.ddp_ops(tracer, group)
         except Exception as exc:  # the Python form then: the buckets are still recorded
             tracer.error("ddp_comm_hook", exc)
 
