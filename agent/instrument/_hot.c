@@ -13,8 +13,8 @@
  *   Site(KIND_FSDP, ...)   comm_fsdp._traced's ``fast``    (FSDP2's custom all-gather / reduce-scatter)
  *   Wait(...)              comm_c10d.wait's ``traced_wait`` (Work.wait, bound as a method)
  *   Batch(...)             comm_c10d.batch's ``wrapper``    (batch_isend_irecv on gloo: pipeline P2P)
- *   DdpOp(hot, group, n)   comm_ddp's op + ops.stamp_unwrap (a DDP bucket's op and its completion callback)
- *   DdpOps(hot, group)(n)  the same ops of one DDP model's group, its entry looked up once
+ *   DdpOps(hot, group)(n)  comm_ddp's op + ops.stamp_unwrap (a DDP bucket's op, DdpOp, and its completion
+ *                          callback), for one DDP model's group: its entry looked up once
  *   Span(...)              pipeline.PipelineTracer's deferred ``span`` (a pipeline stage's compute)
  *   read_fd(fd, n)         a pread that keeps the GIL      (cpu.ThreadCPU: /proc/thread-self/schedstat)
  *
@@ -35,7 +35,7 @@
 #include <structmember.h>
 
 /* ------------------------------------------------------------------------------------------ DdpOp */
-/* A DDP bucket's op on CPU (comm_ddp): DdpOp(hot, group, nbytes) is the op record ``tracer.begin`` makes
+/* A DDP bucket's op on CPU (comm_ddp): DdpOps(hot, group)(nbytes) makes the op record ``tracer.begin`` makes
  * (ops._Op's fields, ``cuda`` None), issued now, and also its future's completion callback, which stamps
  * ``t_done`` and returns the bucket's tensor (ops.stamp_unwrap bound to the op). */
 
@@ -101,16 +101,6 @@ static PyObject *ddp_group_entry(PyObject *hot, PyObject *group) {
     return group_entry(&h, group);
 }
 
-static PyObject *ddpop_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    PyObject *hot, *group, *nbytes;
-    if (!PyArg_ParseTuple(args, "OOO:DdpOp", &hot, &group, &nbytes)) return NULL;
-    PyObject *hit = ddp_group_entry(hot, group);
-    if (!hit) return NULL;
-    PyObject *d = ddpop_make(type, hit, nbytes);
-    Py_DECREF(hit);
-    return d;
-}
-
 static int ddpop_traverse(DdpOp *d, visitproc visit, void *arg) {
     Py_VISIT(d->op); Py_VISIT(d->key); Py_VISIT(d->nbytes); Py_VISIT(d->peer); Py_VISIT(d->source);
     Py_VISIT(d->seq); Py_VISIT(d->t_start); Py_VISIT(d->t_done); Py_VISIT(d->cuda); Py_VISIT(d->info);
@@ -146,10 +136,9 @@ static PyMemberDef ddpop_members[] = {
 static PyTypeObject DdpOpType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "meshscope.agent.instrument._hot.DdpOp",
-    .tp_doc = "DdpOp(hot, group, nbytes): a DDP bucket's op, and its completion callback (comm_ddp).",
+    .tp_doc = "A DDP bucket's op, and its completion callback (comm_ddp; made by DdpOps).",
     .tp_basicsize = sizeof(DdpOp),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_new = ddpop_new,
     .tp_traverse = (traverseproc)ddpop_traverse,
     .tp_clear = (inquiry)ddpop_clear,
     .tp_dealloc = (destructor)ddpop_dealloc,
@@ -158,9 +147,9 @@ static PyTypeObject DdpOpType = {
     .tp_members = ddpop_members,
 };
 
-/* DdpOps(hot, group): a DDP model's bucket ops, made by calling it with a bucket's bytes: DdpOp(hot, group,
- * nbytes) with the group's entry looked up once, here (its GroupInfo, counter and key stay the group's for
- * the tracer's life), and no argument tuple per bucket. */
+/* DdpOps(hot, group): a DDP model's bucket ops, made by calling it with a bucket's bytes, the group's entry
+ * looked up once, here (its GroupInfo, counter and key stay the group's for the tracer's life), and no
+ * argument tuple per bucket. */
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
