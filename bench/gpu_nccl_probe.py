@@ -310,6 +310,41 @@ dist.destroy_process_group()
 """
 
 
+CHILD_GIL = """
+import os, sys, threading, time, json, torch, torch.distributed as dist
+import torch._C._distributed_c10d as c
+sys.path.insert(0, {root!r})
+from bench.gpu_nccl_probe import _init
+dev = _init()
+pg = dist.new_group([0])
+t = torch.ones(256, device=dev)
+for _ in range(3000):
+    dist.all_reduce(t, group=pg)
+torch.cuda.synchronize()
+ticks = []
+stop = False
+def spin():  # a Python thread's progress: it stalls while another thread holds the GIL
+    while not stop:
+        ticks.append(time.perf_counter())
+th = threading.Thread(target=spin, daemon=True)
+th.start()
+time.sleep(0.2)
+gaps = []
+for _ in range(5):
+    t0 = time.perf_counter()
+    c._dump_nccl_trace(includeCollectives=True, includeStackTraces=False, onlyActive=False)
+    t1 = time.perf_counter()
+    inside = [x for x in ticks if t0 <= x <= t1]
+    gaps.append({{"dump_ms": (t1 - t0) * 1e3, "spinner_ticks_inside": len(inside)}})
+    time.sleep(0.05)
+stop = True
+th.join()
+base = len([x for x in ticks if ticks[-1] - 0.03 <= x <= ticks[-1]])
+print("RESULT " + json.dumps({{"dumps": gaps, "spinner_ticks_per_30ms_idle": base}}), flush=True)
+dist.destroy_process_group()
+"""
+
+
 def _child(code: str, *, env: dict[str, str] | None = None, timeout_s: float = 60) -> dict[str, Any]:
     e = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT",)}
     e.update(env or {})
@@ -327,6 +362,7 @@ def _child(code: str, *, env: dict[str, str] | None = None, timeout_s: float = 6
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="gpu-nccl-probe.json")
+    ap.add_argument("--only-gil", action="store_true", help="only whether a flight-recorder dump holds the GIL")
     ns = ap.parse_args(argv)
     import torch
 
@@ -336,6 +372,12 @@ def main(argv: list[str] | None = None) -> int:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                               "gpu": torch.cuda.get_device_name(0)}
+    if ns.only_gil:
+        report["flight_recorder_gil"] = _child(CHILD_GIL.format(root=root), env={"TORCH_FR_BUFFER_SIZE": "2000"})
+        with open(ns.out, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+        print(f"gpu-nccl-probe: written to {ns.out}")
+        return 0
     device = _init()
     for name, fn in (("apis", apis), ("cost", lambda: cost(device)), ("accuracy", lambda: accuracy(device))):
         t0 = time.monotonic()

@@ -47,6 +47,16 @@ def _storage_key(t: Any) -> int:
     return t.data_ptr()
 
 
+class _CudaIssued:
+    """A fast site's funcol op on CUDA tensors in flight: its ``Issued`` and the event recorded before its
+    issue; its ``wait_tensor`` records the two around the wait (``CudaCommTimer.queue_fast``)."""
+
+    __slots__ = ("issued", "e0")
+
+    def __init__(self, issued: tuple, e0: Any) -> None:
+        self.issued, self.e0 = issued, e0
+
+
 def _registrar(*, tracer: Any) -> Callable[[Any, Any, Any], None]:
     """``register(p, _, out)``: record ``p`` now if its call already completed it, else keep it until its
     ``wait_tensor``. Shaped as ``traced_call``'s ``finish`` so that a one-tensor site uses it directly."""
@@ -72,17 +82,41 @@ def single(original: Callable, *, tracer: Any, op: str, group_index: int,
            nbytes: Callable[[Any, Any], int]) -> Callable:
     """``original`` (a one-tensor funcol function; its group at ``group_index``) recording ``op`` through
     ``tracer``; ``nbytes(tensor, group info)`` gives the op's bytes. The CPU path is written out in one
-    frame with an ``Issued`` tuple (as ``comm_c10d._fast_one``); CUDA tensors take ``traced_call``."""
+    frame with an ``Issued`` tuple (as ``comm_c10d._fast_one``); on CUDA tensors the same tuple goes with
+    its events to ``comm_nccl.CudaCommTimer.queue_fast`` (no op object)."""
 
-    def describe(args: tuple, kwargs: dict) -> Issue:
-        t = args[0] if args else kwargs["self"]
-        group = args[group_index] if len(args) > group_index else kwargs["group"]
-        p = tracer.begin(op, group, 0, "funcol", -1, None, t.is_cuda)
-        p.nbytes = nbytes(t, p.info)
-        return p, args, kwargs, False, None
+    def _cuda(args: tuple, kwargs: dict, issued: tuple, tls: Any) -> Any:
+        # On CUDA: an event before the issue; its wait, in wait_tensor after the call or inside it, is timed
+        # with two more; complete at its return without a wait, the call's two events bound it.
+        try:
+            timer = tracer.cuda_timer()
+            e0 = timer.event()
+        except Exception as exc:
+            tracer.error(op, exc)
+            return original(*args, **kwargs)
+        prev = tls.current
+        tls.depth += 1
+        tls.current = inflight = _CudaIssued(issued, e0)  # a wait inside the call is this op's (tls.nested_end)
+        try:
+            out = original(*args, **kwargs)
+        finally:
+            tls.depth -= 1
+            tls.current = prev
+            waited, tls.nested_end, tls.nested_wait = tls.nested_end, None, 0.0
+        try:
+            if waited is not None:  # complete at the wait inside the call (not at its return: see register)
+                timer.queue_fast(issued, e0, waited[1], waited[0])
+            elif type(out) is _ACT:
+                if len(pending) < limit:
+                    pending[out.elem.data_ptr()] = inflight
+                else:
+                    tracer.track_tensor(_storage_key(out.elem), inflight)
+            else:
+                timer.queue_fast(issued, e0, timer.event())
+        except Exception as exc:
+            tracer.error(op, exc)
+        return out
 
-    register = _registrar(tracer=tracer)
-    slow = traced_call(original, tracer=tracer, where=op, describe=describe, finish=register, skip=_compiling)
     (_, main, main_tid, local, get_ident, groups, resolve, now, live, push, done, max_done, _, _,
      stats) = tracer.hot
     pending, limit, output = tracer._pending_tensors, tracer.max_pending, nbytes is _output_bytes
@@ -96,20 +130,17 @@ def single(original: Callable, *, tracer: Any, op: str, group_index: int,
         try:
             t = args[0] if args else kwargs["self"]
             group = args[group_index] if len(args) > group_index else kwargs["group"]
-            if t.is_cuda:
-                issued = None
-            else:
-                hit = groups.get(id(group))
-                if hit is None or hit[0] is not group:
-                    hit = resolve(group)
-                info = hit[1]
-                issued = (op, hit[3], t.nbytes * info.size if output else t.nbytes, -1, "funcol", next(hit[2]),
-                          now())
+            hit = groups.get(id(group))
+            if hit is None or hit[0] is not group:
+                hit = resolve(group)
+            info = hit[1]
+            issued = (op, hit[3], t.nbytes * info.size if output else t.nbytes, -1, "funcol", next(hit[2]), now())
+            cuda = t.is_cuda
         except Exception as exc:
             tracer.error(op, exc)
             return original(*args, **kwargs)
-        if issued is None:
-            return slow(*args, **kwargs)
+        if cuda:
+            return _cuda(args, kwargs, issued, tls)
         prev = tls.current
         tls.depth += 1
         tls.current = issued  # a wait inside the call is this op's (wait_tensor: tls.nested_*)
@@ -236,12 +267,31 @@ def install(tracer: Any) -> None:
                     except Exception as exc:
                         tracer.error("wait_tensor", exc)
                     return out
+                if type(p) is _CudaIssued:
+                    try:
+                        timer = tracer.cuda_timer()
+                        w0 = timer.event()
+                    except Exception as exc:
+                        tracer.error("wait_tensor", exc)
+                        return original(tensor)
+                    out = original(tensor)
+                    try:
+                        timer.queue_fast(p.issued, p.e0, timer.event(), w0)
+                    except Exception as exc:
+                        tracer.error("wait_tensor", exc)
+                    return out
                 if p is not None:  # an op object of traced_call's sites: back, for the general path below
                     pending[tensor.data_ptr()] = p
             try:
                 tls = main if get_ident() == main_tid else local.nesting
                 cur = tls.current
                 p = pending.pop(tensor.data_ptr(), None) if cur is None and pending else None
+                if type(cur) is _CudaIssued:  # a wait inside a fast site's issuing call on CUDA: that op's
+                    timer = tracer.cuda_timer()
+                    w0 = timer.event()
+                    out = original(tensor)
+                    tls.nested_end = (w0, timer.event())
+                    return out
                 if tensor.is_cuda:  # (a fast site's Issued, CPU only, is no CUDA op's owner)
                     owner = p if type(cur) is tuple else (cur or p)
                     return tracer.cuda_timer().wait_tensor(tracer, owner, original, tensor)

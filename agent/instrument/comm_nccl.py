@@ -158,6 +158,12 @@ class CudaCommTimer:
     def queue(self, p: Any) -> None:
         self._push(p)
 
+    def queue_fast(self, issued: tuple, e0: Any, e1: Any, w0: Any = None) -> None:
+        """One op of a fast site (its ``Issued`` tuple), with no op object: ``e0`` recorded before its
+        issue, ``e1`` after its (blocking) call or its wait, ``w0`` before that wait (None: a blocking call,
+        whose whole interval is the issuing stream's stall)."""
+        self._push((issued, e0, e1, w0))
+
     def on_ddp_backward_end(self, ops: list[tuple[Any, Any]], ev_a: Any, ev_b: Any) -> None:
         for i, (p, work) in enumerate(ops):
             p.cuda.work = work
@@ -181,6 +187,20 @@ class CudaCommTimer:
                     break
             emitted, keep = 0, []
             for p, context in work:
+                if type(p) is tuple:  # a fast site's op: (Issued, start, end, before-wait or None)
+                    try:
+                        issued, e0, e1, w0 = p
+                        if not (e0.query() and e1.query() and (w0 is None or w0.query())):
+                            keep.append((p, context))
+                            continue
+                        duration = e0.elapsed_time(e1) / 1e3
+                        wait_s = duration if w0 is None else w0.elapsed_time(e1) / 1e3
+                    except Exception as exc:
+                        tracer.error("cuda_resolve", exc)
+                        continue
+                    tracer.put(issued + (issued[6] + duration, wait_s, context))
+                    emitted += 1
+                    continue
                 try:
                     c = p.cuda
                     events = [c.start] + ([c.end] if c.end is not None else []) + [e for pair in c.waits for e in pair]

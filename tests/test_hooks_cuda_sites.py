@@ -1,0 +1,76 @@
+"""The fast sites on CUDA tensors, without a GPU (tests/workers/hooks_cuda_sites.py, its own process: tensors
+that answer ``is_cuda`` True on the ``fake`` backend, CUDA events that each read 1 ms after the one made
+before): one ``Issued`` tuple and its events per op, no op object, and the records the general path made
+before (comm_nccl's rules): a blocking call's two events are its duration and its stall; a funcol op
+waited after its call or inside it is timed from the event before its issue to the one after its wait,
+its stall being the wait's two events. On a GPU the same paths are timed by the GPU check's section 7."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshscope.agent.instrument import native
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _worker(form: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               MESHSCOPE_NATIVE="1" if form == "c" else "0")
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / "hooks_cuda_sites.py")], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module", params=["c", "python"])
+def cases(request: pytest.FixtureRequest) -> dict:
+    if request.param == "c" and not native._USABLE:
+        pytest.skip("the C sites are not built here (tests/test_hooks_native.py says whether they must be)")
+    got = dict(_worker(request.param))
+    assert got.pop("_form")["active"] == (request.param == "c")
+    return got
+
+
+def _timed(case: dict) -> list[tuple[str, int, float, float, int]]:
+    """(op, bytes, duration ms, stall ms, seq) of each record; nothing went wrong."""
+    assert case["errors"] == [] and case["stats"] == {}
+    return [(r["op"], r["nbytes"], round((r["t_end"] - r["t_start"]) * 1e3, 6), round(r["wait_s"] * 1e3, 6),
+             r["seq"]) for r in case["records"]]
+
+
+def test_a_blocking_call_is_its_two_events(cases: dict) -> None:
+    assert _timed(cases["c10d_blocking"]) == [("all_reduce", 64, 1.0, 1.0, seq) for seq in (1, 2, 3)]
+    assert cases["c10d_blocking"]["events"] == 6
+    assert _timed(cases["c10d_blocking_keywords"]) == [("all_reduce", 64, 1.0, 1.0, 1)]
+
+
+def test_a_funcol_op_is_timed_from_its_issue_to_its_wait_and_stalls_for_the_wait(cases: dict) -> None:
+    assert _timed(cases["funcol_issue_then_wait"]) == [("all_reduce", 64, 2.0, 1.0, seq) for seq in (1, 2, 3)]
+    assert cases["funcol_issue_then_wait"]["events"] == 9
+    # waited inside its own call (gather_dim 1: torch concatenates after the wait): the inner wait's
+    # events, not the call's return; bytes the output's (4 ranks)
+    assert _timed(cases["funcol_nested_wait"]) == [("all_gather", 256, 2.0, 1.0, 1)]
+    assert cases["funcol_nested_wait"]["events"] == 3
+
+
+def test_the_general_path_and_a_failed_call_are_unchanged(cases: dict) -> None:
+    # async c10d on CUDA still takes the general path (its Work's wait): the same rules
+    assert _timed(cases["c10d_async_wait"]) == [("all_reduce", 64, 2.0, 1.0, 1)]
+    # a call that raises records nothing and leaves nothing behind for the next op
+    assert _timed(cases["c10d_blocking_raises_then_one"]) == [("all_reduce", 64, 1.0, 1.0, 2)]
+
+
+def test_both_forms_record_the_same() -> None:
+    if not native._USABLE:
+        pytest.skip("the C sites are not built here")
+    c, py = _worker("c"), _worker("python")
+    assert {k: _timed(v) for k, v in c.items() if k != "_form"} == {k: _timed(v) for k, v in py.items() if k != "_form"}
