@@ -226,14 +226,21 @@ def _fast_one(original: Callable, slow: Callable, *, tracer: Any, op: str, where
         # send / recv call isend / irecv, all_gather_into_tensor all_gather_single: one op. ``tls.current``
         # is left as it is (only a funcol wait inside the call would read it, and no c10d call makes one).
         if cuda:  # blocking on CUDA: two events, the op and the stream's stall between them (comm_nccl)
-            return _cuda_blocking(original, args, kwargs, tracer=tracer, where=where, issue=issue, tls=tls)
+            try:
+                timer = tracer.cuda_timer()
+                e0 = timer.event()
+            except Exception as exc:
+                tracer.error(where, exc)
+                return original(*args, **kwargs)
         tls.depth += 1
         try:
             result = original(*args, **kwargs)
         finally:
             tls.depth -= 1
         try:
-            if not async_op:  # returned once its op completed: the whole call was blocked time
+            if cuda:  # resolved off the training thread (CudaCommTimer.queue_fast); no op object
+                timer.queue_fast(issue, e0, timer.event())
+            elif not async_op:  # returned once its op completed: the whole call was blocked time
                 t1 = now()
                 if len(done) < max_done:
                     push(issue + (t1, t1 - issue[6], live.key))
@@ -250,28 +257,6 @@ def _fast_one(original: Callable, slow: Callable, *, tracer: Any, op: str, where
 
     return native.c10d_site(original, wrapper, tracer=tracer, op=op, where=where, spec=spec, works=works,
                             coalesce=_coalesce_state)
-
-
-def _cuda_blocking(original: Callable, args: tuple, kwargs: dict, *, tracer: Any, where: str, issue: tuple,
-                   tls: Any) -> Any:
-    """A fast site's blocking call on CUDA tensors: its ``Issued`` and two events, resolved off the
-    training thread (``CudaCommTimer.queue_fast``); no op object."""
-    try:
-        timer = tracer.cuda_timer()
-        e0 = timer.event()
-    except Exception as exc:
-        tracer.error(where, exc)
-        return original(*args, **kwargs)
-    tls.depth += 1
-    try:
-        result = original(*args, **kwargs)
-    finally:
-        tls.depth -= 1
-    try:
-        timer.queue_fast(issue, e0, timer.event())
-    except Exception as exc:
-        tracer.error(where, exc)
-    return result
 
 
 def p2p(original: Callable, *, tracer: Any, op: str, is_async: bool) -> Callable:
