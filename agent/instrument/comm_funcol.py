@@ -286,18 +286,24 @@ def install(tracer: Any) -> None:
                 tls = main if get_ident() == main_tid else local.nesting
                 cur = tls.current
                 p = pending.pop(tensor.data_ptr(), None) if cur is None and pending else None
+                w0 = cuda = None
                 if type(cur) is _CudaIssued:  # a wait inside a fast site's issuing call on CUDA: that op's
                     timer = tracer.cuda_timer()
                     w0 = timer.event()
-                    out = original(tensor)
-                    tls.nested_end = (w0, timer.event())
-                    return out
-                if tensor.is_cuda:  # (a fast site's Issued, CPU only, is no CUDA op's owner)
-                    owner = p if type(cur) is tuple else (cur or p)
-                    return tracer.cuda_timer().wait_tensor(tracer, owner, original, tensor)
+                elif tensor.is_cuda:  # (a fast site's Issued, CPU only, is no CUDA op's owner)
+                    cuda = tracer.cuda_timer()
             except Exception as exc:
                 tracer.error("wait_tensor", exc)
                 return original(tensor)
+            if cuda is not None:  # outside the try above: a wait that raises is not made twice
+                return cuda.wait_tensor(tracer, p if type(cur) is tuple else (cur or p), original, tensor)
+            if w0 is not None:  # (its issuing call queues it: tls.nested_end)
+                out = original(tensor)
+                try:
+                    tls.nested_end = (w0, timer.event())
+                except Exception as exc:
+                    tracer.error("wait_tensor", exc)
+                return out
             t0 = now()
             out = original(tensor)
             try:

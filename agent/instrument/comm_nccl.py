@@ -127,7 +127,11 @@ class CudaCommTimer:
         self._push(p)
 
     def wait(self, tracer: Any, ops: list[Any], original: Callable, work: Any, args: tuple, kwargs: dict) -> Any:
-        e0 = self.event()
+        try:
+            e0 = self.event()
+        except Exception as exc:  # telemetry never raises into the loop: the wait goes on untimed
+            tracer.error("cuda_wait", exc)
+            return original(work, *args, **kwargs)
         result = original(work, *args, **kwargs)
         try:
             e1 = self.event()
@@ -140,7 +144,11 @@ class CudaCommTimer:
         return result
 
     def wait_tensor(self, tracer: Any, p: Any, original: Callable, tensor: Any) -> Any:
-        e0 = self.event()
+        try:
+            e0 = self.event()
+        except Exception as exc:
+            tracer.error("cuda_wait_tensor", exc)
+            return original(tensor)
         out = original(tensor)
         try:
             if p is not None and p.cuda is not None:

@@ -85,6 +85,18 @@ def main() -> None:
             pass
         dist.all_reduce(t)
     case("c10d_blocking_raises_then_one", raises, out)
+
+    def broken_events() -> None:  # a CUDA error when an event is made: every call still runs, counted
+        def fail() -> Any:
+            raise RuntimeError("CUDA error: an event could not be made")
+        comm_nccl._new_event = fail
+        try:
+            dist.all_reduce(t)
+            funcol.all_reduce(t, "sum", world).wait()
+            dist.all_reduce(t, async_op=True).wait()
+        finally:
+            comm_nccl._new_event = Event
+    case("events_fail", broken_events, out)
     print(json.dumps(out))
 
 
