@@ -62,6 +62,17 @@ def test_a_funcol_op_is_timed_from_its_issue_to_its_wait_and_stalls_for_the_wait
     assert cases["funcol_nested_wait"]["events"] == 3
 
 
+def test_fsdp2s_blocking_comms_are_their_two_events_with_the_stall_unknown(cases: dict) -> None:
+    # FSDP2 issues on its own stream: the events bound the op; what the compute stream lost is not seen
+    case = cases["fsdp_blocking"]
+    assert case["errors"] == [] and case["stats"] == {} and case["events"] == 4
+    assert [(r["op"], r["nbytes"], round((r["t_end"] - r["t_start"]) * 1e3, 6), r["wait_s"], r["source"])
+            for r in case["records"]] == [("all_gather", 256, 1.0, None, "fsdp_comm"),
+                                          ("reduce_scatter", 256, 1.0, None, "fsdp_comm")]
+    # async (unshard(async_op=True)): the general path, timed to its Work's wait (issued both, then waited)
+    assert _timed(cases["fsdp_async"]) == [("all_gather", 256, 3.0, 1.0, 1), ("reduce_scatter", 256, 4.0, 1.0, 2)]
+
+
 def test_the_general_path_and_a_failed_call_are_unchanged(cases: dict) -> None:
     # async c10d on CUDA still takes the general path (its Work's wait): the same rules
     assert _timed(cases["c10d_async_wait"]) == [("all_reduce", 64, 2.0, 1.0, 1)]
@@ -79,5 +90,6 @@ def test_both_forms_record_the_same() -> None:
     if not native._USABLE:
         pytest.skip("the C sites are not built here")
     c, py = _worker("c"), _worker("python")
-    skip = {"_form", "events_fail"}
+    assert c["fsdp_blocking"]["records"][0]["wait_s"] is None is py["fsdp_blocking"]["records"][0]["wait_s"]
+    skip = {"_form", "events_fail", "fsdp_blocking"}
     assert {k: _timed(v) for k, v in c.items() if k not in skip} == {k: _timed(v) for k, v in py.items() if k not in skip}

@@ -26,6 +26,7 @@ from typing import Any, Callable
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
 from meshscope.agent.instrument import native
+from meshscope.agent.instrument.comm_nccl import SIDE_STREAM
 from meshscope.agent.instrument.traced_call import Issue, traced_call
 
 
@@ -34,8 +35,8 @@ def _traced(call: Callable, *, tracer: Any, op: str, buffer: int) -> Callable:
     positional arguments: cheaper to pass on than keywords) recording ``op`` through ``tracer``; its bytes
     are the size of the tensor at position ``buffer`` (nccl-tests: all-gather output, reduce-scatter
     input). A blocking call on CPU returns once its op completed: the whole call is blocked time. The CPU
-    path is written out in one frame (as ``comm_c10d._fast_one``; in C where ``native`` says so); CUDA
-    tensors take ``traced_call``."""
+    path is written out in one frame (as ``comm_c10d._fast_one``; in C where ``native`` says so); on CUDA
+    the same frame records two events on FSDP's stream (``comm_nccl``), an async call takes ``traced_call``."""
     where = f"fsdp_{op}"
 
     def describe(args: tuple, kwargs: dict) -> Issue:
@@ -61,7 +62,8 @@ def _traced(call: Callable, *, tracer: Any, op: str, buffer: int) -> Callable:
             return call(output_tensor, input_tensor, group, *rest)
         try:
             tensor = input_tensor if buffer else output_tensor
-            if tensor.is_cuda:
+            cuda = tensor.is_cuda
+            if cuda and rest[-1]:  # async on CUDA (explicit unshard(async_op=True)): the general path
                 issued = None
             else:
                 hit = groups.get(id(group))
@@ -73,13 +75,22 @@ def _traced(call: Callable, *, tracer: Any, op: str, buffer: int) -> Callable:
             return call(output_tensor, input_tensor, group, *rest)
         if issued is None:
             return slow(output_tensor, input_tensor, group, *rest)
+        if cuda:  # on FSDP's all-gather / reduce-scatter stream: two events bound it, its stall unknown
+            try:
+                timer = tracer.cuda_timer()
+                e0 = timer.event()
+            except Exception as exc:
+                tracer.error(where, exc)
+                return call(output_tensor, input_tensor, group, *rest)
         tls.depth += 1  # FSDP's own dist.* call inside is this op, not another
         try:
             work = call(output_tensor, input_tensor, group, *rest)
         finally:
             tls.depth -= 1
         try:
-            if rest[-1] and work is not None:  # async_op: completed by its Work.wait
+            if cuda:  # resolved off the training thread (comm_nccl: CudaCommTimer.queue_fast); no op object
+                timer.queue_fast(issued, e0, timer.event(), SIDE_STREAM)
+            elif rest[-1] and work is not None:  # async_op: completed by its Work.wait
                 if len(pending) < max_pending:
                     pending[id(work)] = (work, issued)
                 else:

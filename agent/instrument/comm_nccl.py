@@ -43,6 +43,7 @@ import threading
 from typing import Any, Callable
 
 _NAN = float("nan")
+SIDE_STREAM = object()  # ``queue_fast``'s ``w0`` for an op issued on a side stream: its stall is not observable
 _MAX_QUEUED = 8192  # bound of the queue, and of the ops waiting for their events; beyond it the oldest go (counted)
 
 
@@ -169,7 +170,8 @@ class CudaCommTimer:
     def queue_fast(self, issued: tuple, e0: Any, e1: Any, w0: Any = None) -> None:
         """One op of a fast site (its ``Issued`` tuple), with no op object: ``e0`` recorded before its
         issue, ``e1`` after its (blocking) call or its wait, ``w0`` before that wait (None: a blocking call,
-        whose whole interval is the issuing stream's stall)."""
+        whose whole interval is the issuing stream's stall; ``SIDE_STREAM``: a call on a side stream, FSDP's,
+        whose stall is not observable: NaN)."""
         self._push((issued, e0, e1, w0))
 
     def on_ddp_backward_end(self, ops: list[tuple[Any, Any]], ev_a: Any, ev_b: Any) -> None:
@@ -198,11 +200,12 @@ class CudaCommTimer:
                 if type(p) is tuple:  # a fast site's op: (Issued, start, end, before-wait or None)
                     try:
                         issued, e0, e1, w0 = p
-                        if not (e0.query() and e1.query() and (w0 is None or w0.query())):
+                        side = w0 is SIDE_STREAM
+                        if not (e0.query() and e1.query() and (w0 is None or side or w0.query())):
                             keep.append((p, context))
                             continue
                         duration = e0.elapsed_time(e1) / 1e3
-                        wait_s = duration if w0 is None else w0.elapsed_time(e1) / 1e3
+                        wait_s = duration if w0 is None else _NAN if side else w0.elapsed_time(e1) / 1e3
                     except Exception as exc:
                         tracer.error("cuda_resolve", exc)
                         continue

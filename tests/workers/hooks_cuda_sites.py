@@ -24,6 +24,7 @@ _real_is_cuda = torch._C.TensorBase.is_cuda
 torch.Tensor.is_cuda = property(lambda self: self.__dict__.get("_looks_cuda", False) or _real_is_cuda.__get__(self))
 _ticks = itertools.count()
 MADE: list[float] = []
+CURRENT: list[Any] = [None]  # the case's tracer
 
 
 class Event:
@@ -49,7 +50,7 @@ class PerfClock:
 
 def case(name: str, fn: Any, out: dict) -> None:
     rec = ListRecorder(clock=PerfClock())
-    tracer = CollectiveTracer(rec)
+    tracer = CURRENT[0] = CollectiveTracer(rec)
     tracer.attach(None)
     MADE.clear()
     try:
@@ -58,7 +59,10 @@ def case(name: str, fn: Any, out: dict) -> None:
         tracer.flush()
         tracer.detach()
     keep = ("op", "nbytes", "t_start", "t_end", "wait_s", "source", "seq", "group_size")
-    out[name] = {"records": [{k: r[k] for k in keep} for r in rec.collectives], "events": len(MADE),
+    records = [{k: r[k] for k in keep} for r in rec.collectives]
+    for r in records:  # JSON has no NaN
+        r["wait_s"] = None if r["wait_s"] != r["wait_s"] else r["wait_s"]
+    out[name] = {"records": records, "events": len(MADE),
                  "errors": [f"{w}: {e}" for w, e in rec.errors],
                  "stats": {k: v for k, v in tracer.stats.items() if v}}
 
@@ -85,6 +89,24 @@ def main() -> None:
             pass
         dist.all_reduce(t)
     case("c10d_blocking_raises_then_one", raises, out)
+
+    def fsdp(async_op: bool) -> Any:
+        # FSDP2's comm objects, as fully_shard calls them on its own stream (comm_fsdp: C site or Python)
+        from meshscope.agent.instrument.comm_fsdp import TracedAllGather, TracedReduceScatter
+
+        def run() -> None:
+            tracer = CURRENT[0]
+            gather = TracedAllGather(tracer, lambda o, i, g, a: dist.all_gather_into_tensor(o, i, g, async_op=a))
+            scatter = TracedReduceScatter(tracer, lambda o, i, g, op, a: dist.reduce_scatter_tensor(
+                o, i, op=op, group=g, async_op=a))
+            out, inp = torch.ones(8, 8), torch.ones(8, 8)  # 4 ranks × (2, 8)
+            out._looks_cuda = inp._looks_cuda = True
+            for result in (gather(out, t, world, async_op), scatter(t, inp, world, dist.ReduceOp.SUM, async_op)):
+                if async_op:
+                    result.wait()
+        return run
+    case("fsdp_blocking", fsdp(False), out)
+    case("fsdp_async", fsdp(True), out)
 
     def broken_events() -> None:  # a CUDA error when an event is made: every call still runs, counted
         def fail() -> Any:
