@@ -267,19 +267,8 @@ def install(tracer: Any) -> None:
                     except Exception as exc:
                         tracer.error("wait_tensor", exc)
                     return out
-                if type(p) is _CudaIssued:
-                    try:
-                        timer = tracer.cuda_timer()
-                        w0 = timer.event()
-                    except Exception as exc:
-                        tracer.error("wait_tensor", exc)
-                        return original(tensor)
-                    out = original(tensor)
-                    try:
-                        timer.queue_fast(p.issued, p.e0, timer.event(), w0)
-                    except Exception as exc:
-                        tracer.error("wait_tensor", exc)
-                    return out
+                if type(p) is _CudaIssued:  # (its issue made the timer)
+                    return tracer.cuda_timer().wait_fast(tracer, p.issued, p.e0, original, tensor)
                 if p is not None:  # an op object of traced_call's sites: back, for the general path below
                     pending[tensor.data_ptr()] = p
             try:

@@ -144,6 +144,21 @@ class CudaCommTimer:
             tracer.error("cuda_wait", exc)
         return result
 
+    def wait_fast(self, tracer: Any, issued: tuple, e0: Any, original: Callable, tensor: Any) -> Any:
+        """The wait of a fast site's op in flight (its ``Issued``, ``e0`` recorded at its issue): two events
+        around it, then the op is queued (``queue_fast``)."""
+        try:
+            w0 = self.event()
+        except Exception as exc:
+            tracer.error("cuda_wait_tensor", exc)
+            return original(tensor)
+        out = original(tensor)
+        try:
+            self.queue_fast(issued, e0, self.event(), w0)
+        except Exception as exc:
+            tracer.error("cuda_wait_tensor", exc)
+        return out
+
     def wait_tensor(self, tracer: Any, p: Any, original: Callable, tensor: Any) -> Any:
         try:
             e0 = self.event()
