@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import re
 import subprocess
@@ -52,3 +54,27 @@ def losses(stdout: str) -> dict[int, float]:
 @pytest.fixture
 def root() -> Path:
     return ROOT
+
+
+@functools.lru_cache(maxsize=None)
+def sites_worker(script: str, form: str) -> dict:
+    """The JSON object printed last by ``tests/workers/<script>``, run in its own process with the collective
+    tracer's C sites (``form`` "c") or its Python ones (``MESHSCOPE_NATIVE=0``). Cached: copy to change it."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               MESHSCOPE_NATIVE="1" if form == "c" else "0")
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / script)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def sites_cases(script: str, form: str) -> dict:
+    """``sites_worker``'s cases in ``form`` (a copy, without its ``_form`` entry, checked to be that form);
+    skipped where the C sites are not built and ``form`` is "c"."""
+    from meshscope.agent.instrument import native
+
+    if form == "c" and not native._USABLE:
+        pytest.skip("the C sites are not built here (tests/test_hooks_native.py says whether they must be)")
+    got = dict(sites_worker(script, form))
+    assert got.pop("_form")["active"] == (form == "c")
+    return got

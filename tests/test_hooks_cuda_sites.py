@@ -7,37 +7,19 @@ its stall being the wait's two events. On a GPU the same paths are timed by the 
 
 from __future__ import annotations
 
-import functools
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from meshscope.agent.instrument import native
+from tests.conftest import sites_cases, sites_worker
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@functools.lru_cache(maxsize=None)
 def _worker(form: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               MESHSCOPE_NATIVE="1" if form == "c" else "0")
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / "hooks_cuda_sites.py")], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return sites_worker("hooks_cuda_sites.py", form)
 
 
 @pytest.fixture(scope="module", params=["c", "python"])
 def cases(request: pytest.FixtureRequest) -> dict:
-    if request.param == "c" and not native._USABLE:
-        pytest.skip("the C sites are not built here (tests/test_hooks_native.py says whether they must be)")
-    got = dict(_worker(request.param))
-    assert got.pop("_form")["active"] == (request.param == "c")
-    return got
+    return sites_cases("hooks_cuda_sites.py", request.param)
 
 
 def _timed(case: dict) -> list[tuple[str, int, float, float, int]]:
