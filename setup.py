@@ -6,5 +6,5 @@ from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("meshscope.agent.instrument._hot", ["agent/instrument/_hot.c"], optional=True,
                              depends=["agent/instrument/_hot_common.h", "agent/instrument/_hot_sites.h",
-                                      "agent/instrument/_hot_batch.h"],
+                                      "agent/instrument/_hot_batch.h", "agent/instrument/_hot_funcol.h"],
                              extra_compile_args=["-O2", "-Wall", "-Werror=implicit-function-declaration"])])

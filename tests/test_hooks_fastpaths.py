@@ -33,6 +33,11 @@ def test_both_forms_record_the_same_ops() -> None:
     c, py = _worker("c"), _worker("python")
     assert c["_form"] == {"c10d": "Site", "wait": "Wait", "active": True}
     assert py["_form"] == {"c10d": "function", "wait": "function", "active": False}
+    # funcol's sites are C builtins from the case after the first (whose funcol op imports torch._dynamo,
+    # which they wait for: tests/test_hooks_funcol_cform.py), Python functions in the Python form.
+    forms = [tuple(case["funcol_form"]) for name, case in c.items() if name != "_form"]
+    assert set(forms[1:]) == {("builtin_function_or_method",) * 2}, forms
+    assert {tuple(case["funcol_form"]) for name, case in py.items() if name != "_form"} == {("function",) * 2}
     timing = {"t_start", "t_end", "wait_s"}
 
     def shape(case: dict) -> tuple:

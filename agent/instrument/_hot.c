@@ -31,6 +31,7 @@
 #include "_hot_common.h"
 #include "_hot_sites.h"
 #include "_hot_batch.h"
+#include "_hot_funcol.h"
 
 #include <structmember.h>
 
@@ -351,11 +352,16 @@ PyMODINIT_FUNC PyInit__hot(void) {
     INTERN(s_value, "value"); INTERN(s_dropped, "dropped");
     INTERN(s_all_reduce, "all_reduce"); INTERN(s_ddp_comm_hook, "ddp_comm_hook");
     INTERN(s_op, "op"); INTERN(s_group_attr, "group"); INTERN(s_tensor, "tensor");
+    INTERN(s_current, "current"); INTERN(s_nested_end, "nested_end"); INTERN(s_nested_wait, "nested_wait");
+    INTERN(s_elem, "elem"); INTERN(s_data_ptr, "data_ptr"); INTERN(s_size, "size"); INTERN(s_self, "self");
+    INTERN(s_track_tensor, "track_tensor"); INTERN(s_is_compiling_flag, "_is_compiling_flag");
+    INTERN(s_funcol, "funcol");
 #undef INTERN
-    if (!(k_minus_one = PyLong_FromLong(-1)) || !(k_one = PyLong_FromLong(1)))
+    if (!(k_minus_one = PyLong_FromLong(-1)) || !(k_one = PyLong_FromLong(1)) || !(k_zero_f = PyFloat_FromDouble(0.0)))
         return NULL;
     if (PyType_Ready(&SiteType) < 0 || PyType_Ready(&WaitType) < 0 || PyType_Ready(&DdpOpType) < 0
-        || PyType_Ready(&BatchType) < 0 || PyType_Ready(&SpanType) < 0 || PyType_Ready(&DdpOpsType) < 0)
+        || PyType_Ready(&BatchType) < 0 || PyType_Ready(&SpanType) < 0 || PyType_Ready(&DdpOpsType) < 0
+        || PyType_Ready(&FuncolType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
@@ -365,6 +371,7 @@ PyMODINIT_FUNC PyInit__hot(void) {
         || PyModule_AddObjectRef(m, "DdpOps", (PyObject *)&DdpOpsType) < 0
         || PyModule_AddObjectRef(m, "Batch", (PyObject *)&BatchType) < 0
         || PyModule_AddObjectRef(m, "Span", (PyObject *)&SpanType) < 0
+        || PyModule_AddObjectRef(m, "Funcol", (PyObject *)&FuncolType) < 0
         || PyModule_AddIntConstant(m, "KIND_C10D", KIND_C10D) < 0
         || PyModule_AddIntConstant(m, "KIND_FSDP", KIND_FSDP) < 0) {
         Py_DECREF(m);

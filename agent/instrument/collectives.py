@@ -65,6 +65,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from meshscope.agent.instrument import native
 from meshscope.agent.instrument.grouptable import GroupTable
 from meshscope.agent.instrument.meshinfo import GroupInfo, MeshInfo
 from meshscope.agent.instrument.ops import Hot, _Direct, _Nesting, _Op, _TLS
@@ -76,10 +77,11 @@ _CUDA_SETTLE_S = 2.0  # at detach, how long the last CUDA ops may take to comple
 
 
 class _Patch:
-    __slots__ = ("owner", "name", "original", "wrapper")
+    __slots__ = ("owner", "name", "original", "wrapper", "release")
 
     def __init__(self, owner: Any, name: str, original: Any, wrapper: Any) -> None:
         self.owner, self.name, self.original, self.wrapper = owner, name, original, wrapper
+        self.release: Callable[[], None] | None = None  # what unpatching also does (a C funcol site: unbind)
 
 
 class CollectiveTracer:
@@ -442,7 +444,7 @@ class CollectiveTracer:
         original = _raw(owners[0], name)
         if original is None:
             return None
-        if getattr(original, "__meshscope_tracer__", None) is not None:
+        if getattr(original, "__meshscope_tracer__", None) is not None or native.funcol_bound(original):
             raise RuntimeError(f"{name} is already patched by another CollectiveTracer")
         wrapper = functools.wraps(original)(make(original))
         wrapper.__meshscope_tracer__ = self
@@ -458,6 +460,8 @@ class CollectiveTracer:
                 setattr(patch.owner, patch.name, patch.original)
             else:  # someone patched on top of us: leave theirs; ours is a pass-through now (enabled=False)
                 self.stats["detach_conflicts"] += 1
+            if patch.release is not None:
+                patch.release()
         self._patches.clear()
 
 

@@ -27,11 +27,13 @@ CUDA: ``wait_tensor`` only makes the current stream wait; the wait is timed with
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, Callable
 
 import torch
 import torch.distributed._functional_collectives as funcol
 
+from meshscope.agent.instrument import native
 from meshscope.agent.instrument.traced_call import Issue, traced_call
 
 # Inside torch.compile'd code the functional collectives become graph nodes; a Python timestamp there would
@@ -79,11 +81,12 @@ def _registrar(*, tracer: Any) -> Callable[[Any, Any, Any], None]:
 
 
 def single(original: Callable, *, tracer: Any, op: str, group_index: int,
-           nbytes: Callable[[Any, Any], int]) -> Callable:
+           nbytes: Callable[[Any, Any], int], cform: Any = None) -> Callable:
     """``original`` (a one-tensor funcol function; its group at ``group_index``) recording ``op`` through
     ``tracer``; ``nbytes(tensor, group info)`` gives the op's bytes. The CPU path is written out in one
     frame with an ``Issued`` tuple (as ``comm_c10d._fast_one``); on CUDA tensors the same tuple goes with
-    its events to ``comm_nccl.CudaCommTimer.queue_fast`` (no op object)."""
+    its events to ``comm_nccl.CudaCommTimer.queue_fast`` (no op object). ``cform``: the ``_CForm`` that puts the
+    C site in this one's place once it can."""
 
     def _cuda(args: tuple, kwargs: dict, issued: tuple, tls: Any) -> Any:
         # On CUDA: an event before the issue; its wait, in wait_tensor after the call or inside it, is timed
@@ -127,6 +130,8 @@ def single(original: Callable, *, tracer: Any, op: str, group_index: int,
         tls = main if get_ident() == main_tid else local.nesting
         if not tracer.enabled or tls.depth:
             return original(*args, **kwargs)
+        if cform is not None and cform.pending:  # (the C site takes the next call)
+            cform()
         try:
             t = args[0] if args else kwargs["self"]
             group = args[group_index] if len(args) > group_index else kwargs["group"]
@@ -220,16 +225,47 @@ def _present(owner: Any, names: tuple[str, ...]) -> str | None:
     return next((name for name in names if getattr(owner, name, None) is not None), None)
 
 
+class _CForm:
+    """Puts the C sites (``native.funcol_site``) in the one-tensor sites' and ``wait_tensor``'s place, once they
+    can be: when ``torch._dynamo`` is imported (DTensor and FSDP2 import it, by the first funcol op at the
+    latest), at install or at the first eager call of a Python site after. ``pending`` until it has tried."""
+
+    __slots__ = ("tracer", "specs", "pending")
+
+    def __init__(self, tracer: Any) -> None:
+        self.tracer, self.specs = tracer, {}
+        self.pending = native.active(tracer)
+
+    def __call__(self) -> None:
+        if "torch._dynamo" not in sys.modules:
+            return
+        self.pending = False
+        for patch in self.tracer._patches:
+            spec = self.specs.get(patch.name) if patch.owner is funcol else None
+            if spec is None or getattr(funcol, patch.name, None) is not patch.wrapper:
+                continue
+            try:
+                fn = native.funcol_site(patch.name, patch.original, patch.wrapper, tracer=self.tracer, **spec)
+            except Exception as exc:  # the Python site stays
+                self.tracer.error(patch.name, exc)
+                continue
+            if fn is not None:
+                setattr(funcol, patch.name, fn)
+                patch.wrapper, patch.release = fn, functools.partial(native.release_funcol, fn)
+
+
 def install(tracer: Any) -> None:
     """Patch the funcol issue functions and ``wait_tensor`` through ``tracer.patch``
-    (``CollectiveTracer``: restored by its ``detach``)."""
+    (``CollectiveTracer``: restored by its ``detach``); their C form where it can be (``_CForm``)."""
     owners = (funcol,)
+    cform = _CForm(tracer)
 
     for names, (op, group_index, nbytes) in _SINGLE.items():
         if (name := _present(funcol, names)) is None:
             continue
         tracer.patch(owners, name, functools.partial(single, tracer=tracer, op=op, group_index=group_index,
-                                                     nbytes=nbytes))
+                                                     nbytes=nbytes, cform=cform))
+        cform.specs[name] = {"op": op, "group_index": group_index, "output_bytes": nbytes is _output_bytes}
     for names, (op, group_index, output_bytes) in _COALESCED.items():
         if (name := _present(funcol, names)) is None:
             continue
@@ -315,3 +351,6 @@ def install(tracer: Any) -> None:
         return wait_tensor
 
     tracer.patch(owners, "wait_tensor", wait)
+    cform.specs["wait_tensor"] = {"op": "wait_tensor", "wait": True}
+    if cform.pending:
+        cform()

@@ -45,10 +45,12 @@ def case(name: str, fn: Any, out: dict, *, mesh: Any = None) -> None:
     tracer.attach(None)
     try:
         fn()
+        funcol_form = [type(funcol.all_reduce).__name__, type(funcol.wait_tensor).__name__]
     finally:
         tracer.flush()
         tracer.detach()
     out[name] = {"records": records(rec), "errors": [w for w, _ in rec.errors], "stats": dict(tracer.stats),
+                 "funcol_form": funcol_form,
                  "pending": len(tracer._pending_works) + len(tracer._pending_tensors), "lookups": lookups["n"],
                  "groups": [(r["dim"], r["group"]) for r in rec.collectives]}
 
