@@ -6,8 +6,8 @@
  * goes to that Python site, ``slow``, which stays the reference (and the whole path where this module
  * is not built: ``agent/instrument/native.py``):
  *
- * (one translation unit: _hot_common.h holds what the sites share, _hot_sites.h Site and Wait, this file
- * DdpOp, Span, read_fd and the module)
+ * (one translation unit: _hot_common.h holds what the sites share, _hot_sites.h Site and Wait, _hot_batch.h
+ * Batch, _hot_funcol.h Funcol, this file DdpOp, Span, read_fd and the module)
  *
  *   Site(KIND_C10D, ...)   comm_c10d._fast_one's wrapper   (one-tensor collectives, P2P)
  *   Site(KIND_FSDP, ...)   comm_fsdp._traced's ``fast``    (FSDP2's custom all-gather / reduce-scatter)
@@ -16,11 +16,10 @@
  *   DdpOps(hot, group)(n)  comm_ddp's op + ops.stamp_unwrap (a DDP bucket's op, DdpOp, and its completion
  *                          callback), for one DDP model's group: its entry looked up once
  *   Span(...)              pipeline.PipelineTracer's deferred ``span`` (a pipeline stage's compute)
+ *   FuncolSlot(...).fn     comm_funcol.single's wrapper and its ``wait_tensor`` (the functional collectives,
+ *                          TP): a builtin, which torch.compile is told to trace as torch's own function
+ *                          (native.funcol_site; a C callable it cannot trace would be a graph break)
  *   read_fd(fd, n)         a pread that keeps the GIL      (cpu.ThreadCPU: /proc/thread-self/schedstat)
- *
- * Not here: the functional collectives (TP). Their wrappers must stay Python functions that Dynamo inlines
- * (a C callable in compiled TP code is a graph break), and a C site behind such a Python check measured
- * 0.4-1.0 us more per op than the Python site alone (bench/hooks_overhead.py, 3 pairs of runs).
  *
  * Timestamps are CLOCK_MONOTONIC converted as time.perf_counter converts it (native.py uses this module
  * only where perf_counter is that clock and the tracer's clock is perf_counter). The tuples built are the
@@ -361,7 +360,7 @@ PyMODINIT_FUNC PyInit__hot(void) {
         return NULL;
     if (PyType_Ready(&SiteType) < 0 || PyType_Ready(&WaitType) < 0 || PyType_Ready(&DdpOpType) < 0
         || PyType_Ready(&BatchType) < 0 || PyType_Ready(&SpanType) < 0 || PyType_Ready(&DdpOpsType) < 0
-        || PyType_Ready(&FuncolType) < 0)
+        || PyType_Ready(&FuncolType) < 0 || PyType_Ready(&FuncolSlotType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
@@ -371,7 +370,7 @@ PyMODINIT_FUNC PyInit__hot(void) {
         || PyModule_AddObjectRef(m, "DdpOps", (PyObject *)&DdpOpsType) < 0
         || PyModule_AddObjectRef(m, "Batch", (PyObject *)&BatchType) < 0
         || PyModule_AddObjectRef(m, "Span", (PyObject *)&SpanType) < 0
-        || PyModule_AddObjectRef(m, "Funcol", (PyObject *)&FuncolType) < 0
+        || PyModule_AddObjectRef(m, "FuncolSlot", (PyObject *)&FuncolSlotType) < 0
         || PyModule_AddIntConstant(m, "KIND_C10D", KIND_C10D) < 0
         || PyModule_AddIntConstant(m, "KIND_FSDP", KIND_FSDP) < 0) {
         Py_DECREF(m);

@@ -20,6 +20,10 @@ aside while Dynamo traces), and ``torch.ops._c10d_functional.*`` called directly
 formulas do so for the backward of a funcol op on a tensor that requires grad, e.g. loss parallel). Their
 waits still pass through ``wait_tensor`` and are counted in ``tracer.stats["unmatched_waits"]`` /
 ``["unmatched_wait_us"]``.
+C form (``_CForm``, ``native.funcol_site``): the one-tensor sites and ``wait_tensor`` become builtins of
+agent/instrument/_hot_funcol.h, doing what the CPU path here does, once ``torch._dynamo`` is imported (torch.compile
+must be told to trace torch's function in their place; the first funcol op imports it); everything else they
+hand to the Python sites here.
 CUDA: ``wait_tensor`` only makes the current stream wait; the wait is timed with CUDA events
 (``comm_nccl``; checked on a GPU by the GPU kit's section 2).
 """

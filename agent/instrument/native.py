@@ -122,13 +122,16 @@ def funcol_site(name: str, original: Callable, python: Callable, *, tracer: Any,
 
     if not active(tracer) or "torch._dynamo" not in sys.modules:
         return None
+    import torch
+
+    if not isinstance(vars(torch.compiler).get("_is_compiling_flag"), bool):  # what the C site reads for it
+        return None
     site = _FUNCOL.get(name)
     if site is None:
         try:
-            import torch
             import torch.distributed._functional_collectives as funcol
 
-            site = _hot.Funcol(original, funcol.AsyncCollectiveTensor, vars(torch.compiler), wait)
+            site = _hot.FuncolSlot(original, funcol.AsyncCollectiveTensor, vars(torch.compiler), wait)
 
             def traced(*args: Any, **kwargs: Any) -> Any:  # what torch.compile traces in its place
                 return original(*args, **kwargs)
