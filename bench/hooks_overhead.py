@@ -21,7 +21,11 @@ rotating between three arms on the same steps — untraced, meshscope (``Telemet
 phase per iteration, its flusher thread writing a real spool) and torch.profiler in its lightest useful
 configuration (CPU activity only, no shapes, stacks, memory or FLOPs; started before a block and stopped
 after it, so its trace post-processing is not counted) — with the training thread's CPU time (stable) and
-wall time (preemption on a shared machine makes it noisy: see its spread) per arm. Goal: meshscope ≤ 1 %
+wall time (preemption on a shared machine makes it noisy: see its spread) per arm. The comparison is made on
+what each part costs (``attributed``): each op, span and step boundary at its per-call cost, against the
+profiler's events at its per-event cost; ``profiler_over_meshscope_same_process`` counts each part in
+profiler events measured in the part's own process (``per_call_isolated(yardstick=True)``), which the
+machine's state, 1.5-2x apart between processes some hours, cannot move. Goal: meshscope ≤ 1 %
 CPU per step on every arm, and ≥ 10× below torch.profiler. DDP is measured against DDP's C++ built-in
 all-reduce (what a model without a comm hook runs; the traced Python comm hook replaces it) and against
 DDP's own Python default hook (the part that is the Python hook mechanism, not meshscope's timing).
@@ -381,6 +385,20 @@ def attribute(steps: dict[str, Any], calls_us: dict[str, Any], *, suffix: str = 
             row["profiler_attributed_us"] = round(prof_us, 1)
             row["profiler_attributed_pct"] = round(prof_us / (row["step_cpu_ms"] * 1e3) * 100, 3)
         row["profiler_over_meshscope_attributed" + suffix] = round(prof_us / us, 2) if us > 0 else None
+        # The same in torch.profiler events: each part's cost over the profiler's per-event cost measured in
+        # the same process (``profiler_event_us``), so that the ratio does not depend on the machine state
+        # each path's process landed in (see ``per_call_isolated``).
+        events = sum(n * _in_events(calls_us[_path(k, batched=batched)])
+                     for k, n in row["ops_by_source"].items())
+        events += row["spans_per_step"] * _in_events(calls_us["pipeline_span"]) + _in_events(calls_us["step_boundary"])
+        row["meshscope_in_profiler_events" + suffix] = round(events, 2)
+        row["profiler_over_meshscope_same_process" + suffix] = (
+            round(row["profiler_events_per_step"] / events, 2) if events > 0 else None)
+
+
+def _in_events(row: dict[str, Any]) -> float:
+    """A path's cost in torch.profiler events measured in its own process."""
+    return row["overhead_cpu_us"] / row["profiler_event_us"]
 
 
 def main() -> None:
@@ -403,11 +421,11 @@ def main() -> None:
     load_start = os.getloadavg()
     calls_us, calls_python, steps, sustained = None, None, None, None
     if args.part in ("all", "calls"):
-        calls_us = per_call_isolated(calls=args.calls, blocks=args.blocks)
+        calls_us = per_call_isolated(calls=args.calls, blocks=args.blocks, yardstick=True)
         # The same traced paths in the Python form of the sites (agent/instrument/native.py): what C saves.
         if native._USABLE:
             calls_python = per_call_isolated(calls=args.calls, blocks=args.blocks, paths=PYTHON_FORM_PATHS,
-                                             env={"MESHSCOPE_NATIVE": "0"})
+                                             env={"MESHSCOPE_NATIVE": "0"}, yardstick=True)
         child = subprocess.run([sys.executable, __file__, "--ddp-hook-child", "--calls", str(max(1, args.calls // 4)),
                                 "--blocks", str(args.blocks)], capture_output=True, text=True, check=True)
         calls_us["ddp_comm_hook_gloo_world1"] = json.loads(child.stdout.strip().splitlines()[-1])

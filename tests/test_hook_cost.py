@@ -122,3 +122,34 @@ def test_the_functional_collective_is_held_to_its_floor_in_the_same_run() -> Non
                 "floor_funcol": {"overhead_cpu_us": 4.5, "without_cpu_us": 66.0}}
     assert list(over_limit(per_call)) == ["funcol_mesh_dim_all_reduce_wait"]
     assert paths_of(["funcol_all_reduce_wait"]) == ["funcol_all_reduce_wait", "floor_funcol"]
+
+
+def test_the_profiler_ratio_in_same_process_events_ignores_each_process_state() -> None:
+    # bench/hooks_overhead.attribute: a TP step (3 funcol ops, one boundary, 400 profiler events). The
+    # profiler's process landing in a state 1.8x slower moves the µs ratio from 10x to 18x; counted in
+    # profiler events of each part's own process, it stays 10x, whichever process ran slow.
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if str(root) not in sys.path:  # bench/ is a folder of scripts
+        sys.path.insert(0, str(root))
+    from bench.hooks_overhead import attribute
+
+    def run(profiler_state: float, funcol_state: float) -> dict:
+        calls = {"funcol_mesh_dim_all_reduce_wait": {"overhead_cpu_us": 10.0 * funcol_state,
+                                                     "profiler_event_us": 1.0 * funcol_state},
+                 "pipeline_span": {"overhead_cpu_us": 0.1, "profiler_event_us": 1.0},
+                 "step_boundary": {"overhead_cpu_us": 10.0, "profiler_event_us": 1.0},
+                 "profiler_aten_op": {"overhead_cpu_us": 1.0 * profiler_state}}
+        steps = {"tp": {"ops_by_source": {"funcol/all_reduce": 3}, "spans_per_step": 0, "step_cpu_ms": 10.0,
+                        "profiler_events_per_step": 400}}
+        attribute(steps, calls)
+        return steps["tp"]
+
+    base, slow_profiler, slow_funcol = run(1.0, 1.0), run(1.8, 1.0), run(1.0, 1.8)
+    assert base["profiler_over_meshscope_attributed"] == 10.0
+    assert slow_profiler["profiler_over_meshscope_attributed"] == 18.0  # what the µs ratio read
+    assert base["meshscope_in_profiler_events"] == 40.0
+    assert (base["profiler_over_meshscope_same_process"] == slow_profiler["profiler_over_meshscope_same_process"]
+            == slow_funcol["profiler_over_meshscope_same_process"] == 10.0)

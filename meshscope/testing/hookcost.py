@@ -396,18 +396,28 @@ def torch_work_type() -> type:
 
 
 def per_call_isolated(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] = PATHS,
-                      timeout_s: float = 240.0, env: dict[str, str] | None = None) -> dict[str, Any]:
+                      timeout_s: float = 240.0, env: dict[str, str] | None = None,
+                      yardstick: bool = False) -> dict[str, Any]:
     """``per_call`` with each path in a process of its own (a fresh interpreter and ``fake`` group per
     path). In one process a path's figure depended on the paths measured before it (the pipeline span read
     0.32 µs alone and 0.48 µs after the other nine in the same minute: the heap and caches they leave
-    behind), so a figure would have described the order of the table, not the hook."""
+    behind), so a figure would have described the order of the table, not the hook.
+
+    ``yardstick``: each path's process also measures torch.profiler's cost per event after it
+    (``profiler_aten_op``), given as the path's ``profiler_event_us``: the machine moves between states that
+    make every path of a process 1.5-2× slower (2026-11-27 22:00 UTC: the profiler's event 0.51 µs in one
+    run, 0.87 and 0.93 in the next two), so a path's cost is compared with the profiler's measured in the same
+    process, not in another one that may have landed in another state."""
     out: dict[str, Any] = {}
     recorded = {"dropped_records": 0, "errors": 0}
     for path in paths:
+        measured = (path, "profiler_aten_op") if yardstick and path != "profiler_aten_op" else (path,)
         got = run_isolated("from meshscope.testing.hookcost import per_call; "
-                           f"result = per_call(calls={calls}, blocks={blocks}, paths=({path!r},))",
+                           f"result = per_call(calls={calls}, blocks={blocks}, paths={measured!r})",
                            what=f"hook cost of {path}", timeout_s=timeout_s, env=env)
         out[path] = got[path]
+        if len(measured) == 2:
+            out[path]["profiler_event_us"] = got["profiler_aten_op"]["overhead_cpu_us"]
         for key in recorded:
             recorded[key] += got["_recorded"][key]
     out["_recorded"] = recorded
