@@ -170,6 +170,22 @@ static int put_timed(Hot *h, PyObject *issued, double t_end, double wait_s) {
     return r;
 }
 
+/* ``original(*args)`` made as the wait of the op ``issued``: it completed at the call's return, and the call
+ * is its blocked time (both wait sites). A failure of ours is reported, never raised; the call's own
+ * exception propagates. */
+static PyObject *timed_wait(Hot *h, PyObject *original, PyObject *const *args, size_t nargsf, PyObject *issued,
+                            PyObject *where) {
+    double t0 = now_s();
+    PyObject *result = PyObject_Vectorcall(original, args, nargsf, NULL);
+    if (!result) return NULL;
+    double t1 = now_s();
+    if (put_timed(h, issued, t1, t1 - t0) < 0 && report(h, where) < 0) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    return result;
+}
+
 /* Store ``value`` under ``key`` in the pending map, or hand it to tracer.<overflow>(key_obj, item) when
  * the map is full (as the sites' inline ``track_*``). */
 static int track(Hot *h, PyObject *key, PyObject *value, PyObject *overflow, PyObject *a, PyObject *b) {

@@ -49,6 +49,15 @@ static inline int compiling(FuncolSlot *slot) {
     return flag == Py_True;
 }
 
+/* Keep (group, mesh, dim, hit) as the last designator's: the new ones in place before the old ones are
+ * released (a release may run Python code, and another thread this site then). */
+static void remember(Funcol *f, PyObject *group, PyObject *mesh, PyObject *dim, PyObject *hit) {
+    PyObject *og = f->last_group, *om = f->last_mesh, *od = f->last_dim, *oh = f->last_hit;
+    f->last_group = Py_XNewRef(group); f->last_mesh = Py_XNewRef(mesh); f->last_dim = Py_XNewRef(dim);
+    f->last_hit = Py_NewRef(hit);
+    Py_XDECREF(og); Py_XDECREF(om); Py_XDECREF(od); Py_XDECREF(oh);
+}
+
 /* The group's entry (new reference), through the last one when the same designator comes again. */
 static PyObject *funcol_hit(Funcol *f, PyObject *group) {
     if (PyTuple_CheckExact(group) && PyTuple_GET_SIZE(group) == 2) {
@@ -64,17 +73,13 @@ static PyObject *funcol_hit(Funcol *f, PyObject *group) {
             PyErr_SetString(PyExc_TypeError, "the tracer's group entry is not a 4-tuple");
             return NULL;
         }
-        Py_CLEAR(f->last_group);
-        Py_XSETREF(f->last_mesh, Py_NewRef(mesh)); Py_XSETREF(f->last_dim, Py_NewRef(dim));
-        Py_XSETREF(f->last_hit, Py_NewRef(hit));
+        remember(f, NULL, mesh, dim, hit);
         return hit;
     }
     if (f->last_hit && group == f->last_group) return Py_NewRef(f->last_hit);
     PyObject *hit = group_entry(&f->h, group);
     if (!hit) return NULL;
-    Py_CLEAR(f->last_mesh); Py_CLEAR(f->last_dim);
-    Py_XSETREF(f->last_group, Py_NewRef(group));
-    Py_XSETREF(f->last_hit, Py_NewRef(hit));
+    remember(f, group, NULL, NULL, hit);
     return hit;
 }
 
@@ -132,14 +137,29 @@ static PyObject *funcol_issue(FuncolSlot *slot, Funcol *f, PyObject *const *args
     /* after it, also when it raised after its inner wait: the next op must not inherit that wait */
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
-    PyObject *end = PyObject_GetAttr(tls, s_nested_end), *blocked = end ? PyObject_GetAttr(tls, s_nested_wait) : NULL;
-    int restored = end && blocked && set_long_attr(tls, s_depth, depth) == 0 && PyObject_SetAttr(tls, s_current, prev) == 0
-        && PyObject_SetAttr(tls, s_nested_end, Py_None) == 0 && PyObject_SetAttr(tls, s_nested_wait, k_zero_f) == 0;
-    if (!restored) PyErr_Clear();  /* attribute writes on the tracer's own slotted object: not expected */
+    /* each restored whatever else fails (attributes of the tracer's own slotted object: not expected to) */
+    int restored = 1;
+#define KEEP_GOING(ok) do { if (!(ok)) { PyErr_Clear(); restored = 0; } } while (0)
+    KEEP_GOING(set_long_attr(tls, s_depth, depth) == 0);
+    KEEP_GOING(PyObject_SetAttr(tls, s_current, prev) == 0);
+    PyObject *end = PyObject_GetAttr(tls, s_nested_end);
+    KEEP_GOING(end);
+    PyObject *blocked = PyObject_GetAttr(tls, s_nested_wait);
+    KEEP_GOING(blocked);
+    KEEP_GOING(PyObject_SetAttr(tls, s_nested_end, Py_None) == 0);
+    KEEP_GOING(PyObject_SetAttr(tls, s_nested_wait, k_zero_f) == 0);
+#undef KEEP_GOING
     PyErr_Restore(type, value, tb);
     Py_DECREF(prev); Py_DECREF(tls);
     if (!out || !restored) {
         Py_XDECREF(end); Py_XDECREF(blocked); Py_DECREF(issued);
+        if (out && !restored) {  /* counted, as every failure of ours; the op goes unrecorded */
+            PyErr_SetString(PyExc_RuntimeError, "the tracer's nesting state could not be read or restored");
+            if (report(h, f->where) < 0) {
+                Py_DECREF(out);
+                return NULL;
+            }
+        }
         return out;
     }
     int r;
@@ -188,17 +208,7 @@ static PyObject *funcol_wait(FuncolSlot *slot, Funcol *f, PyObject *const *args,
         return PyObject_Vectorcall(f->slow, args, nargs, NULL);
     }
     Py_DECREF(key);
-    double t0 = now_s();
-    PyObject *out = PyObject_Vectorcall(slot->original, args, nargs, NULL);
-    if (!out) {
-        Py_DECREF(entry);
-        return NULL;
-    }
-    double t1 = now_s();
-    if (put_timed(h, entry, t1, t1 - t0) < 0 && report(h, f->where) < 0) {
-        Py_DECREF(entry); Py_DECREF(out);
-        return NULL;
-    }
+    PyObject *out = timed_wait(h, slot->original, args, nargs, entry, f->where);
     Py_DECREF(entry);
     return out;
 }

@@ -354,17 +354,7 @@ static PyObject *wait_call(Wait *w, PyObject *const *args, size_t nargsf, PyObje
         return PyObject_Vectorcall(w->slow, args, nargsf, NULL);
     }
     Py_DECREF(key);
-    double t0 = now_s();
-    PyObject *result = PyObject_Vectorcall(w->original, args, nargsf, NULL);
-    if (!result) {
-        Py_DECREF(entry);
-        return NULL;
-    }
-    double t1 = now_s();
-    if (put_timed(h, issued, t1, t1 - t0) < 0 && report(h, w->where) < 0) {
-        Py_DECREF(entry); Py_DECREF(result);
-        return NULL;
-    }
+    PyObject *result = timed_wait(h, w->original, args, nargsf, issued, w->where);
     Py_DECREF(entry);
     return result;
 }
