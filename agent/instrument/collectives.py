@@ -441,8 +441,7 @@ class CollectiveTracer:
         A name the first owner lacks (this torch release has no such function) is left absent and
         ``None`` returned: a wrapper put there would call ``None``, and would tell code that tests for
         the function (``getattr(funcol, "all_gather_single", None)``) that it exists."""
-        original = _raw(owners[0], name)
-        if original is None:
+        if (original := _raw(owners[0], name)) is None:
             return None
         if getattr(original, "__meshscope_tracer__", None) is not None or native.funcol_bound(original):
             raise RuntimeError(f"{name} is already patched by another CollectiveTracer")
