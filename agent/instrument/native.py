@@ -127,18 +127,15 @@ def funcol_site(name: str, original: Callable, python: Callable, *, tracer: Any,
     if not isinstance(vars(torch.compiler).get("_is_compiling_flag"), bool):  # what the C site reads for it
         return None
     site = _FUNCOL.get(name)
-    if site is None:
-        try:
-            import torch.distributed._functional_collectives as funcol
+    if site is None:  # (a failure here raises: the caller counts it, and keeps the Python site)
+        import torch.distributed._functional_collectives as funcol
 
-            site = _hot.FuncolSlot(original, funcol.AsyncCollectiveTensor, vars(torch.compiler), wait)
+        site = _hot.FuncolSlot(original, funcol.AsyncCollectiveTensor, vars(torch.compiler), wait)
 
-            def traced(*args: Any, **kwargs: Any) -> Any:  # what torch.compile traces in its place
-                return original(*args, **kwargs)
+        def traced(*args: Any, **kwargs: Any) -> Any:  # what torch.compile traces in its place
+            return original(*args, **kwargs)
 
-            sys.modules["torch._dynamo"].substitute_in_graph(site.fn, skip_signature_check=True)(traced)
-        except Exception:
-            return None
+        sys.modules["torch._dynamo"].substitute_in_graph(site.fn, skip_signature_check=True)(traced)
         _FUNCOL[name] = site
     if site.bound or site.original is not original:  # another tracer's, or not torch's function under it
         return None
