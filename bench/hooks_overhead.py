@@ -7,7 +7,8 @@ own): each hook path through the real Python API and the real C++ dispatch of to
 recorder; training-thread CPU time per op, the median over ABBA blocks of (with − without). Goal: ≤ 2 µs
 per op on every collective / P2P path and DDP bucket, ≤ 0.3 µs per pipeline span. Beside them, the
 floors: the barest Python recording wrappers of the same calls (``floor_*``), what no Python design of the
-path can go below. The DDP comm hook is also timed on a gloo world of one
+path can go below. Beside each traced path, torch.profiler on the same op, untraced by meshscope, in the path's
+process (``profiler_us``; ``profiler_events``: the events it records per op; ``profiler_over_meshscope``). The DDP comm hook is also timed on a gloo world of one
 (``ddp_comm_hook_gloo_world1``: a real future, its callback on gloo's thread; far noisier, a cross-check).
 Each traced path is measured in the form of the sites this checkout runs (C, agent/instrument/_hot.c,
 where built: ``sites``) and again in the pure-Python form (``per_call_python_us``, ``MESHSCOPE_NATIVE=0``;
@@ -396,6 +397,14 @@ def attribute(steps: dict[str, Any], calls_us: dict[str, Any], *, suffix: str = 
             round(row["profiler_events_per_step"] / events, 2) if events > 0 else None)
 
 
+def compare_per_op(calls_us: dict[str, Any]) -> None:
+    """Each path measured under torch.profiler too: the profiler's cost on the same op over meshscope's."""
+    for row in calls_us.values():
+        if isinstance(row, dict) and "profiler_us" in row:
+            mine = row["overhead_cpu_us"]
+            row["profiler_over_meshscope"] = round(row["profiler_us"] / mine, 2) if mine > 0 else None
+
+
 def _in_events(row: dict[str, Any]) -> float:
     """A path's cost in torch.profiler events measured in its own process."""
     return row["overhead_cpu_us"] / row["profiler_event_us"]
@@ -421,7 +430,8 @@ def main() -> None:
     load_start = os.getloadavg()
     calls_us, calls_python, steps, sustained = None, None, None, None
     if args.part in ("all", "calls"):
-        calls_us = per_call_isolated(calls=args.calls, blocks=args.blocks, yardstick=True)
+        calls_us = per_call_isolated(calls=args.calls, blocks=args.blocks, yardstick=True, profiled=True)
+        compare_per_op(calls_us)
         # The same traced paths in the Python form of the sites (agent/instrument/native.py): what C saves.
         if native._USABLE:
             calls_python = per_call_isolated(calls=args.calls, blocks=args.blocks, paths=PYTHON_FORM_PATHS,

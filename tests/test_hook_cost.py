@@ -153,3 +153,26 @@ def test_the_profiler_ratio_in_same_process_events_ignores_each_process_state() 
     assert base["meshscope_in_profiler_events"] == 40.0
     assert (base["profiler_over_meshscope_same_process"] == slow_profiler["profiler_over_meshscope_same_process"]
             == slow_funcol["profiler_over_meshscope_same_process"] == 10.0)
+
+
+@pytest.mark.timeout(300)
+def test_the_same_op_is_measured_under_the_profiler_beside_meshscope() -> None:
+    # What the benchmark prints beside each path: torch.profiler on the same untraced op, in the path's
+    # process, and the events it records per op (the fake backend's all-reduce: one, c10d::allreduce_).
+    costs = per_call_isolated(calls=400, blocks=3, paths=("c10d_all_reduce_blocking", "step_boundary"), profiled=True)
+    row = costs["c10d_all_reduce_blocking"]
+    assert row["profiler_events"] == 1.0
+    assert row["profiler_us"] > 0 and len(row["profiler_iqr_us"]) == 2
+    assert "profiler_us" not in costs["step_boundary"]  # the profiler has no step boundary to compare
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from bench.hooks_overhead import compare_per_op
+
+    compare_per_op(costs)
+    mine = row["overhead_cpu_us"]  # a median of 3 noisy blocks: may read <= 0 on a busy machine
+    assert row["profiler_over_meshscope"] == (round(row["profiler_us"] / mine, 2) if mine > 0 else None)
+    assert "profiler_over_meshscope" not in costs["step_boundary"]

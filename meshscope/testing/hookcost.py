@@ -81,10 +81,13 @@ def _ab(run: Callable[[], Any], on: Callable[[], None], off: Callable[[], None],
             "iqr_us": [round(q[0], 3), round(q[2], 3)]}
 
 
-def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | None = None) -> dict[str, Any]:
+def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | None = None,
+             profiled: tuple[str, ...] = ()) -> dict[str, Any]:
     """``{path: {"without_cpu_us", "overhead_cpu_us", "iqr_us"}}`` for every hook path (or ``paths``).
-    Initialises (and destroys) a ``fake`` process group in this process: call it where no other group
-    exists."""
+    ``profiled``: paths whose untraced op is also measured under torch.profiler (``light_profiler``), the
+    same A/B: ``profiler_us`` (what the profiler costs the same op) and ``profiler_events`` (the events it
+    records per op). Initialises (and destroys) a ``fake`` process group in this process: call it where no
+    other group exists."""
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
@@ -166,16 +169,16 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
             tel._index_tracers()
 
     floor_on, floor_off = _floor(tel)
-    profiled: dict[str, Any] = {"p": None}
+    profiling: dict[str, Any] = {"p": None}
 
     def profiler_on() -> None:
-        profiled["p"] = light_profiler()
-        profiled["p"].__enter__()
+        profiling["p"] = light_profiler()
+        profiling["p"].__enter__()
 
     def profiler_off() -> None:  # its trace's post-processing happens here, outside the timed blocks
-        if profiled["p"] is not None:
-            profiled["p"].__exit__(None, None, None)
-            profiled["p"] = None
+        if profiling["p"] is not None:
+            profiling["p"].__exit__(None, None, None)
+            profiling["p"] = None
     funcol_floor_on, funcol_floor_off = _floor_funcol(tel)
     ddp_hook, ddp_on, ddp_off = _ddp_hook(tracer, world, t)
     untracked = dist.all_reduce(t, async_op=True)
@@ -213,6 +216,11 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
             if paths is None or name in paths:
                 out[name] = _ab(run, arm_on, arm_off, calls=calls if name != "step_boundary" else max(1, calls // 10),
                                 blocks=blocks)
+                if name in profiled:
+                    arm_off()  # the op as torch runs it, under the profiler alone
+                    row = _ab(run, profiler_on, profiler_off, calls=calls, blocks=blocks)
+                    out[name].update(profiler_us=row["overhead_cpu_us"], profiler_iqr_us=row["iqr_us"],
+                                     profiler_events=_events_per_call(run, calls=calls))
         tel.begin_step(0)  # the open step the paths ran in, as at the start (step_boundary ends its own)
     finally:
         off()
@@ -227,6 +235,19 @@ PATHS = ("c10d_all_reduce_blocking", "c10d_all_reduce_async_wait", "funcol_all_r
          "fsdp_all_gather", "fsdp_reduce_scatter", "p2p_isend_wait", "p2p_irecv_wait", "p2p_batch_isend_wait",
          "p2p_batch_irecv_wait", "ddp_comm_hook",
          "pipeline_span", "step_boundary", "floor_blocking", "floor_async_wait", "floor_funcol", "profiler_aten_op")
+# Paths ``per_call_isolated(profiled=True)`` does not measure under torch.profiler: not a traced op's path, or
+# (the pipeline span) a stand-in stage whose compute has no torch op for the profiler to record.
+UNPROFILED = frozenset({"step_boundary", "work_wait_untracked", "pipeline_span", "floor_blocking", "floor_async_wait",
+                        "floor_funcol", "profiler_aten_op"})
+
+
+def _events_per_call(run: Callable[[], Any], *, calls: int) -> float:
+    """The events torch.profiler (``light_profiler``) records per call of ``run``."""
+    profiler = light_profiler()
+    with profiler:
+        for _ in range(calls):
+            run()
+    return round(len(profiler.events()) / calls, 2)
 
 
 def _floor(tel: Any) -> tuple[Callable[[], None], Callable[[], None]]:
@@ -397,7 +418,7 @@ def torch_work_type() -> type:
 
 def per_call_isolated(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] = PATHS,
                       timeout_s: float = 240.0, env: dict[str, str] | None = None,
-                      yardstick: bool = False) -> dict[str, Any]:
+                      yardstick: bool = False, profiled: bool = False) -> dict[str, Any]:
     """``per_call`` with each path in a process of its own (a fresh interpreter and ``fake`` group per
     path). In one process a path's figure depended on the paths measured before it (the pipeline span read
     0.32 µs alone and 0.48 µs after the other nine in the same minute: the heap and caches they leave
@@ -407,13 +428,17 @@ def per_call_isolated(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, 
     (``profiler_aten_op``), given as the path's ``profiler_event_us``: the machine moves between states that
     make every path of a process 1.5-2× slower (2026-11-27 22:00 UTC: the profiler's event 0.51 µs in one
     run, 0.87 and 0.93 in the next two), so a path's cost is compared with the profiler's measured in the same
-    process, not in another one that may have landed in another state."""
+    process, not in another one that may have landed in another state.
+
+    ``profiled``: each traced path's untraced op is also measured under torch.profiler in the path's process
+    (``per_call(profiled=...)``: ``profiler_us``, ``profiler_events``); not the paths of ``UNPROFILED``."""
     out: dict[str, Any] = {}
     recorded = {"dropped_records": 0, "errors": 0}
     for path in paths:
         measured = (path, "profiler_aten_op") if yardstick and path != "profiler_aten_op" else (path,)
+        under_profiler = (path,) if profiled and path not in UNPROFILED else ()
         got = run_isolated("from meshscope.testing.hookcost import per_call; "
-                           f"result = per_call(calls={calls}, blocks={blocks}, paths={measured!r})",
+                           f"result = per_call(calls={calls}, blocks={blocks}, paths={measured!r}, profiled={under_profiler!r})",
                            what=f"hook cost of {path}", timeout_s=timeout_s, env=env)
         out[path] = got[path]
         if len(measured) == 2:
