@@ -50,6 +50,18 @@ UNTRACED_US = {
 }
 
 
+def bench_hooks_overhead():
+    """bench/hooks_overhead.py as a module (bench/ is a folder of scripts)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return importlib.import_module("bench.hooks_overhead")
+
+
 def measure(paths: list[str]) -> dict:
     # Each path in its own process (per_call initialises a fake process group, and no other may exist
     # here; and a path's figure must not depend on the paths measured before it).
@@ -128,13 +140,7 @@ def test_the_profiler_ratio_in_same_process_events_ignores_each_process_state() 
     # bench/hooks_overhead.attribute: a TP step (3 funcol ops, one boundary, 400 profiler events). The
     # profiler's process landing in a state 1.8x slower moves the µs ratio from 10x to 18x; counted in
     # profiler events of each part's own process, it stays 10x, whichever process ran slow.
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    if str(root) not in sys.path:  # bench/ is a folder of scripts
-        sys.path.insert(0, str(root))
-    from bench.hooks_overhead import attribute
+    attribute = bench_hooks_overhead().attribute
 
     def run(profiler_state: float, funcol_state: float) -> dict:
         calls = {"funcol_mesh_dim_all_reduce_wait": {"overhead_cpu_us": 10.0 * funcol_state,
@@ -164,15 +170,7 @@ def test_the_same_op_is_measured_under_the_profiler_beside_meshscope() -> None:
     assert row["profiler_events"] == 1.0
     assert row["profiler_us"] > 0 and len(row["profiler_iqr_us"]) == 2
     assert "profiler_us" not in costs["step_boundary"]  # the profiler has no step boundary to compare
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    from bench.hooks_overhead import compare_per_op
-
-    compare_per_op(costs)
+    bench_hooks_overhead().compare_per_op(costs)
     mine = row["overhead_cpu_us"]  # a median of 3 noisy blocks: may read <= 0 on a busy machine
     assert row["profiler_over_meshscope"] == (round(row["profiler_us"] / mine, 2) if mine > 0 else None)
     assert "profiler_over_meshscope" not in costs["step_boundary"]
