@@ -10,7 +10,7 @@ site records, with no Python. Measured in the funcol loop of ``meshscope.testing
 backend, ``funcol.all_reduce(t, "sum", group).wait()``), training-thread CPU per op:
 
 - ``record``: in one process with the kernels registered, a global flag on / off in alternating blocks
-  (ABBA): what recording costs over the kernels passing the call through;
+  (``hookcost._ab``): what recording costs over the kernels passing the call through;
 - ``passthrough``: processes without the extension against processes with it loaded and off, alternating
   (a registration cannot be undone in a process): what the extra kernel in the dispatch chain costs.
 
@@ -26,13 +26,11 @@ states its processes landed in (its lists show them). Prints one JSON object.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
 import subprocess
 import sys
-import time
 
 SOURCE = r'''
 #include <torch/extension.h>
@@ -77,7 +75,8 @@ int64_t recorded() { return (int64_t)head; }
 BELOW = {"AutogradCPU": "c10::after_autograd_keyset", "ADInplaceOrView": "c10::after_ADInplaceOrView_keyset"}
 
 
-def _loop(calls: int):
+def _op():
+    """One traced-path op of hookcost's funcol loop, on a ``fake`` group of its own."""
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
@@ -85,19 +84,7 @@ def _loop(calls: int):
 
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     group, t = dist.group.WORLD, torch.ones(16)
-
-    def block() -> float:  # µs of training-thread CPU per op; the GC paused, as hookcost does
-        for _ in range(max(3, calls // 20)):
-            funcol.all_reduce(t, "sum", group).wait()
-        gc.collect()
-        gc.disable()
-        c0 = time.thread_time_ns()
-        for _ in range(calls):
-            funcol.all_reduce(t, "sum", group).wait()
-        spent = time.thread_time_ns() - c0
-        gc.enable()
-        return spent / calls / 1e3
-    return block
+    return lambda: funcol.all_reduce(t, "sum", group).wait()
 
 
 def _extension(key: str):
@@ -110,22 +97,27 @@ def _extension(key: str):
 
 
 def child(key: str, mode: str, calls: int, blocks: int) -> dict:
-    if mode == "none":
-        block = _loop(calls)
-        return {"us": statistics.median(block() for _ in range(blocks))}
-    ext = _extension(key)
-    block = _loop(calls)
-    if mode == "off":
-        return {"us": statistics.median(block() for _ in range(blocks))}
-    off, on = [], []
-    for b in range(blocks):
-        for flag in ((False, True) if b % 2 == 0 else (True, False)):
-            ext.set_on(flag)
-            (on if flag else off).append(block())
-    ext.set_on(False)
-    return {"off_us": statistics.median(off), "on_us": statistics.median(on),
-            "record_us": statistics.median(a - b for a, b in zip(on, off)), "recorded": ext.recorded(),
-            "ops_on": blocks * (calls + max(3, calls // 20))}
+    """Training-thread CPU per op, as ``hookcost._ab`` measures it (ABBA blocks, the GC paused)."""
+    from meshscope.testing.hookcost import _ab
+
+    ext = None if mode == "none" else _extension(key)
+    op = _op()
+    if mode != "record":  # one arm: both of _ab's arms the same
+        return {"us": _ab(op, lambda: None, lambda: None, calls=calls, blocks=blocks)["without_cpu_us"]}
+    made = {"on": False, "ops": 0}
+
+    def run() -> None:
+        made["ops"] += made["on"]
+        op()
+
+    def switch(on: bool) -> None:
+        made["on"] = on
+        ext.set_on(on)
+
+    row = _ab(run, lambda: switch(True), lambda: switch(False), calls=calls, blocks=blocks)
+    switch(False)
+    return {"off_us": row["without_cpu_us"], "record_us": row["overhead_cpu_us"], "record_iqr_us": row["iqr_us"],
+            "recorded": ext.recorded(), "ops_on": made["ops"]}
 
 
 def run_child(key: str, mode: str, calls: int, blocks: int) -> dict:
@@ -160,7 +152,7 @@ def main() -> None:
             (without if mode == "none" else passing).append(run_child(args.key, mode, args.calls, args.blocks)["us"])
     print(json.dumps({
         "torch": torch.__version__, "key": args.key, "load_avg_start": load, "load_avg_end": os.getloadavg(),
-        "record": {k: round(v, 3) if isinstance(v, float) else v for k, v in record.items()},
+        "record": record,
         "passthrough": {"untraced_us": [round(x, 2) for x in without], "kernels_off_us": [round(x, 2) for x in passing],
                         "median_difference_us": round(statistics.median(passing) - statistics.median(without), 2)},
     }, indent=1))
