@@ -10,7 +10,9 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # editable from this checkout (a clone elsewhere on the same machine must not test another checkout's
 # code), then whatever of the rest is missing.
 # The C form of the tracer's hot path (agent/instrument/_hot.c) is built by the editable install next to its
-# sources; rebuilt when one is newer than this interpreter's build (no C compiler: the Python path).
+# sources; rebuilt when one is newer than this interpreter's build (no C compiler: the Python path). The
+# functional collectives' kernels (a torch C++ extension: agent/instrument/funcol_kernels.py) are built last,
+# against the torch installed, into ~/.cache/meshscope (~40 s once per torch and source; none: the sites).
 NATIVE_CURRENT = $(PY) -c "import glob, os, sys, sysconfig; so = 'agent/instrument/_hot' + sysconfig.get_config_var('EXT_SUFFIX'); sys.exit(not (os.path.exists(so) and all(os.path.getmtime(so) >= os.path.getmtime(f) for f in glob.glob('agent/instrument/_hot*.[ch]'))))"
 
 install:
@@ -18,8 +20,10 @@ install:
 	@$(PY) -c "import os, meshscope.agent; assert os.path.realpath(meshscope.agent.__file__).startswith(os.path.realpath('agent') + os.sep)" 2>/dev/null \
 		|| $(PIP) install -q --no-deps -e .
 	@$(NATIVE_CURRENT) || ! command -v cc >/dev/null || $(PIP) install -q --no-deps --no-build-isolation -e .
-	@$(PY) -c "import meshscope.agent, meshscope.dashboard, streamlit, duckdb, pyarrow, prometheus_client, pytest_timeout, hypothesis, playwright, yaml, cryptography, psutil, plotly, pynvml, tqdm, setuptools.command.bdist_wheel, transformers, accelerate, lightning, moto.server, opentelemetry.sdk, opentelemetry.exporter.otlp.proto.http" 2>/dev/null \
+	@$(PY) -c "import meshscope.agent, meshscope.dashboard, streamlit, duckdb, pyarrow, prometheus_client, pytest_timeout, hypothesis, playwright, yaml, cryptography, psutil, plotly, pynvml, tqdm, ninja, setuptools.command.bdist_wheel, transformers, accelerate, lightning, moto.server, opentelemetry.sdk, opentelemetry.exporter.otlp.proto.http" 2>/dev/null \
 		|| $(PIP) install -e '.[test]'
+	@$(PY) -m meshscope.agent.instrument.funcol_kernels --check >/dev/null 2>&1 || ! command -v c++ >/dev/null \
+		|| $(PY) -m meshscope.agent.instrument.funcol_kernels
 
 # Real servers and a real browser for the integration tiers (Debian packages).
 install-servers:

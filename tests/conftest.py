@@ -59,9 +59,12 @@ def root() -> Path:
 @functools.lru_cache(maxsize=None)
 def sites_worker(script: str, form: str) -> dict:
     """The JSON object printed last by ``tests/workers/<script>``, run in its own process with the collective
-    tracer's C sites (``form`` "c") or its Python ones (``MESHSCOPE_NATIVE=0``). Cached: copy to change it."""
+    tracer's C sites (``form`` "c") or its Python ones (``MESHSCOPE_NATIVE=0``), the functional collectives'
+    kernels off (``MESHSCOPE_FUNCOL_KERNELS=0``) unless ``form`` is "kernels" (with the C sites). Cached: copy
+    to change it."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               MESHSCOPE_NATIVE="1" if form == "c" else "0")
+               MESHSCOPE_NATIVE="0" if form == "python" else "1",
+               MESHSCOPE_FUNCOL_KERNELS="1" if form == "kernels" else "0")
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / script)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -7,7 +7,8 @@
  * is not built: ``agent/instrument/native.py``):
  *
  * (one translation unit: _hot_common.h holds what the sites share, _hot_sites.h Site and Wait, _hot_batch.h
- * Batch, _hot_funcol.h Funcol, this file DdpOp, Span, read_fd and the module)
+ * Batch, _hot_funcol.h Funcol, this file DdpOp, Span,
+ * SharedCount, read_fd and the module)
  *
  *   Site(KIND_C10D, ...)   comm_c10d._fast_one's wrapper   (one-tensor collectives, P2P)
  *   Site(KIND_FSDP, ...)   comm_fsdp._traced's ``fast``    (FSDP2's custom all-gather / reduce-scatter)
@@ -19,6 +20,8 @@
  *   FuncolSlot(...).fn     comm_funcol.single's wrapper and its ``wait_tensor`` (the functional collectives,
  *                          TP): a builtin, which torch.compile is told to trace as torch's own function
  *                          (native.funcol_site; a C callable it cannot trace would be a graph break)
+ *   SharedCount(addr, o)   a group's issue counter shared with the functional-collective kernels
+ *                          (funcol_kernels.py: agent/instrument/_funcol_kernels.cpp)
  *   read_fd(fd, n)         a pread that keeps the GIL      (cpu.ThreadCPU: /proc/thread-self/schedstat)
  *
  * Timestamps are CLOCK_MONOTONIC converted as time.perf_counter converts it (native.py uses this module
@@ -329,6 +332,65 @@ static PyTypeObject SpanType = {
     .tp_getset = dict_getset,
 };
 
+/* ------------------------------------------------------------------------------------ SharedCount */
+/* SharedCount(address, owner): an iterator over 1, 2, 3, ... counted in the int64 at ``address``, which
+ * ``owner`` keeps alive: a group's issue counter shared with the functional-collective kernels
+ * (agent/instrument/funcol_kernels.py), taken with ``next`` by every site as an itertools.count is. */
+typedef struct {
+    PyObject_HEAD
+    int64_t *count;
+    PyObject *owner;
+} SharedCount;
+
+static PyObject *sharedcount_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *address, *owner;
+    if (!PyArg_ParseTuple(args, "OO:SharedCount", &address, &owner)) return NULL;
+    void *p = PyLong_AsVoidPtr(address);
+    if (!p) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "SharedCount: a null address");
+        return NULL;
+    }
+    SharedCount *c = (SharedCount *)type->tp_alloc(type, 0);
+    if (!c) return NULL;
+    c->count = (int64_t *)p;
+    c->owner = Py_NewRef(owner);
+    return (PyObject *)c;
+}
+
+static PyObject *sharedcount_next(SharedCount *c) {
+    return PyLong_FromLongLong(__atomic_add_fetch(c->count, 1, __ATOMIC_SEQ_CST));
+}
+
+static int sharedcount_traverse(SharedCount *c, visitproc visit, void *arg) {
+    Py_VISIT(c->owner);
+    return 0;
+}
+
+static int sharedcount_clear(SharedCount *c) {
+    Py_CLEAR(c->owner);
+    return 0;
+}
+
+static void sharedcount_dealloc(SharedCount *c) {
+    PyObject_GC_UnTrack(c);
+    sharedcount_clear(c);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+static PyTypeObject SharedCountType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "meshscope.agent.instrument._hot.SharedCount",
+    .tp_doc = "A group's issue counter shared with the functional-collective kernels (funcol_kernels.py).",
+    .tp_basicsize = sizeof(SharedCount),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = sharedcount_new,
+    .tp_traverse = (traverseproc)sharedcount_traverse,
+    .tp_clear = (inquiry)sharedcount_clear,
+    .tp_dealloc = (destructor)sharedcount_dealloc,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)sharedcount_next,
+};
+
 static PyObject *perf_counter(PyObject *module, PyObject *unused) {
     return PyFloat_FromDouble(now_s());
 }
@@ -360,7 +422,8 @@ PyMODINIT_FUNC PyInit__hot(void) {
         return NULL;
     if (PyType_Ready(&SiteType) < 0 || PyType_Ready(&WaitType) < 0 || PyType_Ready(&DdpOpType) < 0
         || PyType_Ready(&BatchType) < 0 || PyType_Ready(&SpanType) < 0 || PyType_Ready(&DdpOpsType) < 0
-        || PyType_Ready(&FuncolType) < 0 || PyType_Ready(&FuncolSlotType) < 0)
+        || PyType_Ready(&FuncolType) < 0 || PyType_Ready(&FuncolSlotType) < 0
+        || PyType_Ready(&SharedCountType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
@@ -371,6 +434,7 @@ PyMODINIT_FUNC PyInit__hot(void) {
         || PyModule_AddObjectRef(m, "Batch", (PyObject *)&BatchType) < 0
         || PyModule_AddObjectRef(m, "Span", (PyObject *)&SpanType) < 0
         || PyModule_AddObjectRef(m, "FuncolSlot", (PyObject *)&FuncolSlotType) < 0
+        || PyModule_AddObjectRef(m, "SharedCount", (PyObject *)&SharedCountType) < 0
         || PyModule_AddIntConstant(m, "KIND_C10D", KIND_C10D) < 0
         || PyModule_AddIntConstant(m, "KIND_FSDP", KIND_FSDP) < 0) {
         Py_DECREF(m);

@@ -144,6 +144,12 @@ class CollectiveTracer:
         self._no_future: set[tuple[str, str]] = set()  # (op, group) whose works have no future
         # The Recorder protocol has no ``seq`` yet; pass the issue-order sequence number where accepted.
         self._pass_seq = _accepts_kw(recorder.record_collective, "seq")
+        # The functional collectives' kernels in torch's dispatcher, where they trace them (funcol_kernels:
+        # comm_funcol.install binds them), and the recorder's step at a completion time they report.
+        self._kernels: Any = None
+        key_at = getattr(recorder, "step_key_at", None)
+        self._step_at: Callable[[float], Any] = ((lambda t: key_at(t + self._epoch)) if key_at is not None
+                                                 else (lambda t: None))
         self._hot_paths()
 
     # ------------------------------------------------------------------------------------ lifecycle
@@ -183,6 +189,8 @@ class CollectiveTracer:
                 self._cuda.settle(self, timeout_s=_CUDA_SETTLE_S, clock=time.monotonic, sleep=time.sleep)
             except Exception as exc:
                 self.error("cuda_resolve", exc)
+        if self._kernels is not None:  # off; the ops still waiting for their wait are dropped (counted)
+            self._kernels.unbind()
         self.drain()
         self.enabled = False
         for handle in self._model_hooks.values():
@@ -259,6 +267,11 @@ class CollectiveTracer:
                 self._cuda.resolve(self)
             except Exception as exc:
                 self.error("cuda_resolve", exc)
+        if self._kernels is not None:
+            try:
+                n += self._kernels.drain(self._record_entry, step_at=self._step_at)
+            except Exception as exc:
+                self.error("funcol_kernels.drain", exc)
         while True:
             try:
                 entry = done.popleft()
@@ -415,6 +428,21 @@ class CollectiveTracer:
             self.recorder.record_collective(**kw)
         except Exception as exc:
             self.error("record_collective", exc)
+
+    def use_kernels(self, ext: Any) -> bool:
+        """Trace the functional collectives with ``ext``'s kernels (funcol_kernels) instead of comm_funcol's
+        sites: bound to this tracer, its groups numbered by the kernels' counters. False where it cannot be
+        (another tracer holds them, or this one numbered ops before with counters of its own)."""
+        from meshscope.agent.instrument.funcol_kernels import Bound
+
+        if self._kernels is not None:  # attached again
+            return self._kernels.bind(max_pending=_MAX_PENDING, max_done=_MAX_DONE)
+        bound = Bound(ext, self)
+        if self.groups._counters or not bound.bind(max_pending=_MAX_PENDING, max_done=_MAX_DONE):
+            return False
+        self._kernels = bound
+        self.groups.counter_of = bound.counter
+        return True
 
     def error(self, where: str, exc: BaseException) -> None:
         self.stats["errors"] += 1

@@ -261,6 +261,11 @@ class _CForm:
 def install(tracer: Any) -> None:
     """Patch the funcol issue functions and ``wait_tensor`` through ``tracer.patch``
     (``CollectiveTracer``: restored by its ``detach``); their C form where it can be (``_CForm``)."""
+    from meshscope.agent.instrument import funcol_kernels
+
+    ext = funcol_kernels.usable(tracer)
+    if ext is not None and tracer.use_kernels(ext):  # traced in torch's dispatcher: nothing patched here
+        return
     owners = (funcol,)
     cform = _CForm(tracer)
 

@@ -5,14 +5,16 @@ Every site looks its group up by the designator's identity in ``GroupTable.entri
 counter, the GroupInfo's key)``. The key (an index into ``infos``) is what an op's tuples carry, not the
 GroupInfo: a tuple of plain values is one the cyclic GC stops tracking (see ``ops``). Designators of one
 group (None and the world group; a mesh and its group) share the counter (``next`` of an
-``itertools.count``: the op's sequence number in its group, from 1).
+``itertools.count``: the op's sequence number in its group, from 1), or where the functional collectives are
+traced in torch's dispatcher, of the group's counter there (``counter_of``: funcol_kernels.Bound.counter), so
+that the kernels and the sites number one group's ops in one sequence.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from meshscope.agent.instrument.meshinfo import GroupInfo, MeshInfo
 
@@ -33,6 +35,8 @@ class GroupTable:
         self._info_keys: dict[GroupInfo, int] = {}
         self._lock = threading.Lock()
         self._counters: dict[str, Iterator[int]] = {}
+        # A group's counter, by its c10d name (set before the first op: funcol_kernels)
+        self.counter_of: Callable[[str], Iterator[int]] = lambda name: itertools.count(1)
 
     def info(self, group: Any) -> GroupInfo:
         """The group's ``GroupInfo`` (resolved once per designator)."""
@@ -73,7 +77,7 @@ class GroupTable:
             table.clear()
         counter = self._counters.get(info.name)
         if counter is None:
-            counter = self._counters[info.name] = itertools.count(1)
+            counter = self._counters[info.name] = self.counter_of(info.name)
         with self._lock:  # a group first seen by two threads at once still gets one key
             key = self._info_keys.get(info)
             if key is None:  # one per distinct group: GroupInfo compares by value

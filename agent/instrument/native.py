@@ -36,6 +36,18 @@ def _switched_on() -> bool:
     return os.environ.get("MESHSCOPE_NATIVE", "1") != "0"
 
 
+def switched_on() -> bool:
+    """Whether the C forms are switched on (``MESHSCOPE_NATIVE`` is not ``0``): the C sites and the
+    functional-collective kernels (``funcol_kernels``) alike."""
+    return _switched_on()
+
+
+def shared_count(counter: Any) -> Any:
+    """A functional-collective kernels' group counter (``funcol_kernels.Bound.counter``) as the sites take it:
+    ``_hot.SharedCount`` over the int64 it counts in where the C module is built, else the counter itself."""
+    return counter if _hot is None else _hot.SharedCount(counter.address, counter)
+
+
 def active(tracer: Any) -> bool:
     """Whether ``tracer``'s sites are made in C."""
     return _USABLE and _switched_on() and getattr(tracer, "now", None) is time.perf_counter

@@ -212,6 +212,10 @@ class Telemetry:
         if self._cur is not None:
             self._end_step(self._cur)
 
+    def step_key_at(self, t: float) -> int | None:
+        """The key (``Live.key``) of the step open at clock time ``t``, or None (``PendingSteps.key_at``)."""
+        return self._pending.key_at(t)
+
     def update_step(self, **values: Any) -> None:
         """``StepContext.update`` for the open step (nothing when none is open)."""
         if self._cur is not None:

@@ -1,0 +1,273 @@
+// The functional collectives (``torch.ops._c10d_functional``: TP / DTensor's path) traced in torch's dispatcher:
+// a wrapper kernel per op at the ADInplaceOrView key, below torch's autograd kernel, that takes the op's
+// sequence number and a CLOCK_MONOTONIC reading, passes the call on unchanged (``redispatchBoxed`` below
+// the key) and keys the op by its output's data pointer; ``wait_tensor``'s kernel times the wait and moves
+// the op to a bounded list the tracer drains on its flusher thread (agent/instrument/funcol_kernels.py).
+// No Python runs per op: a Python wrapper of funcol's functions costs 5.8-6.3 us of training-thread CPU
+// per op on the dev VM however little it does (bench/hooks_overhead.py's funcol floor; the probe of this
+// design: bench/funcol_dispatcher_probe.py).
+//
+// What is recorded is what comm_funcol's Python sites record for the same call: the op, its group (by
+// c10d's group name), its bytes (all-gather: the output's), the sequence number from the group's counter
+// (shared with the Python and C sites of the c10d ops: ``counter``), the issue time, and at its
+// ``wait_tensor`` the wait's end and its blocked time. Only dense CPU tensors are recorded here (a process
+// with CUDA keeps the Python sites: funcol_kernels.usable); tensors of a tracing mode (fake, functional:
+// the Python or Functionalize key) pass through unrecorded. Nothing of this code may fail the op: its own
+// errors are counted (``stats``), the op's own exceptions propagate unchanged.
+#include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <time.h>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+enum Op { ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, BROADCAST };
+const char* const kOpNames[] = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"};
+
+struct Pending { int op, gid; int64_t nbytes, seq, t0; };
+struct Done { int op, gid; int64_t nbytes, seq, t0, t1, wait; };
+using Counter = std::shared_ptr<std::atomic<int64_t>>;
+
+std::atomic<bool> g_on{false};
+std::mutex g_mu;  // everything below
+std::unordered_map<const void*, Pending> g_pending;
+std::vector<Done> g_done;
+size_t g_max_pending = 4096, g_max_done = 65536;
+std::unordered_map<std::string, int> g_gids;  // c10d group name -> index into g_names / g_counter_of
+std::vector<std::string> g_names;
+std::vector<Counter> g_counter_of;
+std::unordered_map<std::string, Counter> g_counters;  // by group name, shared with the tracer's GroupTable
+int64_t g_bound = 0;  // the tracer bound (its token), 0 when none
+int64_t g_unmatched = 0, g_unmatched_ns = 0, g_dropped_done = 0, g_dropped_pending = 0, g_errors = 0;
+
+inline int64_t now_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
+}
+
+Counter& counter_locked(const std::string& name) {
+  Counter& c = g_counters[name];
+  if (!c) c = std::make_shared<std::atomic<int64_t>>(0);
+  return c;
+}
+
+int gid_locked(const std::string& name) {
+  auto it = g_gids.find(name);
+  if (it != g_gids.end()) return it->second;
+  int id = static_cast<int>(g_names.size());
+  g_gids.emplace(name, id);
+  g_names.push_back(name);
+  g_counter_of.push_back(counter_locked(name));
+  return id;
+}
+
+// A tensor whose op is recorded: real dense CPU memory (not a tracing mode's stand-in).
+bool recordable(const at::Tensor& t) {
+  if (!t.defined() || !t.is_cpu() || t.layout() != c10::kStrided || !t.has_storage()) return false;
+  const auto ks = t.key_set();
+  return !ks.has(c10::DispatchKey::Python) && !ks.has(c10::DispatchKey::Functionalize);
+}
+
+inline void pass_on(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  op.redispatchBoxed(ks & c10::after_ADInplaceOrView_keyset, stack);
+}
+
+// An issuing op: its first argument a Tensor (or a list of them: the *_coalesced ops, one record per
+// tensor), its last the group's name. OUTPUT_BYTES: the op's bytes are its output's (all-gather).
+template <int OP, bool OUTPUT_BYTES>
+void issue_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  if (!g_on.load(std::memory_order_relaxed)) return pass_on(op, ks, stack);
+  std::vector<at::Tensor> inputs;
+  int gid = -1;
+  int64_t seq0 = 0;
+  try {
+    const size_t n = op.schema().arguments().size();
+    const c10::IValue& first = (*stack)[stack->size() - n];
+    const c10::IValue& name = stack->back();
+    if (name.isString()) {
+      if (first.isTensor()) {
+        inputs.push_back(first.toTensor());
+      } else if (first.isTensorList()) {
+        for (const at::Tensor& t : first.toTensorList()) inputs.push_back(t);
+      }
+    }
+    for (const at::Tensor& t : inputs) {
+      if (!recordable(t)) {
+        inputs.clear();
+        break;
+      }
+    }
+    if (!inputs.empty()) {  // numbered at the issue, as the Python sites number theirs
+      std::lock_guard<std::mutex> lock(g_mu);
+      gid = gid_locked(name.toStringRef());
+      seq0 = g_counter_of[gid]->fetch_add(static_cast<int64_t>(inputs.size())) + 1;
+    }
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    ++g_errors;
+    inputs.clear();
+  }
+  if (inputs.empty()) return pass_on(op, ks, stack);
+  const int64_t t0 = now_ns();
+  pass_on(op, ks, stack);  // the op itself: its exceptions are the caller's
+  try {
+    std::vector<at::Tensor> outputs;
+    const c10::IValue& out = stack->back();
+    if (out.isTensor()) {
+      outputs.push_back(out.toTensor());
+    } else if (out.isTensorList()) {
+      for (const at::Tensor& t : out.toTensorList()) outputs.push_back(t);
+    }
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (outputs.size() != inputs.size()) {
+      ++g_errors;
+      return;
+    }
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      const at::Tensor& t = OUTPUT_BYTES ? outputs[i] : inputs[i];
+      if (g_pending.size() >= g_max_pending) {
+        ++g_dropped_pending;
+        continue;
+      }
+      g_pending[outputs[i].data_ptr()] =
+          Pending{OP, gid, static_cast<int64_t>(t.nbytes()), seq0 + static_cast<int64_t>(i), t0};
+    }
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    ++g_errors;
+  }
+}
+
+// wait_tensor(Tensor tensor) -> Tensor: the op whose output this is completes at the wait's return.
+void wait_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  if (!g_on.load(std::memory_order_relaxed)) return pass_on(op, ks, stack);
+  const void* key = nullptr;
+  try {
+    const at::Tensor& t = stack->back().toTensor();
+    if (recordable(t)) key = t.data_ptr();
+  } catch (...) {
+    key = nullptr;
+  }
+  if (key == nullptr) return pass_on(op, ks, stack);
+  const int64_t w0 = now_ns();
+  pass_on(op, ks, stack);
+  const int64_t w1 = now_ns();
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_pending.find(key);
+  if (it == g_pending.end()) {  // an op issued untraced (before the tracer bound, or not recordable)
+    ++g_unmatched;
+    g_unmatched_ns += w1 - w0;
+    return;
+  }
+  const Pending p = it->second;
+  g_pending.erase(it);
+  if (g_done.size() >= g_max_done) {
+    ++g_dropped_done;
+    return;
+  }
+  g_done.push_back(Done{p.op, p.gid, p.nbytes, p.seq, p.t0, w1, w1 - w0});
+}
+
+inline double seconds(int64_t ns) { return static_cast<double>(ns) / 1e9; }  // as time.perf_counter converts
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(_c10d_functional, ADInplaceOrView, m) {
+  m.impl("all_reduce", torch::CppFunction::makeFromBoxedFunction<&issue_kernel<ALL_REDUCE, false>>());
+  m.impl("all_gather_into_tensor", torch::CppFunction::makeFromBoxedFunction<&issue_kernel<ALL_GATHER, true>>());
+  m.impl("reduce_scatter_tensor",
+         torch::CppFunction::makeFromBoxedFunction<&issue_kernel<REDUCE_SCATTER, false>>());
+  m.impl("all_to_all_single", torch::CppFunction::makeFromBoxedFunction<&issue_kernel<ALL_TO_ALL, false>>());
+  m.impl("broadcast", torch::CppFunction::makeFromBoxedFunction<&issue_kernel<BROADCAST, false>>());
+  m.impl("all_reduce_coalesced", torch::CppFunction::makeFromBoxedFunction<&issue_kernel<ALL_REDUCE, false>>());
+  m.impl("all_gather_into_tensor_coalesced",
+         torch::CppFunction::makeFromBoxedFunction<&issue_kernel<ALL_GATHER, true>>());
+  m.impl("reduce_scatter_tensor_coalesced",
+         torch::CppFunction::makeFromBoxedFunction<&issue_kernel<REDUCE_SCATTER, false>>());
+  m.impl("wait_tensor", torch::CppFunction::makeFromBoxedFunction<&wait_kernel>());
+}
+
+// A group's issue counter, shared by the kernels and the tracer's sites (grouptable.GroupTable): ``next``
+// gives the next sequence number (from 1); ``address`` the int64 it counts in (for _hot.SharedCount).
+struct PyCounter {
+  Counter c;
+};
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  py::class_<PyCounter>(m, "Counter")
+      .def("__iter__", [](PyCounter& self) -> PyCounter& { return self; })
+      .def("__next__", [](PyCounter& self) { return self.c->fetch_add(1) + 1; })
+      .def_property_readonly("address", [](PyCounter& self) { return reinterpret_cast<uintptr_t>(self.c.get()); });
+  m.def("bind", [](int64_t token, size_t max_pending, size_t max_done) {
+    // Recording on for ``token`` (a tracer); a tracer other than the last one bound starts afresh (its
+    // counters from 1, as a new GroupTable's). False when another tracer holds it.
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_bound != 0 && g_bound != token) return false;
+    if (g_bound == 0) {
+      static int64_t last = 0;
+      if (last != token) {
+        g_gids.clear(); g_names.clear(); g_counter_of.clear(); g_counters.clear();
+        g_done.clear(); g_pending.clear();
+        g_unmatched = g_unmatched_ns = g_dropped_done = g_dropped_pending = g_errors = 0;
+        last = token;
+      }
+    }
+    g_bound = token;
+    g_max_pending = max_pending;
+    g_max_done = max_done;
+    g_on.store(true);
+    return true;
+  });
+  m.def("unbind", [](int64_t token) {
+    // Recording off; the ops still waiting for their wait_tensor are dropped (counted).
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_bound != token) return;
+    g_on.store(false);
+    g_bound = 0;
+    g_dropped_pending += static_cast<int64_t>(g_pending.size());
+    g_pending.clear();
+  });
+  m.def("counter", [](const std::string& name) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    return PyCounter{counter_locked(name)};
+  });
+  m.def("drain", []() {
+    // The completed ops, as (op, group name, bytes, seq, t_start, t_end, wait_s) in time.perf_counter's
+    // seconds, and the counts since the last drain (dict).
+    std::vector<Done> done;
+    std::vector<std::string> names;
+    int64_t unmatched, unmatched_ns, dropped_done, dropped_pending, errors;
+    {
+      std::lock_guard<std::mutex> lock(g_mu);
+      done.swap(g_done);
+      names = g_names;
+      unmatched = g_unmatched; unmatched_ns = g_unmatched_ns; dropped_done = g_dropped_done;
+      dropped_pending = g_dropped_pending; errors = g_errors;
+      g_unmatched = g_unmatched_ns = g_dropped_done = g_dropped_pending = g_errors = 0;
+    }
+    py::list rows;
+    for (const Done& d : done) {
+      rows.append(py::make_tuple(kOpNames[d.op], names[d.gid], d.nbytes, d.seq, seconds(d.t0), seconds(d.t1),
+                                 seconds(d.wait)));
+    }
+    py::dict stats;
+    stats["unmatched_waits"] = unmatched;
+    stats["unmatched_wait_us"] = unmatched_ns / 1000;
+    stats["dropped_done"] = dropped_done;
+    stats["dropped_pending"] = dropped_pending;
+    stats["kernel_errors"] = errors;
+    return py::make_tuple(rows, stats);
+  });
+  m.def("pending", []() {
+    std::lock_guard<std::mutex> lock(g_mu);
+    return g_pending.size();
+  });
+}
