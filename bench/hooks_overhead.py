@@ -13,7 +13,9 @@ path's process (``profiler_us``; ``profiler_events``: the events it records per 
 (``ddp_comm_hook_gloo_world1``: a real future, its callback on gloo's thread; far noisier, a cross-check).
 Each traced path is measured in the form of the sites this checkout runs (C, agent/instrument/_hot.c,
 where built: ``sites``) and again in the pure-Python form (``per_call_python_us``, ``MESHSCOPE_NATIVE=0``;
-the per-step attribution in that form is the ``*_python`` figures).
+the per-step attribution in that form is the ``*_python`` figures). The functional collectives are traced by
+kernels in torch's dispatcher where those are built (``funcol``: agent/instrument/funcol_kernels.py), and
+measured again with the sites those replace (``per_call_funcol_sites_us``, ``MESHSCOPE_FUNCOL_KERNELS=0``).
 The per-call blocks pause the garbage collector, so ``sustained`` (``meshscope.testing.gccost``) adds what
 they cannot see: 100,000 traced all-reduces in one loop with the GC on, a step every 10 ops, against the
 same loop untraced, with the time the GC ran on the training thread per generation.
@@ -51,7 +53,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from meshscope.agent.instrument import native  # noqa: E402
+from meshscope.agent.instrument import funcol_kernels, native  # noqa: E402
 from meshscope.testing.gccost import sustained_isolated  # noqa: E402
 from meshscope.testing.hookcost import _ab, free_port, init_gloo, light_profiler, per_call_isolated  # noqa: E402
 
@@ -359,6 +361,8 @@ def _path(source_op: str, *, batched: bool = False) -> str:
     return "c10d_all_reduce_blocking"
 
 
+# The functional collectives measured again with the sites their kernels replace (the C sites where built).
+FUNCOL_PATHS = ("funcol_all_reduce_wait", "funcol_mesh_dim_all_reduce_wait")
 # The traced paths measured again in the Python form of the sites (floors and the profiler do not change).
 PYTHON_FORM_PATHS = ("c10d_all_reduce_blocking", "c10d_all_reduce_async_wait", "funcol_all_reduce_wait",
                      "funcol_mesh_dim_all_reduce_wait",
@@ -429,7 +433,7 @@ def main() -> None:
     import torch
 
     load_start = os.getloadavg()
-    calls_us, calls_python, steps, sustained = None, None, None, None
+    calls_us, calls_python, calls_funcol_sites, steps, sustained = None, None, None, None, None
     if args.part in ("all", "calls"):
         calls_us = per_call_isolated(calls=args.calls, blocks=args.blocks, yardstick=True, profiled=True)
         compare_per_op(calls_us)
@@ -437,6 +441,9 @@ def main() -> None:
         if native._USABLE:
             calls_python = per_call_isolated(calls=args.calls, blocks=args.blocks, paths=PYTHON_FORM_PATHS,
                                              env={"MESHSCOPE_NATIVE": "0"}, yardstick=True)
+        if funcol_kernels.built() is not None and native.switched_on():
+            calls_funcol_sites = per_call_isolated(calls=args.calls, blocks=args.blocks, paths=FUNCOL_PATHS,
+                                                   env={"MESHSCOPE_FUNCOL_KERNELS": "0"}, yardstick=True)
         child = subprocess.run([sys.executable, __file__, "--ddp-hook-child", "--calls", str(max(1, args.calls // 4)),
                                 "--blocks", str(args.blocks)], capture_output=True, text=True, check=True)
         calls_us["ddp_comm_hook_gloo_world1"] = json.loads(child.stdout.strip().splitlines()[-1])
@@ -453,6 +460,10 @@ def main() -> None:
         "load_avg_start": load_start,
         "sites": "C (agent/instrument/_hot.c)" if native._USABLE else "Python (the C sites are not built)",
         "per_call_us": calls_us,
+        "funcol": ("kernels in torch's dispatcher (agent/instrument/_funcol_kernels.cpp)"
+                   if funcol_kernels.built() is not None and native.switched_on()
+                   else "the sites of comm_funcol (the kernels are not built)"),
+        "per_call_funcol_sites_us": calls_funcol_sites,
         "per_call_python_us": calls_python,
         "sustained_per_op": sustained,
         "per_step_2ranks": steps,

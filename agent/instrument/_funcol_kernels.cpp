@@ -1,25 +1,33 @@
 // The functional collectives (``torch.ops._c10d_functional``: TP / DTensor's path) traced in torch's dispatcher:
-// a wrapper kernel per op at the ADInplaceOrView key, below torch's autograd kernel, that takes the op's
-// sequence number and a CLOCK_MONOTONIC reading, passes the call on unchanged (``redispatchBoxed`` below
-// the key) and keys the op by its output's data pointer; ``wait_tensor``'s kernel times the wait and moves
-// the op to a bounded list the tracer drains on its flusher thread (agent/instrument/funcol_kernels.py).
-// No Python runs per op: a Python wrapper of funcol's functions costs 5.8-6.3 us of training-thread CPU
-// per op on the dev VM however little it does (bench/hooks_overhead.py's funcol floor; the probe of this
-// design: bench/funcol_dispatcher_probe.py).
+// a wrapper kernel per op at the CPU key that takes the op's sequence number and a CLOCK_MONOTONIC reading,
+// calls the kernel torch computed for that key before (``install``: its CompositeExplicitAutograd kernel) on
+// the same stack, and keys the op by its output's data pointer; ``wait_tensor``'s kernel times the wait and
+// moves the op to a bounded list the tracer drains on its flusher thread (agent/instrument/funcol_kernels.py).
+// No Python runs per op: a Python wrapper of funcol's functions costs 5.8-6.3 us of training-thread CPU per
+// op on the dev VM however little it does (bench/hooks_overhead.py's funcol floor; the probe of this design:
+// bench/funcol_dispatcher_probe.py).
+//
+// Why the backend key and not ADInplaceOrView (the probe's): an op called inside a tensor subclass's
+// __torch_dispatch__ — the wait an AsyncCollectiveTensor makes on its first use, DTensor's redistributions
+// during its own dispatch — runs below autograd with ADInplaceOrView excluded, so a kernel there never sees it
+// (a TP step of the trainer lost 10 of its 27 funcol ops so); and inference-mode tensors have no such key.
+// Every call on a CPU tensor reaches the CPU key.
 //
 // What is recorded is what comm_funcol's Python sites record for the same call: the op, its group (by
 // c10d's group name), its bytes (all-gather: the output's), the sequence number from the group's counter
 // (shared with the Python and C sites of the c10d ops: ``counter``), the issue time, and at its
-// ``wait_tensor`` the wait's end and its blocked time. Only dense CPU tensors are recorded here (a process
-// with CUDA keeps the Python sites: funcol_kernels.usable); tensors of a tracing mode (fake, functional:
-// the Python or Functionalize key) pass through unrecorded. Nothing of this code may fail the op: its own
-// errors are counted (``stats``), the op's own exceptions propagate unchanged.
+// ``wait_tensor`` the wait's end and its blocked time. Only CPU tensors reach these kernels (a process with
+// CUDA keeps the Python sites: funcol_kernels.usable); a tracing mode's stand-ins (fake tensors) are handled
+// above this key. Nothing of this code may fail the op: its own errors are counted (``stats``), the op's own
+// exceptions propagate unchanged.
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
 
 #include <atomic>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <time.h>
 #include <unordered_map>
@@ -68,22 +76,26 @@ int gid_locked(const std::string& name) {
   return id;
 }
 
-// A tensor whose op is recorded: real dense CPU memory (not a tracing mode's stand-in).
+// A tensor whose op is recorded: dense CPU memory with a data pointer to key its wait by.
 bool recordable(const at::Tensor& t) {
-  if (!t.defined() || !t.is_cpu() || t.layout() != c10::kStrided || !t.has_storage()) return false;
-  const auto ks = t.key_set();
-  return !ks.has(c10::DispatchKey::Python) && !ks.has(c10::DispatchKey::Functionalize);
+  return t.defined() && t.is_cpu() && t.layout() == c10::kStrided && t.has_storage();
 }
 
+// torch's own kernel of each op for the CPU key, taken before ours took its place (``install``).
+enum Slot { S_ALL_REDUCE, S_ALL_GATHER, S_REDUCE_SCATTER, S_ALL_TO_ALL, S_BROADCAST, S_ALL_REDUCE_CO, S_ALL_GATHER_CO,
+            S_REDUCE_SCATTER_CO, S_WAIT, N_SLOTS };
+std::optional<c10::SafeKernelFunction> g_torch[N_SLOTS];
+
+template <int SLOT>
 inline void pass_on(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  op.redispatchBoxed(ks & c10::after_ADInplaceOrView_keyset, stack);
+  g_torch[SLOT]->callBoxed(op, ks, stack);
 }
 
 // An issuing op: its first argument a Tensor (or a list of them: the *_coalesced ops, one record per
 // tensor), its last the group's name. OUTPUT_BYTES: the op's bytes are its output's (all-gather).
-template <int OP, bool OUTPUT_BYTES>
+template <int SLOT, int OP, bool OUTPUT_BYTES>
 void issue_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  if (!g_on.load(std::memory_order_relaxed)) return pass_on(op, ks, stack);
+  if (!g_on.load(std::memory_order_relaxed)) return pass_on<SLOT>(op, ks, stack);
   std::vector<at::Tensor> inputs;
   int gid = -1;
   int64_t seq0 = 0;
@@ -114,9 +126,9 @@ void issue_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::
     ++g_errors;
     inputs.clear();
   }
-  if (inputs.empty()) return pass_on(op, ks, stack);
+  if (inputs.empty()) return pass_on<SLOT>(op, ks, stack);
   const int64_t t0 = now_ns();
-  pass_on(op, ks, stack);  // the op itself: its exceptions are the caller's
+  pass_on<SLOT>(op, ks, stack);  // the op itself: its exceptions are the caller's
   try {
     std::vector<at::Tensor> outputs;
     const c10::IValue& out = stack->back();
@@ -147,7 +159,7 @@ void issue_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::
 
 // wait_tensor(Tensor tensor) -> Tensor: the op whose output this is completes at the wait's return.
 void wait_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  if (!g_on.load(std::memory_order_relaxed)) return pass_on(op, ks, stack);
+  if (!g_on.load(std::memory_order_relaxed)) return pass_on<S_WAIT>(op, ks, stack);
   const void* key = nullptr;
   try {
     const at::Tensor& t = stack->back().toTensor();
@@ -155,9 +167,9 @@ void wait_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::j
   } catch (...) {
     key = nullptr;
   }
-  if (key == nullptr) return pass_on(op, ks, stack);
+  if (key == nullptr) return pass_on<S_WAIT>(op, ks, stack);
   const int64_t w0 = now_ns();
-  pass_on(op, ks, stack);
+  pass_on<S_WAIT>(op, ks, stack);
   const int64_t w1 = now_ns();
   std::lock_guard<std::mutex> lock(g_mu);
   auto it = g_pending.find(key);
@@ -179,19 +191,44 @@ inline double seconds(int64_t ns) { return static_cast<double>(ns) / 1e9; }  // 
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(_c10d_functional, ADInplaceOrView, m) {
-  m.impl("all_reduce", torch::CppFunction::makeFromBoxedFunction<&issue_kernel<ALL_REDUCE, false>>());
-  m.impl("all_gather_into_tensor", torch::CppFunction::makeFromBoxedFunction<&issue_kernel<ALL_GATHER, true>>());
-  m.impl("reduce_scatter_tensor",
-         torch::CppFunction::makeFromBoxedFunction<&issue_kernel<REDUCE_SCATTER, false>>());
-  m.impl("all_to_all_single", torch::CppFunction::makeFromBoxedFunction<&issue_kernel<ALL_TO_ALL, false>>());
-  m.impl("broadcast", torch::CppFunction::makeFromBoxedFunction<&issue_kernel<BROADCAST, false>>());
-  m.impl("all_reduce_coalesced", torch::CppFunction::makeFromBoxedFunction<&issue_kernel<ALL_REDUCE, false>>());
-  m.impl("all_gather_into_tensor_coalesced",
-         torch::CppFunction::makeFromBoxedFunction<&issue_kernel<ALL_GATHER, true>>());
-  m.impl("reduce_scatter_tensor_coalesced",
-         torch::CppFunction::makeFromBoxedFunction<&issue_kernel<REDUCE_SCATTER, false>>());
-  m.impl("wait_tensor", torch::CppFunction::makeFromBoxedFunction<&wait_kernel>());
+// Puts the kernels in place at the CPU key of each op, once per process (a registration is never undone:
+// ``bind`` / ``unbind`` switch recording); each keeps torch's kernel for the key it replaces. False (nothing
+// registered) where an op is missing or has a kernel of its own for the CPU key already: then the sites trace.
+template <c10::BoxedKernel::BoxedKernelFunction_withDispatchKeys* FN>
+void impl(torch::Library& lib, const char* name) {
+  lib.impl(name, torch::CppFunction::makeFromBoxedFunction<FN>());
+}
+
+bool install_kernels() {
+  static std::mutex mu;
+  static std::unique_ptr<torch::Library> lib;
+  std::lock_guard<std::mutex> lock(mu);
+  if (lib) return true;
+  struct Entry { const char* name; Slot slot; void (*impl)(torch::Library&, const char*); };
+  const Entry entries[] = {
+      {"all_reduce", S_ALL_REDUCE, &impl<&issue_kernel<S_ALL_REDUCE, ALL_REDUCE, false>>},
+      {"all_gather_into_tensor", S_ALL_GATHER, &impl<&issue_kernel<S_ALL_GATHER, ALL_GATHER, true>>},
+      {"reduce_scatter_tensor", S_REDUCE_SCATTER, &impl<&issue_kernel<S_REDUCE_SCATTER, REDUCE_SCATTER, false>>},
+      {"all_to_all_single", S_ALL_TO_ALL, &impl<&issue_kernel<S_ALL_TO_ALL, ALL_TO_ALL, false>>},
+      {"broadcast", S_BROADCAST, &impl<&issue_kernel<S_BROADCAST, BROADCAST, false>>},
+      {"all_reduce_coalesced", S_ALL_REDUCE_CO, &impl<&issue_kernel<S_ALL_REDUCE_CO, ALL_REDUCE, false>>},
+      {"all_gather_into_tensor_coalesced", S_ALL_GATHER_CO, &impl<&issue_kernel<S_ALL_GATHER_CO, ALL_GATHER, true>>},
+      {"reduce_scatter_tensor_coalesced", S_REDUCE_SCATTER_CO,
+       &impl<&issue_kernel<S_REDUCE_SCATTER_CO, REDUCE_SCATTER, false>>},
+      {"wait_tensor", S_WAIT, &impl<&wait_kernel>},
+  };
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const Entry& e : entries) {
+    auto handle = dispatcher.findOp(c10::OperatorName(std::string("_c10d_functional::") + e.name, ""));
+    if (!handle || handle->hasKernelForDispatchKey(c10::DispatchKey::CPU)
+        || !handle->hasComputedKernelForDispatchKey(c10::DispatchKey::CPU))
+      return false;
+    g_torch[e.slot].emplace(handle->getComputedKernelForDispatchKey(c10::DispatchKey::CPU));
+  }
+  lib = std::make_unique<torch::Library>(torch::Library::IMPL, "_c10d_functional", c10::DispatchKey::CPU, __FILE__,
+                                         __LINE__);
+  for (const Entry& e : entries) e.impl(*lib, e.name);
+  return true;
 }
 
 // A group's issue counter, shared by the kernels and the tracer's sites (grouptable.GroupTable): ``next``
@@ -202,6 +239,7 @@ struct PyCounter {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
+  m.def("install", &install_kernels);
   py::class_<PyCounter>(m, "Counter")
       .def("__iter__", [](PyCounter& self) -> PyCounter& { return self; })
       .def("__next__", [](PyCounter& self) { return self.c->fetch_add(1) + 1; })

@@ -10,10 +10,10 @@ compiles. Where it is not built, or cannot be used, comm_funcol's Python / C sit
 collectives, as before (``usable`` says which; ``MESHSCOPE_NATIVE=0`` switches it off with the other C forms,
 ``MESHSCOPE_FUNCOL_KERNELS=0`` alone: the sites' own tests and the benchmark's comparison use it).
 
-Used in a process without CUDA only: the kernels record CPU tensors, and a job with a GPU keeps the sites whose
-CUDA timing the GPU kit checks (comm_nccl). Loading registers the kernels for the life of the process (a
-registration cannot be undone): a tracer ``bind``s them on attach and ``unbind``s them on detach, which is when
-they record at all.
+Used in a process without CUDA only: the kernels record CPU tensors (they are torch's kernels for the CPU key,
+each calling the kernel torch had there), and a job with a GPU keeps the sites whose CUDA timing the GPU kit
+checks (comm_nccl). Loading puts the kernels in place for the life of the process (a registration is not
+undone): a tracer ``bind``s them on attach and ``unbind``s them on detach, which is when they record at all.
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ def build(*, verbose: bool = False) -> Path:
 
 
 def load() -> Any | None:
-    """The built extension, loaded once per process (its kernels registered then), or None where not built."""
+    """The built extension, loaded once per process and its kernels put in place (``install``), or None where
+    not built or not installable on this torch."""
     key = _key()
     if key in _loaded:
         return _loaded[key]
@@ -80,6 +81,8 @@ def load() -> Any | None:
         spec = importlib.util.spec_from_file_location(_name(), so)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
+        if not module.install():  # this torch's ops are not as the kernels expect: the sites trace them
+            module = None
     _loaded[key] = module
     return module
 
