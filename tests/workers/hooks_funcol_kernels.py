@@ -139,8 +139,41 @@ def main() -> None:
     out["compiled"] = run_case([run_compiled])
     out["compiled"]["dynamo"] = {"unique_graphs": dynamo_utils.counters["stats"]["unique_graphs"],
                                  "graph_breaks": sum(dynamo_utils.counters["graph_break"].values())}
+    out["life"] = life(world, t)
     print(json.dumps(out))
     dist.destroy_process_group()
+
+
+def life(world: Any, t: torch.Tensor) -> dict:
+    """Over a telemetry's attach / detach / attach: what is recorded when, and what detach drops."""
+    tel = Telemetry(config=TelemetryConfig(store=tempfile.mkdtemp(prefix="meshscope-kernels-"), run="k"),
+                    rank=0, world_size=4)
+    seen: list = []
+    record = tel.record_collective
+
+    def capture(**kw: Any) -> None:
+        seen.append((kw["op"], kw.get("seq"), kw["source"]))
+        record(**kw)
+
+    tel.record_collective = capture
+    got: dict[str, Any] = {}
+    tel.attach(model_parts=[])
+    first = tel._tracers[0]
+    funcol.all_reduce(t, "sum", world).wait()
+    left = funcol.all_reduce(t, "sum", world)  # issued, not waited before the detach
+    tel.detach()
+    got["attached"], got["dropped_pending"] = list(seen), first.stats["dropped_pending"]
+    left.wait()
+    funcol.all_reduce(t, "sum", world).wait()  # detached: torch's call, nothing recorded
+    tel._drain()
+    got["detached"] = seen[len(got["attached"]):]
+    tel.attach(model_parts=[])  # a new tracer: its groups count from 1 again, as a new tracer's sites do
+    funcol.all_reduce(t, "sum", world).wait()
+    dist.all_reduce(t)
+    got["kernels_again"] = tel._tracers[0]._kernels is not None
+    tel.close()
+    got["reattached"] = seen[len(got["attached"]) + len(got["detached"]):]
+    return got
 
 
 if __name__ == "__main__":
