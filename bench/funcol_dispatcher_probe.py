@@ -17,7 +17,9 @@ backend, ``funcol.all_reduce(t, "sum", group).wait()``), training-thread CPU per
 At ``AutogradCPU`` the kernels run instead of the autograd fallback torch runs for an op with no autograd
 kernel (the untraced op gets faster, and an input that requires grad loses the fallback's handling: a
 behaviour change meshscope must not make); at ``ADInplaceOrView`` the fallback still runs before them.
-Not used by meshscope: a measurement for its design (``bench/results/funcol-dispatcher-probe-*.json``). A process
+The measurement behind meshscope's design (``bench/results/funcol-dispatcher-probe-*.json``), which puts its
+kernels at the CPU key instead (agent/instrument/_funcol_kernels.cpp: a wait made inside ``__torch_dispatch__``
+runs with ADInplaceOrView excluded). A process
 lands in a fast or a slow state (the untraced op 55-68 or 85-120 µs on the dev VM, 2026-11-28) that moves every
 figure in it: ``record`` is within one process, ``passthrough`` across processes, and is only as good as the
 states its processes landed in (its lists show them). Prints one JSON object.

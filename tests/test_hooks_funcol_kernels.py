@@ -97,6 +97,16 @@ def test_an_op_that_ran_before_its_call_raised_is_recorded(forms: tuple[dict, di
     assert [(r["op"], r["seq"]) for r in sites["records"]] == [("all_reduce", 2)]
 
 
+def test_the_ops_of_torchs_autograd_formulas_are_recorded(forms: tuple[dict, dict]) -> None:
+    # funcol's all_reduce backward is an all_reduce issued through torch.ops, then funcol's wait_tensor: the
+    # sites see only that wait (unmatched); the kernels see the op.
+    kernels, sites = (f["autograd_backward"] for f in forms)
+    assert [(r["op"], r["nbytes"], r["seq"]) for r in kernels["records"]] == [("all_reduce", 64, 1), ("all_reduce", 64, 2)]
+    assert kernels["stats"] == {}
+    assert [(r["op"], r["seq"]) for r in sites["records"]] == [("all_reduce", 1)]
+    assert sites["stats"]["unmatched_waits"] == 1
+
+
 def test_compiled_functional_collectives_are_recorded_without_a_graph_break(forms: tuple[dict, dict]) -> None:
     kernels, sites = (f["compiled"] for f in forms)
     assert kernels["dynamo"] == sites["dynamo"] == {"unique_graphs": 1, "graph_breaks": 0}

@@ -136,6 +136,9 @@ class CollectiveTracer:
         # id(Work) → (the Work, kept alive so that its id stays unique; its ops: an ``Issued`` tuple for the
         # one CPU op of a fast site, else a list of ``_Op``)
         self._pending_works: dict[int, tuple[Any, Any]] = {}
+        # What flush() works on, for a recorder with a flusher (Telemetry skips the step-end flush while it is
+        # empty); None: a recorder without one, whose CUDA records flush() also makes, is flushed every step.
+        self.flush_pending: Any = self._pending_works if self._live is not None else None
         self._pending_tensors: dict[int, _Op] = {}  # funcol: output data pointer → op
         self.max_pending = _MAX_PENDING  # bound of either pending map (read by sites that inline their adds)
         self._patches: list[_Patch] = []

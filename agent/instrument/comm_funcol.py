@@ -1,5 +1,9 @@
 """Functional collectives (``torch.distributed._functional_collectives``): the path of TP / DTensor.
 
+Where their kernels in torch's dispatcher are built and usable (``funcol_kernels``: a process without CUDA,
+a telemetry core's tracer), those trace the functional collectives and nothing here is installed; these
+sites are the rest: a GPU job's, a build without a C++ compiler, ``MESHSCOPE_FUNCOL_KERNELS=0``.
+
 DTensor's redistributions (``Partial → Replicate`` after a ``RowwiseParallel`` linear, the gradient
 all-reduce of a ``ColwiseParallel`` input, FSDP×TP's DTensor ops, loss parallel) call the funcol
 functions through the module (``funcol.all_reduce(...)``), which return an ``AsyncCollectiveTensor``

@@ -4,7 +4,7 @@ loaded, bound to a tracer and drained.
     python -m meshscope.agent.instrument.funcol_kernels [--check]     # build (make install runs it)
 
 A torch C++ extension: it must be compiled against the torch it runs with, so it is built where meshscope is
-installed (``make install``; a C++ compiler, torch's headers and ninja; ~40 s on the dev VM), into a cache
+installed (``make install``; a C++ compiler, torch's headers and ninja; ~35 s on the dev VM), into a cache
 directory named after the torch version and the source (``cache_dir``), and only *loaded* by a job: a job never
 compiles. Where it is not built, or cannot be used, comm_funcol's Python / C sites trace the functional
 collectives, as before (``usable`` says which; ``MESHSCOPE_NATIVE=0`` switches it off with the other C forms,

@@ -126,6 +126,12 @@ def main() -> None:
 
     out["raises_after_inner_wait"] = run_case([raising])
 
+    def autograd_formula() -> None:  # its backward issues the op through torch.ops itself (all_reduce_backward)
+        x = torch.ones(2, 8, requires_grad=True)
+        funcol.all_reduce(x, "sum", world).wait().sum().backward()
+
+    out["autograd_backward"] = run_case([autograd_formula])
+
     @torch.compile(backend="eager")
     def compiled(x: torch.Tensor) -> torch.Tensor:
         return funcol.all_reduce(x * 2, "sum", world) + 1
