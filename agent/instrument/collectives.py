@@ -150,9 +150,7 @@ class CollectiveTracer:
         # The functional collectives' kernels in torch's dispatcher, where they trace them (funcol_kernels:
         # comm_funcol.install binds them), and the recorder's step at a completion time they report.
         self._kernels: Any = None
-        key_at = getattr(recorder, "step_key_at", None)
-        self._step_at: Callable[[float], Any] = ((lambda t: key_at(t + self._epoch)) if key_at is not None
-                                                 else (lambda t: None))
+        self._step_keys: Callable[[], Callable[[float], Any]] | None = getattr(recorder, "step_keys", None)
         self._hot_paths()
 
     # ------------------------------------------------------------------------------------ lifecycle
@@ -272,7 +270,9 @@ class CollectiveTracer:
                 self.error("cuda_resolve", exc)
         if self._kernels is not None:
             try:
-                n += self._kernels.drain(self._record_entry, step_at=self._step_at)
+                at, epoch = (self._step_keys() if self._step_keys is not None else None), self._epoch
+                n += self._kernels.drain(self._record_entry,
+                                         step_at=(lambda t: at(t + epoch)) if at is not None else (lambda t: None))
             except Exception as exc:
                 self.error("funcol_kernels.drain", exc)
         while True:

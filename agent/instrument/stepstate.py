@@ -90,13 +90,21 @@ class PendingSteps:
     def get(self, key: int) -> StepState | None:
         return self._open.get(key)
 
-    def key_at(self, t: float) -> int | None:
-        """The key of the step open at clock time ``t`` (begun, and not ended before ``t``), or None: what
-        ``Live.key`` read then, for an op whose completion is only known later (funcol_kernels). Any thread."""
-        for state in reversed(list(self._open.values())):  # (a copy: the training thread adds to it)
-            if state.t_start <= t:
-                return state.key if state.t_end == 0.0 or t <= state.t_end else None
-        return None
+    def key_finder(self) -> Any:
+        """``at(t)``: the key of the step open at clock time ``t`` (begun, and not ended before ``t``) among the
+        steps open now, or None — what ``Live.key`` read then, for an op whose completion is only known later
+        (funcol_kernels). One look-up table per drain, a bisection per op. Any thread."""
+        states = list(self._open.values())  # (a copy: the training thread adds to it; begin order is time order)
+        starts = [state.t_start for state in states]
+
+        def at(t: float) -> int | None:
+            i = bisect.bisect_right(starts, t) - 1
+            if i < 0:
+                return None
+            state = states[i]
+            return state.key if state.t_end == 0.0 or t <= state.t_end else None
+
+        return at
 
     def step_of(self, key: int, default: int) -> int:
         return self._gone.get(key, default)

@@ -212,9 +212,10 @@ class Telemetry:
         if self._cur is not None:
             self._end_step(self._cur)
 
-    def step_key_at(self, t: float) -> int | None:
-        """The key (``Live.key``) of the step open at clock time ``t``, or None (``PendingSteps.key_at``)."""
-        return self._pending.key_at(t)
+    def step_keys(self) -> Any:
+        """``at(t)``: the key (``Live.key``) of the step open at clock time ``t``, or None, among the steps not
+        built yet (``PendingSteps.key_finder``)."""
+        return self._pending.key_finder()
 
     def update_step(self, **values: Any) -> None:
         """``StepContext.update`` for the open step (nothing when none is open)."""
