@@ -136,8 +136,7 @@ class CollectiveTracer:
         # id(Work) → (the Work, kept alive so that its id stays unique; its ops: an ``Issued`` tuple for the
         # one CPU op of a fast site, else a list of ``_Op``)
         self._pending_works: dict[int, tuple[Any, Any]] = {}
-        # What flush() works on, for a recorder with a flusher (Telemetry skips the step-end flush while it is
-        # empty); None: a recorder without one, whose CUDA records flush() also makes, is flushed every step.
+        # What flush() works on, where a flusher makes the CUDA records (Telemetry skips flush while it is empty)
         self.flush_pending: Any = self._pending_works if self._live is not None else None
         self._pending_tensors: dict[int, _Op] = {}  # funcol: output data pointer → op
         self.max_pending = _MAX_PENDING  # bound of either pending map (read by sites that inline their adds)
@@ -147,10 +146,7 @@ class CollectiveTracer:
         self._no_future: set[tuple[str, str]] = set()  # (op, group) whose works have no future
         # The Recorder protocol has no ``seq`` yet; pass the issue-order sequence number where accepted.
         self._pass_seq = _accepts_kw(recorder.record_collective, "seq")
-        # The functional collectives' kernels in torch's dispatcher, where they trace them (funcol_kernels:
-        # comm_funcol.install binds them), and the recorder's step at a completion time they report.
-        self._kernels: Any = None
-        self._step_keys: Callable[[], Callable[[float], Any]] | None = getattr(recorder, "step_keys", None)
+        self._kernels: Any = None  # funcol_kernels.Bound, where the functional collectives' kernels trace them
         self._hot_paths()
 
     # ------------------------------------------------------------------------------------ lifecycle
@@ -269,12 +265,7 @@ class CollectiveTracer:
             except Exception as exc:
                 self.error("cuda_resolve", exc)
         if self._kernels is not None:
-            try:
-                at, epoch = (self._step_keys() if self._step_keys is not None else None), self._epoch
-                n += self._kernels.drain(self._record_entry,
-                                         step_at=(lambda t: at(t + epoch)) if at is not None else (lambda t: None))
-            except Exception as exc:
-                self.error("funcol_kernels.drain", exc)
+            n += self._kernels.drain(self._record_entry)
         while True:
             try:
                 entry = done.popleft()
@@ -431,21 +422,6 @@ class CollectiveTracer:
             self.recorder.record_collective(**kw)
         except Exception as exc:
             self.error("record_collective", exc)
-
-    def use_kernels(self, ext: Any) -> bool:
-        """Trace the functional collectives with ``ext``'s kernels (funcol_kernels) instead of comm_funcol's
-        sites: bound to this tracer, its groups numbered by the kernels' counters. False where it cannot be
-        (another tracer holds them, or this one numbered ops before with counters of its own)."""
-        from meshscope.agent.instrument.funcol_kernels import Bound
-
-        if self._kernels is not None:  # attached again
-            return self._kernels.bind(max_pending=_MAX_PENDING, max_done=_MAX_DONE)
-        bound = Bound(ext, self)
-        if self.groups._counters or not bound.bind(max_pending=_MAX_PENDING, max_done=_MAX_DONE):
-            return False
-        self._kernels = bound
-        self.groups.counter_of = bound.counter
-        return True
 
     def error(self, where: str, exc: BaseException) -> None:
         self.stats["errors"] += 1

@@ -268,7 +268,7 @@ def install(tracer: Any) -> None:
     from meshscope.agent.instrument import funcol_kernels
 
     ext = funcol_kernels.usable(tracer)
-    if ext is not None and tracer.use_kernels(ext):  # traced in torch's dispatcher: nothing patched here
+    if ext is not None and funcol_kernels.bind(tracer, ext):  # traced in torch's dispatcher: nothing patched here
         return
     owners = (funcol,)
     cform = _CForm(tracer)

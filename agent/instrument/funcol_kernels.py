@@ -110,6 +110,21 @@ def usable(tracer: Any) -> Any | None:
         return None
 
 
+def bind(tracer: Any, ext: Any) -> bool:
+    """Trace ``tracer``'s functional collectives with ``ext``'s kernels instead of comm_funcol's sites: bound to
+    it (``tracer._kernels``), its groups numbered by the kernels' counters. False where it cannot be (another
+    tracer holds them, or this one numbered ops before with counters of its own)."""
+    limits = {"max_pending": tracer.max_pending, "max_done": tracer.hot.max_done}
+    if tracer._kernels is not None:  # attached again
+        return tracer._kernels.bind(**limits)
+    bound = Bound(ext, tracer)
+    if tracer.groups._counters or not bound.bind(**limits):
+        return False
+    tracer._kernels = bound
+    tracer.groups.counter_of = bound.counter
+    return True
+
+
 class Bound:
     """The extension bound to one tracer: its groups' counters come from it (shared with the kernels), and
     ``drain`` turns the kernels' completed ops into the tracer's entries (``ops.Entry``)."""
@@ -139,19 +154,26 @@ class Bound:
             key = self._keys[name] = self.tracer.groups.resolve(c10d._resolve_process_group(name))[3]
         return key
 
-    def drain(self, put: Any, *, step_at: Any) -> int:
-        """Hand each completed op to ``put`` as an Entry; ``step_at(t)``: the key of the step open at raw
-        perf_counter time ``t`` (the step its op completed in), or None. Returns how many."""
-        rows, counts = self.ext.drain()
-        stats = self.tracer.stats
+    def drain(self, put: Any) -> int:
+        """Hand each completed op to ``put`` as an Entry, with the step open at its completion (the recorder's
+        ``step_keys``, where it has them; else None). Returns how many."""
+        tracer = self.tracer
+        try:
+            rows, counts = self.ext.drain()
+            keys = getattr(tracer.recorder, "step_keys", None)
+            at, epoch = (keys() if keys is not None else None), tracer._epoch
+        except Exception as exc:
+            tracer.error("funcol_kernels.drain", exc)
+            return 0
         for name, n in counts.items():
             if n:
-                stats[name] += n
+                tracer.stats[name] += n
         for op, group, nbytes, seq, t0, t1, wait_s in rows:
             try:
-                put((op, self._group_key(group), nbytes, -1, "funcol", seq, t0, t1, wait_s, step_at(t1)))
+                step = at(t1 + epoch) if at is not None else None
+                put((op, self._group_key(group), nbytes, -1, "funcol", seq, t0, t1, wait_s, step))
             except Exception as exc:
-                self.tracer.error("funcol_kernels.drain", exc)
+                tracer.error("funcol_kernels.drain", exc)
         return len(rows)
 
 

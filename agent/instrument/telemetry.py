@@ -212,9 +212,7 @@ class Telemetry:
         if self._cur is not None:
             self._end_step(self._cur)
 
-    def step_keys(self) -> Any:
-        """``at(t)``: the key (``Live.key``) of the step open at clock time ``t``, or None, among the steps not
-        built yet (``PendingSteps.key_finder``)."""
+    def step_keys(self) -> Any:  # at(t): Live.key at clock time t, among the steps not built yet
         return self._pending.key_finder()
 
     def update_step(self, **values: Any) -> None:
@@ -383,12 +381,9 @@ class Telemetry:
         try:
             while state.phase is not None:  # phases still open (zero-code: a step ended inside one) end here
                 _pop_phase(state)
-            for pending, flush in self._flushes:  # async ops that completed without a Python-visible wait
-                if pending is None or pending:  # (a tracer with none pending is not called: 0.4 µs a step)
-                    try:
-                        flush()
-                    except Exception as exc:  # counted, never the caller's end
-                        self.record_error("tracer_flush", exc)
+            for pending, flush in self._flushes:  # async ops completed without a Python-visible wait
+                if pending is None or pending:  # (none pending: not called, ~0.2 µs a step)
+                    self._call_each((flush,), "tracer_flush")
             state.t_end = self.clock.now()
             state.cpu_end = self._cpu.read()
             self._last_end = (state.t_end, state.cpu_end, threading.get_ident())
@@ -433,8 +428,7 @@ class Telemetry:
 
     def _index_tracers(self) -> None:
         # Bound methods, gathered once: a getattr loop cost every step boundary 0.4 µs (bench/hooks_overhead.py)
-        # (what a tracer's flush would work on, where it says: its step-end call is skipped while that is
-        # empty; None: always called), the flush
+        # (what a tracer's flush works on, its step-end call skipped while empty; None: always called), flush
         self._flushes = tuple((getattr(t, "flush_pending", None), t.flush) for t in self._tracers if hasattr(t, "flush"))
         self._drains = tuple(t.drain for t in self._tracers if hasattr(t, "drain"))
         self._counted = tuple(dict.fromkeys((*self._counted, *self._tracers)))
