@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -27,6 +28,9 @@ from typing import Any
 
 SOURCE = Path(__file__).with_name("_funcol_kernels.cpp")
 _loaded: dict[str, Any] = {}  # build key -> module (one per process)
+# A Bound's token: the extension restarts its counters for a token other than the last bound (a new tracer's
+# groups count from 1). Not id(tracer): a later tracer may get a collected one's id and its counters.
+_tokens = itertools.count(1)
 
 
 def _key() -> str:
@@ -130,7 +134,7 @@ class Bound:
     ``drain`` turns the kernels' completed ops into the tracer's entries (``ops.Entry``)."""
 
     def __init__(self, ext: Any, tracer: Any) -> None:
-        self.ext, self.tracer, self.token = ext, tracer, id(tracer)
+        self.ext, self.tracer, self.token = ext, tracer, next(_tokens)
         self._keys: dict[str, int] = {}  # c10d group name -> the tracer's group key
 
     def bind(self, *, max_pending: int, max_done: int) -> bool:
