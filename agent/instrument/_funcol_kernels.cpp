@@ -20,9 +20,25 @@
 // CUDA keeps the Python sites: funcol_kernels.usable); a tracing mode's stand-ins (fake tensors) are handled
 // above this key. Nothing of this code may fail the op: its own errors are counted (``stats``), the op's own
 // exceptions propagate unchanged.
+//
+// DDP's gradient buckets (``ddp_*`` below): DDP's C++ reducer all-reduces each bucket through its built-in comm
+// hook, ProcessGroup::allreduce, which dispatches ``c10d::allreduce_``; a kernel of ours at its CPU key sees each
+// bucket with DDP's built-in all-reduce left in place (a Python comm hook, the only other way to see them,
+// costs a step of the 6-bucket toy in bench/hooks_overhead.py 6-16 % more CPU than the built-in, whatever it
+// does). Recorded: a call inside a backward (an autograd graph task), on a group a DDP model was attached with
+// (``ddp_arm``), not made by one of meshscope's sites (``site_depth``: those record their own call). Its
+// completion is stamped by a C++ callback on the work's future (gloo's thread, no GIL); the time backward then
+// blocks in the reducer's finalize is the window between two autograd final callbacks queued around it (the
+// first one queued at the backward's first bucket, before the reducer queues its finalize; it queues the
+// second, which runs after the finalize), as comm_ddp's hook does it in Python; the tracer splits it across
+// the buckets (comm_ddp.split_window).
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
 #include <memory>
@@ -31,6 +47,7 @@
 #include <string>
 #include <time.h>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace {
@@ -53,6 +70,15 @@ std::vector<Counter> g_counter_of;
 std::unordered_map<std::string, Counter> g_counters;  // by group name, shared with the tracer's GroupTable
 int64_t g_bound = 0;  // the tracer bound (its token), 0 when none
 int64_t g_unmatched = 0, g_unmatched_ns = 0, g_dropped_done = 0, g_dropped_pending = 0, g_errors = 0;
+
+// >0 while this thread is inside one of meshscope's sites (the C sites of _hot.c through ``site_depth``, the
+// kernels here): an all-reduce they make is their op, recorded by them, not a DDP bucket.
+thread_local int t_site_depth = 0;
+struct SiteScope {
+  SiteScope() { ++t_site_depth; }
+  ~SiteScope() { --t_site_depth; }
+};
+
 
 inline int64_t now_ns() {
   timespec ts;
@@ -128,7 +154,10 @@ void issue_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::
   }
   if (inputs.empty()) return pass_on<SLOT>(op, ks, stack);
   const int64_t t0 = now_ns();
-  pass_on<SLOT>(op, ks, stack);  // the op itself: its exceptions are the caller's
+  {
+    SiteScope scope;  // its ProcessGroup call (c10d::allreduce_ for all_reduce) is this op
+    pass_on<SLOT>(op, ks, stack);  // the op itself: its exceptions are the caller's
+  }
   try {
     std::vector<at::Tensor> outputs;
     const c10::IValue& out = stack->back();
@@ -187,6 +216,11 @@ void wait_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::j
   g_done.push_back(Done{p.op, p.gid, p.nbytes, p.seq, p.t0, w1, w1 - w0});
 }
 
+#include "_ddp_kernel.h"
+
+// Called by _hot.c's sites around their call: +1 on entry, -1 on return.
+void site_depth(int delta) { t_site_depth += delta; }
+
 inline double seconds(int64_t ns) { return static_cast<double>(ns) / 1e9; }  // as time.perf_counter converts
 
 }  // namespace
@@ -218,6 +252,12 @@ bool install_kernels() {
       {"wait_tensor", S_WAIT, &impl<&wait_kernel>},
   };
   auto& dispatcher = c10::Dispatcher::singleton();
+  // DDP's buckets: c10d::allreduce_ has a kernel of its own at the CPU key (gloo's), which ours replaces and
+  // calls. Torch warns (once per process) that a kernel is overridden: not a job's business, so not shown.
+  auto allreduce = dispatcher.findOp(c10::OperatorName("c10d::allreduce_", ""));
+  const bool ddp = allreduce && allreduce->hasComputedKernelForDispatchKey(c10::DispatchKey::CPU)
+                   && allreduce->schema().arguments().size() == 6 && allreduce->schema().returns().size() == 2;
+  if (ddp) g_torch_allreduce.emplace(allreduce->getComputedKernelForDispatchKey(c10::DispatchKey::CPU));
   for (const Entry& e : entries) {
     auto handle = dispatcher.findOp(c10::OperatorName(std::string("_c10d_functional::") + e.name, ""));
     if (!handle || handle->hasKernelForDispatchKey(c10::DispatchKey::CPU)
@@ -228,6 +268,15 @@ bool install_kernels() {
   lib = std::make_unique<torch::Library>(torch::Library::IMPL, "_c10d_functional", c10::DispatchKey::CPU, __FILE__,
                                          __LINE__);
   for (const Entry& e : entries) e.impl(*lib, e.name);
+  if (ddp) {
+    struct Silent : c10::WarningHandler {
+      void process(const c10::Warning&) override {}
+    } silent;
+    c10::WarningUtils::WarningHandlerGuard guard(&silent);
+    static torch::Library c10d_lib(torch::Library::IMPL, "c10d", c10::DispatchKey::CPU, __FILE__, __LINE__);
+    c10d_lib.impl("allreduce_", torch::CppFunction::makeFromBoxedFunction<&ddp_allreduce_kernel>());
+    g_ddp_installed = true;
+  }
   return true;
 }
 
@@ -253,7 +302,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       static int64_t last = 0;
       if (last != token) {
         g_gids.clear(); g_names.clear(); g_counter_of.clear(); g_counters.clear();
-        g_done.clear(); g_pending.clear();
+        g_done.clear(); g_pending.clear(); g_windows.clear();
         g_unmatched = g_unmatched_ns = g_dropped_done = g_dropped_pending = g_errors = 0;
         last = token;
       }
@@ -269,9 +318,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     std::lock_guard<std::mutex> lock(g_mu);
     if (g_bound != token) return;
     g_on.store(false);
+    g_ddp_on.store(false);
     g_bound = 0;
     g_dropped_pending += static_cast<int64_t>(g_pending.size());
     g_pending.clear();
+    g_ddp_groups.clear();
+    if (g_window) {  // a backward in flight: its buckets are dropped (counted)
+      g_dropped_pending += static_cast<int64_t>(g_window->ops.size());
+      g_window.reset();
+      g_window_task = -1;
+    }
   });
   m.def("counter", [](const std::string& name) {
     std::lock_guard<std::mutex> lock(g_mu);
@@ -304,6 +360,42 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     stats["kernel_errors"] = errors;
     return py::make_tuple(rows, stats);
   });
+  m.def("ddp_installed", []() { return g_ddp_installed; });
+  m.def("ddp_arm", [](const std::string& name) {
+    // DDP's buckets on group ``name`` recorded from now on (while bound). False where they cannot be.
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (!g_ddp_installed || g_bound == 0) return false;
+    g_ddp_groups.insert(name);
+    g_ddp_on.store(true);
+    return true;
+  });
+  m.def("ddp_disarm", [](const std::string& name) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_ddp_groups.erase(name);
+    if (g_ddp_groups.empty()) g_ddp_on.store(false);
+  });
+  m.def("ddp_drain", []() {
+    // The closed backward windows: (t_a, t_b, [(group name, bytes, seq, t_start, t_done)]) in
+    // time.perf_counter's seconds; 0.0 where a time was not stamped.
+    std::vector<std::shared_ptr<Window>> windows;
+    std::vector<std::string> names;
+    {
+      std::lock_guard<std::mutex> lock(g_mu);
+      windows.swap(g_windows);
+      names = g_names;
+    }
+    py::list out;
+    for (const auto& w : windows) {
+      py::list ops;
+      for (const auto& o : w->ops) {
+        ops.append(py::make_tuple(names[o->gid], o->nbytes, o->seq, seconds(o->t0), seconds(o->t_done.load())));
+      }
+      out.append(py::make_tuple(seconds(w->t_a), seconds(w->t_b), ops));
+    }
+    return out;
+  });
+  // The address of ``site_depth(int delta)``, which _hot.c's sites call around their call (native.depth_hook).
+  m.def("site_depth_address", []() { return reinterpret_cast<uintptr_t>(&site_depth); });
   m.def("pending", []() {
     std::lock_guard<std::mutex> lock(g_mu);
     return g_pending.size();

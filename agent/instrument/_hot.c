@@ -395,7 +395,16 @@ static PyObject *perf_counter(PyObject *module, PyObject *unused) {
     return PyFloat_FromDouble(now_s());
 }
 
+static PyObject *set_site_depth(PyObject *module, PyObject *address) {
+    void *fn = PyLong_AsVoidPtr(address);
+    if (!fn && PyErr_Occurred()) return NULL;
+    g_site_depth = (void (*)(int))fn;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"set_site_depth", set_site_depth, METH_O,
+     "set_site_depth(address): the kernels' site_depth(int) the sites call around their call (0: none)."},
     {"read_fd", (PyCFunction)(void (*)(void))read_fd, METH_FASTCALL,
      "read_fd(fd, n) -> bytes: pread(fd, n, 0) with the GIL held."},
     {"perf_counter", perf_counter, METH_NOARGS, "This module's clock (time.perf_counter's, where native.py uses it)."},

@@ -18,6 +18,11 @@ static PyObject *s_depth, *s_enabled, *s_nesting, *s_is_cuda, *s_nbytes, *s_key,
     *s_track_work, *s_dropped_done, *s_group, *s_async_op;
 static PyObject *k_minus_one, *k_one;
 
+/* The dispatcher kernels' count of this thread's calls inside a site (funcol_kernels: ``site_depth``), set
+ * once they are bound (``set_site_depth``): an all-reduce a site makes is its own op, which the DDP bucket
+ * kernel must not record again. NULL: no kernels. */
+static void (*g_site_depth)(int) = NULL;
+
 static inline double now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);

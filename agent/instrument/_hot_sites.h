@@ -33,7 +33,7 @@ static void leave(PyObject *tls, long depth) {
     PyErr_Restore(type, value, tb);
 }
 
-static PyObject *site_call(Site *s, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+static PyObject *site_call_inner(Site *s, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Hot *h = &s->h;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     PyObject *tls = nesting(h);
@@ -186,6 +186,16 @@ describe_failed:
 slow:
     Py_DECREF(tls);
     return PyObject_Vectorcall(s->slow, args, nargsf, kwnames);
+}
+
+/* The site's call inside the kernels' site depth (``g_site_depth``): what the original does is this op. */
+static PyObject *site_call(Site *s, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    void (*depth)(int) = g_site_depth;
+    if (!depth) return site_call_inner(s, args, nargsf, kwnames);
+    depth(1);
+    PyObject *result = site_call_inner(s, args, nargsf, kwnames);
+    depth(-1);
+    return result;
 }
 
 static PyObject *site_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {

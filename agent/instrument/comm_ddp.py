@@ -35,6 +35,7 @@ are timed with CUDA events instead (``comm_nccl``; checked on a GPU by the GPU k
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import torch.distributed as dist
@@ -189,6 +190,23 @@ def split_window(done: list[float | None], t_a: float, t_b: float) -> list[float
     return shares
 
 
+def window_entries(ops: list[tuple], t_a: float, t_b: float) -> list[tuple]:
+    """The DDP bucket kernel's window (funcol_kernels: ``ops`` as (group, bytes, seq, t_start, t_done), 0.0
+    for a time not stamped) as (group, bytes, seq, t_start, t_end, wait_s): the same shares as the hook's
+    window; exposure unknown (NaN) where the window was not stamped (its final callbacks did not run)."""
+    done = [d if d else None for _, _, _, _, d in ops]
+    if t_a and t_b:
+        shares = split_window(done, t_a, t_b)
+        # No later than t_b: the reducer's finalize returned only once every bucket's work had completed. Its
+        # stamp can be later: the future wakes its waiters before it runs its callbacks (the stamp among them).
+        ends = [min(d, t_b) if d is not None else t_b for d in done]
+    else:
+        shares = [_NAN] * len(ops)
+        ends = [d if d is not None else t0 for d, (_, _, _, t0, _) in zip(done, ops)]
+    return [(name, nbytes, seq, t0, t_end, wait_s)
+            for (name, nbytes, seq, t0, _), t_end, wait_s in zip(ops, ends, shares)]
+
+
 def _emit_window(tracer: Any, ops: list[Any], t_a: float, t_b: float) -> None:
     """Record the buckets in issue order with their share of the reducer's blocked window."""
     for p, wait_s in zip(ops, split_window([p.t_done for p in ops], t_a, t_b)):
@@ -207,6 +225,12 @@ def attach(tracer: Any, module: Any) -> _HookState | None:
             return state
     if module._comm_hooks:
         raise RuntimeError("DDP model already has a comm hook; its buckets are not traced")
+    kernels = getattr(tracer, "_kernels", None)
+    if kernels is not None and os.environ.get("MESHSCOPE_DDP_KERNEL", "1") != "0":
+        # In torch's dispatcher, DDP's built-in all-reduce left in place (funcol_kernels: a process without CUDA)
+        armed = kernels.arm_ddp(module.process_group if module.process_group is not None else _default_group())
+        if armed is not None:
+            return armed
     state = _HookState(module.process_group, tracer)
     module.register_comm_hook(state, traced_allreduce_hook)
     return state

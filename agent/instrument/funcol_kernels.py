@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 SOURCE = Path(__file__).with_name("_funcol_kernels.cpp")
+HEADERS = (Path(__file__).with_name("_ddp_kernel.h"),)  # included by SOURCE: part of what is built
 _loaded: dict[str, Any] = {}  # build key -> module (one per process)
 # A Bound's token: the extension restarts its counters for a token other than the last bound (a new tracer's
 # groups count from 1). Not id(tracer): a later tracer may get a collected one's id and its counters.
@@ -36,7 +37,7 @@ _tokens = itertools.count(1)
 def _key() -> str:
     import torch
 
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in (SOURCE, *HEADERS))).hexdigest()[:12]
     abi = f"py{sys.version_info.major}{sys.version_info.minor}"
     return f"torch{torch.__version__.replace('+', '_')}-{abi}-{digest}"
 
@@ -143,6 +144,17 @@ class Bound:
     def unbind(self) -> None:
         self.ext.unbind(self.token)
 
+    def arm_ddp(self, group: Any) -> "DdpArmed | None":
+        """Record the buckets of a DDP model on ``group`` with DDP's built-in all-reduce left in place
+        (_ddp_kernel.h); None where they cannot be (not installed on this torch; the C sites cannot count
+        themselves out of it): then comm_ddp's hook records them."""
+        from meshscope.agent.instrument import native
+
+        if not self.ext.ddp_installed() or not native.set_site_depth(self.ext.site_depth_address()):
+            return None
+        name = group.group_name
+        return DdpArmed(self.ext, name) if self.ext.ddp_arm(name) else None
+
     def counter(self, name: str) -> Any:
         """The group ``name``'s issue counter, shared with the kernels (``_hot.SharedCount`` over it where
         the C module is built: ``next`` without a Python call)."""
@@ -178,7 +190,39 @@ class Bound:
                 put((op, self._group_key(group), nbytes, -1, "funcol", seq, t0, t1, wait_s, step))
             except Exception as exc:
                 tracer.error("funcol_kernels.drain", exc)
-        return len(rows)
+        return len(rows) + self._drain_ddp(put, at, epoch)
+
+    def _drain_ddp(self, put: Any, at: Any, epoch: float) -> int:
+        """DDP's buckets, a backward window at a time: each bucket's share of the window as comm_ddp's hook
+        gives it (``window_entries``), with the step open at the window's end."""
+        from meshscope.agent.instrument.comm_ddp import window_entries
+
+        n = 0
+        try:
+            windows = self.ext.ddp_drain()
+        except Exception as exc:
+            self.tracer.error("funcol_kernels.drain", exc)
+            return 0
+        for t_a, t_b, ops in windows:
+            try:
+                for name, nbytes, seq, t0, t_end, wait_s in window_entries(ops, t_a, t_b):
+                    step = at((t_b or t_end) + epoch) if at is not None else None
+                    put(("all_reduce", self._group_key(name), nbytes, -1, "ddp_comm_hook", seq, t0, t_end, wait_s,
+                         step))
+                    n += 1
+            except Exception as exc:
+                self.tracer.error("funcol_kernels.drain", exc)
+        return n
+
+
+class DdpArmed:
+    """A DDP model's group armed in the DDP bucket kernel (the handle comm_ddp.attach returns)."""
+
+    def __init__(self, ext: Any, name: str) -> None:
+        self.ext, self.name = ext, name
+
+    def detach(self) -> None:
+        self.ext.ddp_disarm(self.name)
 
 
 def main(argv: list[str] | None = None) -> int:

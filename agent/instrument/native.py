@@ -48,6 +48,17 @@ def shared_count(counter: Any) -> Any:
     return counter if _hot is None else _hot.SharedCount(counter.address, counter)
 
 
+def set_site_depth(address: int) -> bool:
+    """Have the C sites count themselves in the dispatcher kernels' site depth (``address``: their
+    ``site_depth(int)``; funcol_kernels), so that the DDP bucket kernel leaves a site's own all-reduce to the
+    site. False where the C module does not have it (then the kernels must not record DDP's buckets)."""
+    setter = getattr(_hot, "set_site_depth", None)
+    if setter is None:
+        return False
+    setter(address)
+    return True
+
+
 def active(tracer: Any) -> bool:
     """Whether ``tracer``'s sites are made in C."""
     return _USABLE and _switched_on() and getattr(tracer, "now", None) is time.perf_counter
