@@ -31,8 +31,9 @@ profiler's events at its per-event cost; ``profiler_over_meshscope_same_process`
 profiler events measured in the part's own process (``per_call_isolated(yardstick=True)``), which the
 machine's state, 1.5-2x apart between processes some hours, cannot move. Goal: meshscope ≤ 1 %
 CPU per step on every arm, and ≥ 10× below torch.profiler. DDP is measured against DDP's C++ built-in
-all-reduce (what a model without a comm hook runs; the traced Python comm hook replaces it) and against
-DDP's own Python default hook (the part that is the Python hook mechanism, not meshscope's timing).
+all-reduce (what a model without a comm hook runs, and what meshscope leaves it where the dispatcher kernels
+are built: ``ddp_kernel_bucket``; elsewhere its traced Python comm hook replaces it) and against DDP's own
+Python default hook (what any Python comm hook costs: the way meshscope sees the buckets elsewhere).
 
 Prints one JSON object.
 """
@@ -346,12 +347,13 @@ def per_step(steps: int, blocks: int) -> dict[str, Any]:
 BATCHED_P2P_ARMS = frozenset({"pp_1f1b"})
 
 
-def _path(source_op: str, *, batched: bool = False) -> str:
+def _path(source_op: str, *, batched: bool = False, ddp: str = "ddp_comm_hook") -> str:
     """The per-call path that times an op of this ``source/op`` (see ``meshscope.testing.hookcost``);
-    ``batched``: P2P ops come through ``batch_isend_irecv``."""
+    ``batched``: P2P ops come through ``batch_isend_irecv``; ``ddp``: the path of DDP's buckets (their
+    kernel in the dispatcher, ``ddp_kernel_bucket``, where the arms ran it; else the comm hook)."""
     source, op = source_op.split("/")
     if source == "ddp_comm_hook":
-        return "ddp_comm_hook"
+        return ddp
     if source == "fsdp_comm":
         return f"fsdp_{op}"
     if source == "funcol":  # the arms' funcol ops are DTensor's: group=(mesh, mesh_dim)
@@ -376,9 +378,13 @@ def attribute(steps: dict[str, Any], calls_us: dict[str, Any], *, suffix: str = 
     path's per-call cost, each span, the step's boundaries — against the untraced step's CPU. The direct
     A/B on 2 gloo ranks sharing 2 cores varies by ±10 % between blocks (its IQR is printed), far above the
     1 % it would have to resolve; these parts are each measured to a few tens of ns."""
+    # DDP's buckets: by their kernel where it was measured (the arms ran it: built, no CUDA), except in the
+    # Python form's attribution (the kernels need the C forms: the hook there)
+    ddp = "ddp_kernel_bucket" if "ddp_kernel_bucket" in calls_us and not suffix else "ddp_comm_hook"
     for arm, row in steps.items():
         batched = arm in BATCHED_P2P_ARMS
-        us = sum(n * calls_us[_path(k, batched=batched)]["overhead_cpu_us"] for k, n in row["ops_by_source"].items())
+        us = sum(n * calls_us[_path(k, batched=batched, ddp=ddp)]["overhead_cpu_us"]
+                 for k, n in row["ops_by_source"].items())
         us += row["spans_per_step"] * calls_us["pipeline_span"]["overhead_cpu_us"]
         us += calls_us["step_boundary"]["overhead_cpu_us"]
         row["attributed_us" + suffix] = round(us, 1)
@@ -394,7 +400,7 @@ def attribute(steps: dict[str, Any], calls_us: dict[str, Any], *, suffix: str = 
         # The same in torch.profiler events: each part's cost over the profiler's per-event cost measured in
         # the same process (``profiler_event_us``), so that the ratio does not depend on the machine state
         # each path's process landed in (see ``per_call_isolated``).
-        events = sum(n * _in_events(calls_us[_path(k, batched=batched)])
+        events = sum(n * _in_events(calls_us[_path(k, batched=batched, ddp=ddp)])
                      for k, n in row["ops_by_source"].items())
         events += row["spans_per_step"] * _in_events(calls_us["pipeline_span"]) + _in_events(calls_us["step_boundary"])
         row["meshscope_in_profiler_events" + suffix] = round(events, 2)

@@ -181,6 +181,7 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
             profiling["p"] = None
     funcol_floor_on, funcol_floor_off = _floor_funcol(tel)
     ddp_hook, ddp_on, ddp_off = _ddp_hook(tracer, world, t)
+    ddp_buckets, ddp_kernel_on, ddp_kernel_off = _ddp_kernel(tracer, world, t, on=on, off=off)
     untracked = dist.all_reduce(t, async_op=True)
     table: dict[str, tuple[Callable[[], Any], Callable[[], None], Callable[[], None]]] = {
         "c10d_all_reduce_blocking": (lambda: dist.all_reduce(t), on, off),
@@ -201,6 +202,9 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
         "p2p_batch_isend_wait": (lambda: dist.batch_isend_irecv([dist.P2POp(dist.isend, t, 1)])[0].wait(), on, off),
         "p2p_batch_irecv_wait": (lambda: dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, 1)])[0].wait(), on, off),
         "ddp_comm_hook": (ddp_hook, ddp_on, ddp_off),
+        # DDP's buckets in the dispatcher (funcol_kernels): a backward of DDP_KERNEL_BUCKETS all-reduces as the
+        # reducer makes them (the ProcessGroup's C++ call, inside the autograd graph task), per bucket below
+        "ddp_kernel_bucket": (ddp_buckets, ddp_kernel_on, ddp_kernel_off),
         "pipeline_span": (lambda: stage.forward_one_chunk(0), pp_on, pp_off),
         "step_boundary": (step_boundary, steps_on, steps_off),
         # The floor of any Python wrapper here (a reference, not a hook): see _floor.
@@ -211,6 +215,11 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
         "profiler_aten_op": (lambda: torch.add(t, t), profiler_on, profiler_off),
     }
     out = {}
+    if tracer._kernels is None:
+        on()  # the kernels are bound on attach, where usable
+        off()
+    if tracer._kernels is None:  # not built or not usable here: DDP's buckets go through the hook
+        del table["ddp_kernel_bucket"]
     try:
         for name, (run, arm_on, arm_off) in table.items():
             if paths is None or name in paths:
@@ -221,6 +230,11 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
                     row = _ab(run, profiler_on, profiler_off, calls=calls, blocks=blocks)
                     out[name].update(profiler_us=row["overhead_cpu_us"], profiler_iqr_us=row["iqr_us"],
                                      profiler_events=_events_per_call(run, calls=calls))
+        if "ddp_kernel_bucket" in out:  # measured per backward: per bucket
+            row = out["ddp_kernel_bucket"]
+            row.update(without_cpu_us=round(row["without_cpu_us"] / DDP_KERNEL_BUCKETS, 3),
+                       overhead_cpu_us=round(row["overhead_cpu_us"] / DDP_KERNEL_BUCKETS, 3),
+                       iqr_us=[round(q / DDP_KERNEL_BUCKETS, 3) for q in row["iqr_us"]])
         tel.begin_step(0)  # the open step the paths ran in, as at the start (step_boundary ends its own)
     finally:
         off()
@@ -233,12 +247,53 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
 PATHS = ("c10d_all_reduce_blocking", "c10d_all_reduce_async_wait", "funcol_all_reduce_wait",
          "funcol_mesh_dim_all_reduce_wait", "work_wait_untracked",
          "fsdp_all_gather", "fsdp_reduce_scatter", "p2p_isend_wait", "p2p_irecv_wait", "p2p_batch_isend_wait",
-         "p2p_batch_irecv_wait", "ddp_comm_hook",
+         "p2p_batch_irecv_wait", "ddp_comm_hook", "ddp_kernel_bucket",
          "pipeline_span", "step_boundary", "floor_blocking", "floor_async_wait", "floor_funcol", "profiler_aten_op")
 # Paths ``per_call_isolated(profiled=True)`` does not measure under torch.profiler: not a traced op's path, or
 # (the pipeline span) a stand-in stage whose compute has no torch op for the profiler to record.
-UNPROFILED = frozenset({"step_boundary", "work_wait_untracked", "pipeline_span", "floor_blocking", "floor_async_wait",
+UNPROFILED = frozenset({"step_boundary", "work_wait_untracked", "ddp_kernel_bucket", "pipeline_span", "floor_blocking", "floor_async_wait",
                         "floor_funcol", "profiler_aten_op"})
+
+
+DDP_KERNEL_BUCKETS = 20  # all-reduces per backward of the ddp_kernel_bucket path
+
+
+def _ddp_kernel(tracer: Any, world: Any, t: Any, *, on: Callable[[], None], off: Callable[[], None]
+                ) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
+    """(run, on, off) of DDP's buckets recorded by the dispatcher kernel: ``run`` a backward whose node
+    all-reduces ``DDP_KERNEL_BUCKETS`` times through the ProcessGroup's C++ call, as DDP's reducer does from
+    its autograd hooks; ``on`` the tracer attached and the group armed as ``comm_ddp.attach`` arms a DDP
+    model's (the untraced arm: neither). The backward's own cost is in both arms."""
+    import torch
+
+    class Buckets(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Any) -> Any:
+            return x * 1
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            for _ in range(DDP_KERNEL_BUCKETS):
+                world.allreduce([t])
+            return grad
+
+    leaf = torch.ones(4, requires_grad=True)
+    armed: dict[str, Any] = {"handle": None}
+
+    def run() -> None:
+        Buckets.apply(leaf).sum().backward()
+
+    def arm() -> None:
+        on()
+        if tracer._kernels is not None:
+            armed["handle"] = tracer._kernels.arm_ddp(world)
+
+    def disarm() -> None:
+        if armed["handle"] is not None:
+            armed["handle"].detach()
+            armed["handle"] = None
+        off()
+    return run, arm, disarm
 
 
 def _events_per_call(run: Callable[[], Any], *, calls: int) -> float:
@@ -441,6 +496,8 @@ def per_call_isolated(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, 
                            f"result = per_call(calls={calls}, blocks={blocks}, paths={measured!r}, "
                            f"profiled={under_profiler!r})",
                            what=f"hook cost of {path}", timeout_s=timeout_s, env=env)
+        if path not in got:  # not measurable here (ddp_kernel_bucket where the kernels are not built)
+            continue
         out[path] = got[path]
         if len(measured) == 2:
             out[path]["profiler_event_us"] = got["profiler_aten_op"]["overhead_cpu_us"]
