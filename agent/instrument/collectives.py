@@ -15,8 +15,10 @@ path that saw it. Paths, and what each sees (measured on torch 2.13 / gloo, see 
 ``comm_*`` modules for details):
 
 - ``ddp_comm_hook`` (``comm_ddp``): DDP's C++ reducer talks to the ProcessGroup directly, so no Python
-  patch sees it; a comm hook sees every gradient bucket. Exposed time is the reducer's blocking wait at
-  the end of backward, measured between two autograd final callbacks.
+  patch sees it; in a process without CUDA a kernel in torch's dispatcher sees every gradient bucket with
+  DDP's built-in all-reduce left in place (``funcol_kernels``, _ddp_kernel.h), elsewhere a comm hook does.
+  Exposed time is the reducer's blocking wait at the end of backward, measured between two autograd final
+  callbacks.
 - ``fsdp_comm`` (``comm_fsdp``): FSDP2's official ``set_custom_all_gather`` / ``set_custom_reduce_scatter``.
 - ``funcol`` (``comm_funcol``): TP / DTensor functional collectives; issue in the funcol function, wait in
   ``wait_tensor``.

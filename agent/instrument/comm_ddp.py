@@ -1,7 +1,14 @@
 """DDP: gradient buckets through a comm hook, exposure from autograd final callbacks.
 
 DDP's C++ reducer calls the ProcessGroup directly, so no patch of ``torch.distributed`` sees its
-all-reduces. ``DistributedDataParallel.register_comm_hook`` does: the hook registered here is exactly
+all-reduces. Two things do. In a process without CUDA, where the dispatcher kernels are built
+(``funcol_kernels``), a kernel at ``c10d::allreduce_``'s CPU key (_ddp_kernel.h): DDP keeps its C++
+built-in all-reduce (any Python comm hook, DDP's own default one included, cost the 6-bucket toy of
+bench/hooks_overhead.py 6-16 % more CPU per step than the built-in), the kernel records each bucket and
+the same window as below in C++, and ``window_entries`` turns it into the same records (it also sees the
+all-reduce of DDP's used-parameter map, with ``find_unused_parameters``, which no hook sees);
+``MESHSCOPE_DDP_KERNEL=0`` keeps the hook. Elsewhere (CUDA: comm_nccl's events; no kernels built)
+``DistributedDataParallel.register_comm_hook``: the hook registered here is exactly
 ``default_hooks.allreduce_hook`` (divide the bucket by the group size, async all-reduce, return the
 future), which DDP documents as equivalent to no hook, plus timestamps. Per bucket it sees the bucket
 index and bytes, the issue time (when the bucket's all-reduce reaches the ProcessGroup) and the completion
@@ -24,11 +31,12 @@ compute gets 0. Chosen over ``_get_ddp_logging_data()`` (``avg_backward_comm_tim
 100th, not per step, and do not give the blocked time itself. The records are made in B, on the thread
 that ran backward (the training thread on CPU).
 
-Cannot see: DDP's own C++ broadcasts (the one-off bucket-rebuild sync at the start of step 2 and
+Cannot see (either way): DDP's own C++ broadcasts (the one-off bucket-rebuild sync at the start of step 2 and
 ``_sync_module_states`` at construction; the per-forward buffer broadcast is seen by ``comm_c10d``).
 Only one comm hook can ever be registered on a DDP model, and never removed: a model that already has
-one (user hook, DDP mixed precision) is not traced (``record_error``); ``detach`` turns this hook into the
-plain default all-reduce. CUDA (NCCL): the future completes at enqueue, so the window A/B and the buckets
+one (user hook, DDP mixed precision) is not traced (``record_error``; the all-reduces its hook makes are
+the c10d sites'); ``detach`` turns this hook into the plain default all-reduce (the kernel's group is
+disarmed instead). CUDA (NCCL): the future completes at enqueue, so the window A/B and the buckets
 are timed with CUDA events instead (``comm_nccl``; checked on a GPU by the GPU kit's section 8).
 """
 

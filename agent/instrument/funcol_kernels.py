@@ -1,5 +1,6 @@
-"""The functional collectives traced in torch's dispatcher (agent/instrument/_funcol_kernels.cpp): built, found,
-loaded, bound to a tracer and drained.
+"""The functional collectives traced in torch's dispatcher (agent/instrument/_funcol_kernels.cpp), and DDP's
+gradient buckets (agent/instrument/_ddp_kernel.h, armed per DDP model by comm_ddp): built, found, loaded, bound
+to a tracer and drained.
 
     python -m meshscope.agent.instrument.funcol_kernels [--check]     # build (make install runs it)
 
