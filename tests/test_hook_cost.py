@@ -47,7 +47,7 @@ UNTRACED_US = {
     # morning when the blocking all-reduce read 5.1: scaled to its 3.9)
     "p2p_batch_isend_wait": 6.4,
     "p2p_batch_irecv_wait": 6.4,
-    "ddp_comm_hook": 9.3,  # the hook on the fake backend behind a proxy with a real future (hookcost._ddp_hook)
+    "ddp_comm_hook": 9.3,  # the hook on the fake backend behind a proxy with a real future (hookcost_ddp.ddp_hook_path)
     # DDP's bucket in the dispatcher (a backward of 20 all-reduces, per all-reduce: 4.1 µs on a morning when
     # the blocking all-reduce read 3.9); measured where the kernels are built
     "ddp_kernel_bucket": 4.1,

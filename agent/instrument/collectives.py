@@ -97,13 +97,13 @@ class CollectiveTracer:
     pass-through (exactly DDP's default all-reduce), and a later ``attach`` re-enables it.
     Only one tracer may patch the process at a time (``RuntimeError`` on a second one).
 
-    ``ddp_comm_hook=False`` (``TelemetryConfig.ddp_comm_hook``) leaves DDP models alone: any Python comm
-    hook (DDP's own ``allreduce_hook`` included) costs more than the C++ built-in all-reduce — +12 % of
-    training-thread CPU per step on a 16 ms, 6-bucket 1 MB toy on 2 cores, the timing adding 0-3.5 %
-    (within that A/B's noise) on top of DDP's own Python hook (bench/hooks_overhead.py, ddp_vs_builtin
-    and ddp_vs_python_default_hook) — and without it DDP's buckets are not seen at all (only
-    ``_get_ddp_logging_data()``'s sampled averages remain). No cheaper way was found on torch 2.13: gloo's
-    flight recorder stamps no completion, and a Python hook's result must be a Python future.
+    ``ddp_comm_hook=False`` (``TelemetryConfig.ddp_comm_hook``) leaves DDP models alone. Where DDP's
+    buckets are recorded in torch's dispatcher (comm_ddp: a process without CUDA, the kernels built) DDP
+    keeps its C++ built-in all-reduce anyway; elsewhere they are recorded through a Python comm hook, and
+    any Python comm hook (DDP's own ``allreduce_hook`` included) costs more than the built-in — +6-16 % of
+    training-thread CPU per step on a 6-bucket 1 MB toy on 2 cores (bench/hooks_overhead.py,
+    ddp_vs_builtin) — and without one DDP's buckets are not seen at all (only
+    ``_get_ddp_logging_data()``'s sampled averages remain).
     """
 
     Op = _Op  # what a site that amends its op after the issue builds (comm_funcol), without importing this

@@ -16,11 +16,13 @@ class TelemetryConfig:
     memory_every: int = 1  # memory sample every N steps
     hang_after_s: float = 60.0  # no progress for this long: one 'hang' event saying where the thread is; 0: off
     spool_hold_bytes: int = 8 * 1024 * 1024  # records held in memory while the spool cannot be written
-    # DDP's gradient buckets through a traced Python comm hook (per-bucket records, exposed time). False
-    # keeps DDP's C++ built-in all-reduce: any Python comm hook (DDP's own default one included) cost
-    # +8-12 % training-thread CPU per step against it on a 6-bucket 1 MB toy on 2 cores
-    # (bench/hooks_overhead.py, ddp_vs_builtin); without it DDP's buckets are not recorded at all, and the
-    # reducer's wait for them at the end of backward counts as backward compute, not exposed communication.
+    # DDP's gradient buckets recorded (per-bucket records, exposed time): by a kernel in torch's dispatcher
+    # that leaves DDP's C++ built-in all-reduce in place, in a process without CUDA where it is built
+    # (comm_ddp), else through a traced Python comm hook, which costs what any Python comm hook (DDP's own
+    # default one included) costs against the built-in: +6-16 % training-thread CPU per step on a 6-bucket
+    # 1 MB toy on 2 cores (bench/hooks_overhead.py, ddp_vs_builtin). False: DDP models are left alone, their
+    # buckets not recorded at all, and the reducer's wait for them at the end of backward counts as backward
+    # compute, not exposed communication.
     ddp_comm_hook: bool = True
 
     def __post_init__(self) -> None:
