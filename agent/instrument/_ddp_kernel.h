@@ -101,6 +101,7 @@ void ddp_allreduce_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
           rec->gid = gid;
           rec->nbytes = nbytes;
           rec->seq = g_counter_of[gid]->fetch_add(1) + 1;
+          rec->t0 = now_ns();  // set before the window holds it: the drain reads it on another thread
           g_window->ops.push_back(rec);
         }
       }
@@ -120,7 +121,6 @@ void ddp_allreduce_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
     }
   }
   if (!rec) return g_torch_allreduce->callBoxed(op, ks, stack);
-  rec->t0 = now_ns();
   g_torch_allreduce->callBoxed(op, ks, stack);  // the op itself: its exceptions are the caller's
   try {
     auto work = stack->back().toCustomClass<c10d::Work>();
