@@ -21,8 +21,8 @@ def run(rank: int, world_size: int, port: int, out: str) -> None:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from meshscope.agent.contract import SCHEMAS
     from meshscope.agent.instrument.telemetry import Telemetry, TelemetryConfig
+    from meshscope.testing.records import capture_records
 
     hc.init(rank, world_size, port)
     torch.manual_seed(0)
@@ -32,15 +32,7 @@ def run(rank: int, world_size: int, port: int, out: str) -> None:
     model = DDP(net, bucket_cap_mb=8)
     tel = Telemetry(config=TelemetryConfig(store=tempfile.mkdtemp(prefix="meshscope-ddp-kernel-"), run="d"),
                     rank=rank, world_size=world_size)
-    rows: dict[str, list] = {"collective": [], "step": []}
-    push = tel._push
-
-    def capture(kind: str, row: tuple) -> None:  # every record, as the writer gets it
-        if kind in rows:
-            rows[kind].append(row)
-        push(kind, row)
-
-    tel._push = capture
+    records = capture_records(tel)
     tel.attach(model_parts=[model])
     tracer = tel._tracers[0]
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -69,13 +61,12 @@ def run(rank: int, world_size: int, port: int, out: str) -> None:
             dist.all_reduce(loss.detach())  # the user's loss all-reduce, outside backward
     hooks = [type(state).__name__ for _, state in model._comm_hooks]
     tel.detach()
-    n_after_detach = len(rows["collective"])
+    n_after_detach = len(records()["collective"])
     model(x).square().mean().backward()  # training goes on, untraced
     time.sleep(0.3)
     tel.close()
-    names = {kind: SCHEMAS[kind].names for kind in rows}  # a row is (its layout tag, its fields in order)
-    colls = [dict(zip(names["collective"], row[1:])) for row in rows["collective"]]
-    steps = [dict(zip(names["step"], row[1:])) for row in rows["step"]]
+    got = records()
+    colls, steps = got["collective"], got["step"]
     hc.write(out, rank, {
         "records": [{k: c[k] for k in KEEP} for c in colls],
         "steps": [{k: s[k] for k in ("step", "wall_s", "compute_s", "exposed_comm_s", "other_s", "n_collectives")}
@@ -84,7 +75,7 @@ def run(rank: int, world_size: int, port: int, out: str) -> None:
         "comm_hooks": hooks,
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "backward_s": backward_s,
-        "records_after_detach": len(rows["collective"]) - n_after_detach,
+        "records_after_detach": len(colls) - n_after_detach,
         "errors": tel.errors, "stats": {k: v for k, v in tracer.stats.items() if v},
         "steps_n": STEPS, "delay_s": DELAY_S,
     })

@@ -16,6 +16,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from meshscope.agent.instrument.telemetry import Telemetry, TelemetryConfig
+from meshscope.testing.records import capture_records
 
 KEEP = ("op", "dim", "group", "group_size", "nbytes", "peer", "source", "seq", "t_start", "t_end", "wait_s")
 
@@ -25,15 +26,7 @@ def run_case(steps: list[Callable[[], Any]], *, between: Callable[[], Any] | Non
     outside any step); the collectives it recorded, with their step, and the step rows."""
     tel = Telemetry(config=TelemetryConfig(store=tempfile.mkdtemp(prefix="meshscope-kernels-"), run="k"),
                     rank=0, world_size=4)
-    got: dict[str, list] = {"collective": [], "step": []}
-    push = tel._push
-
-    def capture(kind: str, row: tuple) -> None:  # every record, as the writer gets it
-        if kind in got:
-            got[kind].append(row)
-        push(kind, row)
-
-    tel._push = capture
+    records = capture_records(tel)
     tel.attach(model_parts=[], mesh=mesh)
     tracer = tel._tracers[0]
     form = {"kernels": tracer._kernels is not None,
@@ -45,11 +38,8 @@ def run_case(steps: list[Callable[[], Any]], *, between: Callable[[], Any] | Non
             between()
     stats = dict(tracer.stats)
     tel.close()
-    from meshscope.agent.contract import SCHEMAS
-
-    names = {kind: SCHEMAS[kind].names for kind in got}  # a row is (its layout tag, its fields in order)
-    colls = [dict(zip(names["collective"], row[1:])) for row in got["collective"]]
-    step_rows = [dict(zip(names["step"], row[1:])) for row in got["step"]]
+    got = records()
+    colls, step_rows = got["collective"], got["step"]
     return {"records": [{k: c[k if k != "nbytes" else "bytes"] for k in KEEP} | {"step": c["step"]} for c in colls],
             "steps": [{"step": s["step"], "n_collectives": s["n_collectives"], "exposed_comm_s": s["exposed_comm_s"],
                        "wall_s": s["wall_s"]} for s in step_rows],
