@@ -91,19 +91,13 @@ class CollectiveTracer:
 
     ``attach(model)`` installs the Python patches (c10d, P2P, ``Work.wait``, functional collectives) and,
     for each module in ``model`` (a module, a list of modules — e.g. pipeline stage parts — or ``None``),
-    the DDP comm hook and FSDP2 custom comms. Call it after wrapping and before the first backward (DDP
-    accepts a comm hook only then). ``attach`` is idempotent; ``detach`` restores every patched attribute
-    and FSDP comm. A DDP comm hook cannot be unregistered: after ``detach`` it stays as a plain
-    pass-through (exactly DDP's default all-reduce), and a later ``attach`` re-enables it.
+    DDP's buckets (comm_ddp: their kernel in torch's dispatcher, else a comm hook) and FSDP2 custom comms.
+    Call it after wrapping and before the first backward (DDP accepts a comm hook only then). ``attach`` is
+    idempotent; ``detach`` restores every patched attribute and FSDP comm; a DDP comm hook cannot be
+    unregistered: it stays as a plain pass-through (DDP's default all-reduce) until a later ``attach``.
     Only one tracer may patch the process at a time (``RuntimeError`` on a second one).
-
-    ``ddp_comm_hook=False`` (``TelemetryConfig.ddp_comm_hook``) leaves DDP models alone. Where DDP's
-    buckets are recorded in torch's dispatcher (comm_ddp: a process without CUDA, the kernels built) DDP
-    keeps its C++ built-in all-reduce anyway; elsewhere they are recorded through a Python comm hook, and
-    any Python comm hook (DDP's own ``allreduce_hook`` included) costs more than the built-in — +6-16 % of
-    training-thread CPU per step on a 6-bucket 1 MB toy on 2 cores (bench/hooks_overhead.py,
-    ddp_vs_builtin) — and without one DDP's buckets are not seen at all (only
-    ``_get_ddp_logging_data()``'s sampled averages remain).
+    ``ddp_comm_hook=False`` (``TelemetryConfig.ddp_comm_hook``, which says what each way costs) leaves DDP
+    models alone: their buckets are not recorded.
     """
 
     Op = _Op  # what a site that amends its op after the issue builds (comm_funcol), without importing this
