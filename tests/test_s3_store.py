@@ -144,7 +144,7 @@ def killed_run(s3):
     every poll (``--part-age 0``) keep uploads in flight all the time, so each kill lands in a list / PUT /
     delete cycle; the restarted agent lists the bucket and uploads what is missing."""
     _, proxy = s3
-    world, steps, run = 2, 160, "s3kill"
+    world, steps, run = 2, 320, "s3kill"  # long enough for three rounds of uploads on a loaded 2-core machine
     url = f"s3://{BUCKET}/kill"
     rnd = random.Random(20261125)
     args = ("--part-age", "0", "--part-bytes", "16000", "--upload", url)
