@@ -83,6 +83,9 @@ def test_the_wheel_in_a_fresh_venv_trains_ingests_reports_and_runs_the_stack(tmp
     venv_dir = str(env_dir)
     assert where["meshscope"].startswith(venv_dir) and where["grafana"].startswith(venv_dir), where
     assert where["agent"] is None or str(ROOT) not in where["agent"], where  # `import agent` is not meshscope
+    # the dispatcher kernels' sources are package data: `make install` builds them where the wheel is installed
+    instrument = Path(where["meshscope"]).parent / "instrument"
+    assert all((instrument / name).is_file() for name in ("_funcol_kernels.cpp", "_ddp_kernel.h")), instrument
 
     meshscope = str(env_dir / "bin" / "meshscope")
     store = work / "runs"
