@@ -40,6 +40,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from meshscope.agent.contract import RECORDS, SCHEMA_VERSION, TAGS, SCHEMAS, SCHEMAS_BY_VERSION, check_run_name
+from meshscope.agent.transport.columns import column
 
 MAGIC = b"MSPL"
 FORMAT_VERSION = 1
@@ -141,7 +142,7 @@ def rows_to_batch(kind: str, rows: list[tuple]) -> pa.RecordBatch:
         raise ValueError(f"{kind} rows must come from agent.contract's {kind}_record() or be {record.__name__} "
                          f"records, got {got}"[:300])
     by_name = dict(zip(record._fields, columns))
-    arrays = [pa.array(by_name[field.name], type=field.type) for field in schema]
+    arrays = [column(by_name[field.name], field.type) for field in schema]
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
