@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from meshscope.agent.contract import SCHEMAS
 from meshscope.agent.transport.columns import column
+from meshscope.testing.hookcost import free_port
 
 TYPES = sorted({field.type for schema in SCHEMAS.values() for field in schema}, key=str)
 
@@ -104,7 +105,7 @@ def test_a_ranks_telemetry_does_not_import_pandas(tmp_path):
     script = textwrap.dedent(f"""
         import os, sys
         import torch, torch.distributed as dist
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str({_port()}))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str({free_port()}))
         dist.init_process_group("gloo", rank=0, world_size=1)
         from meshscope.agent.instrument.telemetry import Telemetry, TelemetryConfig
         tel = Telemetry(config=TelemetryConfig(store={str(tmp_path)!r}, run="nopandas"), rank=0, world_size=1)
@@ -129,11 +130,3 @@ def test_a_ranks_telemetry_does_not_import_pandas(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     written, dropped, encode_errors, pandas = out.stdout.split()
     assert int(written) >= 20 + 20 + 1 + 1 and (dropped, encode_errors, pandas) == ("0", "0", "False")
-
-
-def _port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
