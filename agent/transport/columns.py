@@ -65,9 +65,7 @@ def _from_buffers(values: list | tuple, arrow_type: pa.DataType) -> pa.Array | N
     tid = arrow_type.id  # (an int: a DataType's == is a call into Arrow)
     if tid == _FLOAT64.id:
         data = [0.0 if v is None else v for v in values] if nulls else values
-        kinds = set(map(type, data))
-        if not (kinds <= {float} or (kinds <= {float, int} and all(_double(v) for v in data))
-                or all(_double(v) for v in data)):
+        if not _all(data, {float}, _double):
             return None
         return pa.Array.from_buffers(arrow_type, n, [validity, pa.py_buffer(array.array("d", data))], null_count=nulls)
     code = _INT_CODES.get(tid)
