@@ -147,7 +147,7 @@ def test_materialized_kind_keeps_only_the_requested_rows_and_columns(store):
 def test_runs_table(store, tmp_path):
     t = data.runs_table(store).set_index("run")
     assert t.index.tolist() == ["pp", "ddp"]  # newest first
-    assert t.loc["pp", "world_size"] == 8 and t.loc["pp", "strategy"] == "pp+tp+ddp"
+    assert t.loc["pp", "world_size"] == 8 and t.loc["pp", "strategy"] == "pp+ddp+tp"
     assert (t.loc["pp", "first_step"], t.loc["pp", "last_step"], t.loc["pp", "steps"]) == (0, 9, 10)
     raw = _raw(store, "step", "pp")
     assert t.loc["pp", "collectives_per_step"] == pytest.approx(raw["n_collectives"].sum() / 10)

@@ -65,7 +65,7 @@ def test_toml_file_and_cli_override(tmp_path):
 
 def test_resolved_strategy_names():
     assert resolve([], 2).parallel.strategy == "ddp"
-    assert resolve(["--fsdp", "--tp", "2"], 4).parallel.strategy == "tp+fsdp"
+    assert resolve(["--fsdp", "--tp", "2"], 4).parallel.strategy == "fsdp+tp"
     assert resolve(["--pp", "2", "--fsdp"], 4).parallel.strategy == "pp+fsdp"
     assert resolve([], 1).parallel.strategy == "single"
 

@@ -16,6 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from meshscope.agent.contract.formulas import strategy_name
 from meshscope.agent.cliargs import ArgParser
 from meshscope.agent.cliargs import UsageError as ConfigError  # one error type for every command line
 from meshscope.agent.instrument.telemetry import TelemetryConfig
@@ -92,15 +93,9 @@ class ParallelConfig:
 
     @property
     def strategy(self) -> str:
-        """A short human name: ddp, fsdp, tp, pp, fsdp+tp, pp+fsdp, pp+tp+fsdp, ..."""
-        parts = []
-        if self.pp > 1:
-            parts.append("pp")
-        if self.tp > 1:
-            parts.append("tp")
-        if self.dp > 1 or self.fsdp:
-            parts.append("fsdp" if self.fsdp else "ddp")
-        return "+".join(parts) or "single"
+        """The contract's name of this layout: ddp, fsdp, tp, pp, fsdp+tp, pp+fsdp, pp+fsdp+tp, ..."""
+        dp = ("fsdp" if self.fsdp else "ddp") if self.dp > 1 or self.fsdp else ""
+        return strategy_name(dp=dp, tp=self.tp, pp=self.pp)
 
 
 @dataclass(kw_only=True, slots=True)

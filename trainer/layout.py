@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshscope.agent.contract.formulas import training_flops_per_token
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "looped-bfs")
 MULTI_STAGE = ("interleaved", "interleaved-zb", "looped-bfs")  # several stages per rank (virtual_stages)
 # Schedules that need at least pp microbatches (a 1F1B steady state).
@@ -63,7 +65,8 @@ def flops_per_token(flavor: Flavor, *, seq_len: int) -> float:
     parameter; 12·L·D·S is attention's scores (QKᵀ) and values (AV) matmuls, forward and backward, with the
     causal mask NOT discounted (torchtitan's convention; Megatron halves it)."""
     _, non_emb = count_params(flavor)
-    return 6.0 * non_emb + 12.0 * flavor.n_layers * flavor.d_model * seq_len
+    return training_flops_per_token(n_matmul_params=non_emb, n_attention_layers=flavor.n_layers,
+                                    attention_dim=flavor.d_model, seq_len=seq_len)
 
 
 def check_degrees(*, dp: int, tp: int, pp: int, microbatches: int, virtual_stages: int, schedule: str,

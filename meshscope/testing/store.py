@@ -37,6 +37,7 @@ import pyarrow.parquet as pq
 from meshscope.agent.collector import packs
 from meshscope.agent.collector.store import stored_schema
 from meshscope.agent.contract import DIMS, SCHEMAS
+from meshscope.agent.contract.formulas import strategy_name
 from meshscope.dashboard import pipeline_sim
 from meshscope.dashboard.analysis import busbw_factor, normalize_schedule
 from meshscope.dashboard.memory_model import ModelSpec, memory_model
@@ -121,8 +122,9 @@ class SyntheticConfig:
 
     @property
     def strategy(self) -> str:
-        used = [d for d in ("pp", "fsdp", "tp", "dp") if self.degree(d) > 1]
-        return "+".join("ddp" if d == "dp" else d for d in used) or "ddp"
+        fsdp, dp = self.degree("fsdp") > 1, self.degree("dp") > 1
+        kind = "hsdp" if fsdp and dp else "fsdp" if fsdp else "ddp" if dp else ""
+        return strategy_name(dp=kind, tp=self.degree("tp"), pp=self.degree("pp")) if kind or self.world_size > 1 else "ddp"
 
     @property
     def batch(self) -> int:
