@@ -18,6 +18,9 @@ from typing import Any, Mapping
 ENV_STORE = "MESHSCOPE_STORE"  # the run store the ranks' spools go to
 ENV_RUN = "MESHSCOPE_RUN"  # the run name every process of the job shares
 ENV_DISABLE = "MESHSCOPE_DISABLE"  # "1": leave the job untouched (the bootstrap imports nothing of meshscope)
+# The launch's first attempt number (``meshscope run --new-attempt``: one past the run's last stored attempt);
+# torchrun's restarts of the launch count on from it.
+ENV_ATTEMPT = "MESHSCOPE_ATTEMPT"
 DEFAULT_STORE = "meshscope-runs"
 
 _driver: Any = None
@@ -25,6 +28,12 @@ _driver: Any = None
 
 def disabled(environ: Mapping[str, str] = os.environ) -> bool:
     return environ.get(ENV_DISABLE, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def launch_attempt(environ: Mapping[str, str] = os.environ) -> int:
+    """This process's attempt of the run: the launch's first attempt (MESHSCOPE_ATTEMPT, 0 unless ``meshscope
+    run --new-attempt`` set it) plus torchrun's restart count (TORCHELASTIC_RESTART_COUNT)."""
+    return int(environ.get(ENV_ATTEMPT) or 0) + int(environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
 
 def observe(*, store: str | None = None, run: str | None = None) -> Any:

@@ -4,7 +4,12 @@ every Python process of it observed (see ``meshscope.agent.zerocode``).
 The job's standard output, standard error and exit status are its own: meshscope's lines go to stderr,
 prefixed ``meshscope:``, before and after the job; a job killed by signal N exits 128 + N, as a shell
 says. Ctrl-C reaches the job (it is in the terminal's process group) and this command waits for it;
-SIGTERM is passed on to the job (``_wait``). ``--agent`` runs a node agent on 127.0.0.1 for the job's lifetime."""
+SIGTERM is passed on to the job (``_wait``). ``--agent`` runs a node agent on 127.0.0.1 for the job's lifetime.
+
+A run name is one launch: a name the store already holds (its spool folder, or the ingested tables) is
+refused before anything starts, unless ``--new-attempt`` records this launch as the run's next attempt
+(one past the largest stored; the reader then counts each re-executed step once, the newest attempt's).
+The default name (the script's and the time) is never refused: a taken one gets a ``-2``, ``-3``... suffix."""
 
 from __future__ import annotations
 
@@ -17,8 +22,8 @@ import time
 from pathlib import Path
 
 from meshscope.agent.cliargs import ArgParser, UsageError, run_command
-from meshscope.agent.contract import check_run_name, spool_path
-from meshscope.agent.zerocode import DEFAULT_STORE, ENV_RUN, ENV_STORE, disabled
+from meshscope.agent.contract import SPOOL_NAME, check_run_name, spool_path
+from meshscope.agent.zerocode import DEFAULT_STORE, ENV_ATTEMPT, ENV_RUN, ENV_STORE, disabled
 from meshscope.agent.zerocode.detect import default_run_name
 
 BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"
@@ -29,21 +34,55 @@ def parser() -> ArgParser:
         "Run COMMAND (torchrun ..., python train.py ..., accelerate launch ...) unchanged, with meshscope "
         "observing every Python process of it: steps, phases, collectives, memory, tokens, FLOPs per rank. "
         "MESHSCOPE_DISABLE=1 runs it untouched."),
-        usage="meshscope run [--store DIR] [--run NAME] [--agent] [--agent-port N] -- COMMAND [ARGS...]")
+        usage="meshscope run [--store DIR] [--run NAME] [--new-attempt] [--agent] [--agent-port N] -- COMMAND [ARGS...]")
     p.add_argument("--store", type=Path, default=Path(DEFAULT_STORE), help=f"run store (default ./{DEFAULT_STORE})")
     p.add_argument("--run", default=None, help="run name (default: the script's name and the time)")
+    p.add_argument("--new-attempt", action="store_true",
+                   help="the store holds --run already: record this launch as its next attempt (else refused)")
     p.add_argument("--agent", action="store_true", help="also run a node agent (/metrics, the store) for the job")
     p.add_argument("--agent-port", type=int, default=9477, metavar="N", help="the agent's /metrics port (0: any)")
     return p
 
 
-def job_environment(*, environ: dict[str, str], store: Path, run: str) -> dict[str, str]:
-    """The job's environment: the bootstrap first on PYTHONPATH (the job's own entries kept after it)."""
+def job_environment(*, environ: dict[str, str], store: Path, run: str, attempt: int = 0) -> dict[str, str]:
+    """The job's environment: the bootstrap first on PYTHONPATH (the job's own entries kept after it), the
+    store, the run and the launch's first attempt."""
     env = dict(environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BOOTSTRAP), environ.get("PYTHONPATH", "")) if p)
     env[ENV_STORE] = str(store)
     env[ENV_RUN] = run
+    env[ENV_ATTEMPT] = str(attempt)
     return env
+
+
+def stored_attempts(store: Path, run: str) -> set[int]:
+    """The attempts of ``run`` that ``store`` holds: its ranks' spool files (``contract.spool_path``'s folder,
+    names matched by ``contract.SPOOL_NAME``) and the run records already ingested (read by the store's one
+    reader, every attempt). Empty when the store has nothing of the run; {0} for records of it without
+    a run record."""
+    spools = spool_path(store, run=run, rank=0, attempt=0).parent
+    found = {int(m[2]) for f in (spools.iterdir() if spools.is_dir() else ()) if (m := SPOOL_NAME.match(f.name))}
+    if not (store / "tables").is_dir():  # nothing ingested: no need to load the reader (DuckDB, pandas)
+        return found
+    from meshscope.agent.collector.reader import Store, StoreError, read_table
+
+    try:
+        opened = Store.open(store)
+        if run in opened.runs():
+            records = read_table(opened, "run", run=run, columns=["attempt"], all_attempts=True)["attempt"]
+            found |= {int(a) for a in records.dropna()} or {0}
+    except StoreError as e:
+        raise UsageError(f"--store {str(store)!r}: cannot tell whether it holds run {run!r} ({e})") from None
+    return found
+
+
+def _free_name(store: Path, name: str) -> str:
+    """``name``, or the first of ``name-2``, ``name-3``... that the store does not hold."""
+    for k in range(1, 1000):
+        candidate = name if k == 1 else f"{name}-{k}"
+        if not stored_attempts(store, candidate):
+            return candidate
+    raise UsageError(f"--store {str(store)!r}: holds runs {name!r} to {name}-999 already; pass --run")
 
 
 def _say(message: str) -> None:
@@ -110,8 +149,16 @@ def run(args, command: list[str]) -> int:
         raise UsageError(f"--store {str(args.store)!r}: cannot create it ({e.strerror})") from None
     if not os.access(store, os.W_OK | os.X_OK):
         raise UsageError(f"--store {str(args.store)!r}: not writable")
-    env = job_environment(environ=dict(os.environ), store=store, run=run_name)
-    _say(f"observing run {run_name!r} into {store}")
+    attempt = 0
+    if args.run is None:
+        run_name = _free_name(store, run_name)  # two launches in one second: the second gets a suffix
+    elif stored := stored_attempts(store, run_name):
+        attempt = max(stored) + 1
+        if not args.new_attempt:
+            raise UsageError(f"--run {run_name!r}: run already in {store}; choose another name, or pass "
+                             f"--new-attempt to record this launch as attempt {attempt + 1}")
+    env = job_environment(environ=dict(os.environ), store=store, run=run_name, attempt=attempt)
+    _say(f"observing run {run_name!r} into {store}" + (f" as attempt {attempt + 1}" if attempt else ""))
     agent = _start_agent(store=store, port=args.agent_port) if args.agent else None
     t0 = time.monotonic()
     try:

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from meshscope.agent.zerocode import launch_attempt
+
 _NAN = float("nan")
 
 
@@ -44,7 +46,7 @@ def process(module: Any) -> Where:
         rank, world, backend = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), ""
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     return Where(rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-                 attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), device=device, backend=backend)
+                 attempt=launch_attempt(), device=device, backend=backend)
 
 
 def instrumented_by_api(torch: Any) -> bool:
