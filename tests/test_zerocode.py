@@ -149,8 +149,10 @@ def test_a_plain_ddp_script_is_observed_without_changes(tmp_path, monkeypatch):
     steps = read_table(store, "step", run=name)
     assert sorted(steps.groupby("rank")["step"].apply(list).tolist()) == [list(range(8))] * 2  # 8 optimizer steps × 2
     assert_breakdown_sums_to_wall(steps)
-    # two backwards per step that the script divides itself: the loss is absent, not a wrong figure
-    assert steps["loss"].isna().all()
+    # two backwards per step that the script divides itself: the step's loss is their sum, what it optimises
+    optimised = {int(s): float(v) for s, v in re.findall(r"rank 0 step (\d+) optimised (\S+)", out.stdout)}
+    r0 = steps[steps["rank"] == 0].set_index("step")["loss"]
+    assert len(optimised) == 8 and all(r0[s] == pytest.approx(v, abs=1e-6) for s, v in optimised.items())
     grads = 4 * (256 * 512 + 512 + 512 * 16 + 16)  # fp32 gradient bytes of ToyModel
     coll = read_table(store, "collective", run=name)
     dp = coll[coll["source"] == "ddp_comm_hook"]

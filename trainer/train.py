@@ -206,6 +206,8 @@ def run_info(cfg: TrainConfig, *, layout: Layout, device: torch.device, peak: fl
         "n_layers": flavor.n_layers, "d_model": flavor.d_model, "seq_len": cfg.model.seq_len,
         "global_batch": cfg.data.batch_size,
         "flops_per_token": model_lib.flops_per_token(flavor, seq_len=cfg.model.seq_len),
+        "flops_method": f"model shape: 6*N + 12*L*D*S (N={n_ne}, L={flavor.n_layers}, D={flavor.d_model}, "
+                        f"S={cfg.model.seq_len})",
         "peak_flops": peak, "peak_source": peak_source,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "backend": dist.get_backend(), "dtype": "bf16-autocast" if device.type == "cuda" else "fp32",

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # The parallel dimensions a collective can belong to (taken from the DeviceMesh dim names).
-DIMS = ("dp", "fsdp", "tp", "pp", "world", "other")
+DIMS = ("dp", "fsdp", "tp", "pp", "cp", "ep", "world", "other")
 # Collective / P2P op names as recorded (nccl-tests naming).
 OPS = (
     "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce",
@@ -54,6 +54,9 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("device", _str), ("backend", _str), ("dtype", _str),
         ("torch_version", _str), ("meshscope_version", _str), ("python_version", _str),
         ("config", _str),  # JSON of the full trainer/user config
+        # v4: how flops_per_token was found ("trainer: ...", "analytic: 6*N ...") or why it is absent
+        # ("off", "absent: <reason>"): what a page says where MFU is n/a
+        ("flops_method", _str),
     ]),
     # One per rank and optimizer step. wall = compute + exposed_comm + bubble + other.
     "step": pa.schema([
@@ -115,8 +118,9 @@ KINDS = tuple(SCHEMAS)
 
 # Older versions, as the columns added since: readers lift their batches to the current schema (the
 # columns NULL). Version 2 added ``step.cpu_s`` and ``step.cpu_wait_s``; version 3 ``memory.param_bytes``,
-# ``memory.grad_bytes`` and ``memory.optimizer_bytes``.
-_ADDED = {2: {"step": ("cpu_s", "cpu_wait_s")}, 3: {"memory": ("param_bytes", "grad_bytes", "optimizer_bytes")}}
+# ``memory.grad_bytes`` and ``memory.optimizer_bytes``; version 4 ``run.flops_method``.
+_ADDED = {2: {"step": ("cpu_s", "cpu_wait_s")}, 3: {"memory": ("param_bytes", "grad_bytes", "optimizer_bytes")},
+          4: {"run": ("flops_method",)}}
 
 
 def _before(version: int) -> dict[str, pa.Schema]:

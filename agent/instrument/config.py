@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from meshscope.agent.contract import check_run_name
 
+FLOPS_MODES = ("analytic", "off")
+
 
 @dataclass(kw_only=True, slots=True)
 class TelemetryConfig:
@@ -24,6 +26,9 @@ class TelemetryConfig:
     # buckets not recorded at all, and the reducer's wait for them at the end of backward counts as backward
     # compute, not exposed communication.
     ddp_comm_hook: bool = True
+    # Model FLOPs and MFU: "analytic" (the caller's figures; zero-code counts them from the modules'
+    # parameter shapes, never inside forward or backward) or "off" (no MFU, the run record says so).
+    flops: str = "analytic"
 
     def __post_init__(self) -> None:
         bad = []
@@ -46,5 +51,7 @@ class TelemetryConfig:
             bad.append(f"hang_after_s={self.hang_after_s}")
         if self.spool_hold_bytes < 0:
             bad.append(f"spool_hold_bytes={self.spool_hold_bytes}")
+        if self.flops not in FLOPS_MODES:
+            bad.append(f"flops={self.flops!r} (one of {', '.join(FLOPS_MODES)})")
         if bad:
             raise ValueError(f"invalid telemetry config: {', '.join(bad)}")

@@ -2,8 +2,7 @@
 
 A collective is labelled with its DeviceMesh dimension (``dp``, ``fsdp``, ``tp``, ``pp``, see
 ``agent.contract.DIMS``): that is what a dashboard groups by. The mesh's dim names are normalised to the
-schema's vocabulary (``dp_shard`` → ``fsdp``, ``dp_replicate`` → ``dp``; anything else, e.g. ``cp`` or
-``ep``, → ``other``). A group that is no mesh dim is ``world`` when it is the default (world) group and
+schema's vocabulary (``dp_shard`` → ``fsdp``, ``dp_replicate`` → ``dp``; a name it does not know → ``other``). A group that is no mesh dim is ``world`` when it is the default (world) group and
 ``other`` otherwise. A mesh dim wins over ``world``: on a 1-D mesh ``init_device_mesh`` reuses the world
 group for the only dim, and the collectives on it belong to that dim.
 
@@ -22,7 +21,9 @@ from typing import Any, Mapping
 DIM_ALIASES: Mapping[str, str] = {
     "dp": "dp", "ddp": "dp", "dp_replicate": "dp", "replicate": "dp",
     "fsdp": "fsdp", "dp_shard": "fsdp", "shard": "fsdp", "dp_shard_cp": "fsdp",
-    "tp": "tp", "pp": "pp",
+    "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep",
+    # torchtitan's flattened dims: FSDP's shard group (dp_shard × cp) and the batch / loss groups
+    "efsdp": "fsdp", "batch": "dp", "loss": "dp", "dp_cp": "dp",
 }
 _CACHE_LIMIT = 4096  # distinct group objects; rank lists built per call would otherwise grow it forever
 

@@ -159,13 +159,18 @@ def pop_phase(state: StepState) -> None:
 def ready_steps(ended: list[StepState], *, tracers: list, now: float, hold_s: float
                 ) -> tuple[list[StepState], list[StepState]]:
     """(the ended steps whose records can be built now, those held): a step with CUDA ops still running on
-    the GPU (a tracer's ``unresolved_steps()``: the CPU runs ahead of it) waits for them, up to ``hold_s``
-    after its end; past that it is built without them (their records still carry the step)."""
+    the GPU (a tracer's ``unresolved_steps()``: the CPU runs ahead of it), or a value still to come (one
+    with a true ``pending``: a framework logs its loss after the step's optimizer step), waits for them, up
+    to ``hold_s`` after its end; past that it is built without them (their records still carry the step)."""
     if not ended:
         return [], []
     waiting = frozenset().union(*(t.unresolved_steps() for t in tracers if hasattr(t, "unresolved_steps")))
-    held = [s for s in ended if s.key in waiting and now - s.t_end < hold_s]
+    held = [s for s in ended if (s.key in waiting or _pending_value(s.values)) and now - s.t_end < hold_s]
     return ([s for s in ended if s not in held] if held else ended), held
+
+
+def _pending_value(values: dict) -> bool:
+    return any(getattr(v, "pending", False) for v in values.values()) if values else False
 
 
 def span_microbatch(value: Any) -> int:
@@ -241,7 +246,8 @@ def step_rows(state: StepState, *, t_end: float, cpu_end: Any, spans: Any, epoch
         bwd = state.span_kind_time.get("backward", 0.0) + state.span_kind_time.get("weight", 0.0)
     else:
         fwd, bwd = state.phases.get("forward", 0.0), state.phases.get("backward", 0.0)
-    loss = as_float(v.get("loss"))
+    raw_loss = v.get("loss")
+    loss = as_float(raw_loss)
     flops = as_float(v.get("flops"), 0.0)
     # no peak to compare with (an unknown device, or none given): MFU is not known, not 0
     mfu = flops / wall / peak_flops if wall > 0 and peak_flops > 0 else float("nan")
@@ -250,7 +256,8 @@ def step_rows(state: StepState, *, t_end: float, cpu_end: Any, spans: Any, epoch
         exposed_comm_s=state.exposed, bubble_s=bubble, other_s=other, data_s=state.phases.get("data", 0.0),
         forward_s=fwd, backward_s=bwd, optimizer_s=state.phases.get("optimizer", 0.0),
         tokens=int(v.get("tokens", 0)), flops=flops, mfu=mfu, loss=loss,
-        loss_nonfinite=not (loss == loss and abs(loss) != float("inf")),
+        # a loss given and not finite; no loss given (None) is absent, not a NaN loss
+        loss_nonfinite=raw_loss is not None and not (loss == loss and abs(loss) != float("inf")),
         grad_norm=as_float(v.get("grad_norm")), lr=as_float(v.get("lr"), 0.0),
         skipped=bool(v.get("skipped", False)),
         n_collectives=state.n_collectives, dropped_records_total=dropped, cpu_s=cpu, cpu_wait_s=cpu_wait,

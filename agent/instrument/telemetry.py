@@ -123,7 +123,9 @@ class Telemetry:
     def start(self, info: dict[str, Any]) -> None:
         """Write this rank's ``run`` record. ``info`` holds run-level fields of agent.contract's 'run'
         (strategy, mesh, schedule, model sizes, flops_per_token, peak_flops, ...); the rest is filled here."""
-        self._peak_flops = float(info.get("peak_flops") or 0.0)
+        self._peak_flops = float(info.get("peak_flops") or 0.0) if self.config.flops != "off" else 0.0
+        if self.config.flops == "off":
+            info = {**info, "flops_per_token": 0.0, "flops_method": "off"}
         import torch
 
         row = {

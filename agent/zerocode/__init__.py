@@ -18,12 +18,26 @@ from typing import Any, Mapping
 ENV_STORE = "MESHSCOPE_STORE"  # the run store the ranks' spools go to
 ENV_RUN = "MESHSCOPE_RUN"  # the run name every process of the job shares
 ENV_DISABLE = "MESHSCOPE_DISABLE"  # "1": leave the job untouched (the bootstrap imports nothing of meshscope)
+# "analytic" (default): model FLOPs from the modules' parameter shapes at the end of the first step (MFU);
+# "off": none counted (MFU n/a, said so). Nothing is ever counted inside the job's forward or backward.
+ENV_FLOPS = "MESHSCOPE_FLOPS"
 # The launch's first attempt number (``meshscope run --new-attempt``: one past the run's last stored attempt);
 # torchrun's restarts of the launch count on from it.
 ENV_ATTEMPT = "MESHSCOPE_ATTEMPT"
 DEFAULT_STORE = "meshscope-runs"
 
 _driver: Any = None
+
+
+def flops_mode(environ: Mapping[str, str] = os.environ) -> str:
+    """MESHSCOPE_FLOPS, checked: ``ValueError`` naming the bad value (``meshscope run`` says it before any
+    rank starts; a rank that meets one anyway counts no FLOPs)."""
+    from meshscope.agent.instrument.config import FLOPS_MODES  # the config's one list (imports no torch)
+
+    mode = environ.get(ENV_FLOPS, "").strip().lower() or "analytic"
+    if mode not in FLOPS_MODES:
+        raise ValueError(f"{ENV_FLOPS}={environ.get(ENV_FLOPS)!r}: not one of {', '.join(FLOPS_MODES)}")
+    return mode
 
 
 def disabled(environ: Mapping[str, str] = os.environ) -> bool:
@@ -47,8 +61,12 @@ def observe(*, store: str | None = None, run: str | None = None) -> Any:
     from meshscope.agent.zerocode.driver import Driver
     from meshscope.agent.zerocode.imports import when_imported
 
+    try:
+        flops = flops_mode()
+    except ValueError:
+        flops = "off"
     _driver = Driver(store=store or os.environ.get(ENV_STORE) or DEFAULT_STORE,
-                     run=run or os.environ.get(ENV_RUN) or None)
+                     run=run or os.environ.get(ENV_RUN) or None, flops=flops)
     when_imported("torch", _driver.install)
     return _driver
 

@@ -1,5 +1,6 @@
 """What the zero-code driver reads off a job it did not write: where this process stands (rank, world,
-device), the token count of a model call, the FLOPs of one step, and the run record's fields.
+device), the token count of a model call, the pipeline schedule, and the run record's fields (the layout
+and the FLOPs come from ``census``).
 
 Each figure is measured or absent: a field the job does not reveal is left empty (0 or ""), never guessed."""
 
@@ -15,7 +16,6 @@ from typing import Any, Callable
 
 from meshscope.agent.zerocode import launch_attempt
 
-_NAN = float("nan")
 
 
 def patch(owner: Any, name: str, make: Callable[[Any], Callable]) -> None:
@@ -144,131 +144,6 @@ class TokenFinder:
         return (int(found.numel()), int(found.shape[1])) if found is not None else (0, 0)
 
 
-class FlopCount:
-    """Model FLOPs of the first step, counted by torch's ``FlopCounterMode`` (with the SDPA formulas it
-    lacks on CPU); per token where tokens are known, else per step. Off under tensor parallelism."""
-
-    def __init__(self) -> None:
-        self.total = 0.0
-        self.tokens = 0
-        self.state = "idle"  # idle -> counting -> done | absent
-        self.failed = False  # a formula raised: the count is incomplete
-        self._mode: Any = None
-
-    def start(self, roots: list[Any]) -> None:
-        if self.state != "idle":
-            return
-        self.state = "absent"
-        if any(_tensor_parallel(root) for root in roots):
-            return  # DTensor matmuls are counted at their global shapes: not this rank's work
-        from torch.utils.flop_counter import FlopCounterMode
-
-        from meshscope.agent.instrument.flops import sdpa_flop_mapping
-
-        self._mode = FlopCounterMode(display=False, custom_mapping=sdpa_flop_mapping())
-        if hasattr(self._mode, "mod_tracker"):
-            # Only the total is used: no per-module breakdown, so none of the module tracker's hooks on
-            # every module and every backward (they fail under autograd.grad, which a job may use).
-            self._mode.mod_tracker = _TotalOnly()
-        count = self._mode._count_flops
-
-        def count_or_give_up(func_packet, out, args, kwargs):
-            # Runs inside the job's ops: a formula that fails costs the count (absent), never the op.
-            try:
-                return count(func_packet, out, args, kwargs)
-            except Exception:
-                self.failed = True
-                return out
-
-        self._mode._count_flops = count_or_give_up
-        self._mode.__enter__()
-        self.state = "counting"
-
-    def stop(self, tokens: int) -> None:
-        if self.state != "counting":
-            return
-        mode, self._mode, self.state = self._mode, None, "absent"  # settled first: __exit__ may raise
-        mode.__exit__(None, None, None)
-        self.total, self.tokens = float(mode.get_total_flops()), tokens
-        self.state = "done" if self.total > 0 and not self.failed else "absent"
-
-    def abandon(self) -> None:
-        """No count (a second optimizer: the first step was cut short; or the end of the run)."""
-        mode, self._mode, self.state = self._mode, None, "absent"
-        if mode is not None:
-            mode.__exit__(None, None, None)
-
-    @property
-    def per_token(self) -> float:
-        return self.total / self.tokens if self.state == "done" and self.tokens else 0.0
-
-    def per_step(self, tokens: int) -> float:
-        """This rank's model FLOPs for a step of ``tokens`` tokens (NaN where not counted)."""
-        if self.state != "done":
-            return _NAN
-        return self.per_token * tokens if self.tokens else self.total
-
-
-class _TotalOnly:
-    """Stands in for ``FlopCounterMode``'s ``ModuleTracker``: every count goes to "Global" only."""
-
-    parents = ("Global",)
-
-    def __enter__(self) -> "_TotalOnly":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-def _tensor_parallel(root: Any) -> bool:
-    """A parameter that stays a DTensor during compute: tensor parallelism (FSDP2 alone computes on the
-    gathered plain tensors; its sharded parameters live on a 1-D mesh)."""
-    for p in root.parameters():
-        mesh = getattr(p, "device_mesh", None)
-        if mesh is not None and (mesh.ndim > 1 or not _fsdp_managed(root)):
-            return True
-    return False
-
-
-def _fsdp_managed(root: Any) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in root.modules())
-
-
-def strategy(roots: list[Any], *, world_size: int) -> str:
-    """ddp / fsdp / tp / fsdp+tp from the wrappers; "single" for one process; "manual" for several
-    processes with none of them (the job synchronises by itself)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    parts = []
-    if any(isinstance(r, DistributedDataParallel) for r in roots):
-        parts.append("ddp")
-    if any(_fsdp_managed(r) for r in roots):
-        parts.append("fsdp")
-    if any(_tensor_parallel(r) for r in roots):
-        parts.append("tp")
-    return "+".join(parts) or ("single" if world_size == 1 else "manual")
-
-
-def _mesh(roots: list[Any], *, where: Where) -> tuple[dict, dict]:
-    """Sizes and this rank's coordinates per dimension: a parameter's DeviceMesh where there is one (its
-    dims named tp / dp / ...: a name with "tp" in it is tensor parallel, any other is data parallel), else
-    every rank data parallel."""
-    mesh, coords = {"dp": where.world_size, "tp": 1, "pp": 1}, {"dp": where.rank, "tp": 0, "pp": 0}
-    dmesh = next((getattr(p, "device_mesh", None) for r in roots for p in r.parameters()
-                  if getattr(p, "device_mesh", None) is not None), None)
-    if dmesh is None or not dmesh.mesh_dim_names:
-        return mesh, coords
-    mesh["dp"], coords["dp"] = 1, 0
-    for i, name in enumerate(dmesh.mesh_dim_names):
-        dim = "tp" if "tp" in name else "dp"
-        mesh[dim] *= dmesh.size(i)
-        coords[dim] = coords[dim] * dmesh.size(i) + int(dmesh.get_local_rank(i))
-    return mesh, coords
-
-
 def model_name(root: Any) -> str:
     """The user's class: DDP and Lightning's wrappers keep the model in ``.module``; ``fully_shard`` makes a
     class ``FSDP<Name>`` whose bases are (FSDPModule, the user's class)."""
@@ -298,9 +173,11 @@ def pipeline(schedules: list[Any]) -> dict:
             "virtual_stages": len(stages), "pp": int(stages[0].group_size), "pp_rank": int(stages[0].group_rank)}
 
 
-def run_info(*, roots: list[Any], where: Where, seq_len: int, tokens: int, flops: FlopCount, framework: str,
-             schedules: list[Any]) -> dict:
-    """The run record's fields a job reveals (``Telemetry.start`` fills the process's own)."""
+def run_info(*, roots: list[Any], where: Where, seq_len: int, tokens: int, flops: Any, layout: Any,
+             framework: str, schedules: list[Any]) -> dict:
+    """The run record's fields a job reveals (``Telemetry.start`` fills the process's own). ``flops``: a
+    ``census.Flops``; ``layout``: a ``census.Layout``, or None when it could not be read (then the run is
+    described as the default group's data parallel, and says so in its strategy: ``manual``)."""
     import torch
 
     from meshscope.agent.instrument.flops import device_peak
@@ -317,22 +194,20 @@ def run_info(*, roots: list[Any], where: Where, seq_len: int, tokens: int, flops
                 if isinstance(module, torch.nn.Embedding):
                     n_embed += p.numel()
     peak, source = device_peak(where.device, calibrate_gpu=False)
-    strat = strategy(roots, world_size=where.world_size)
-    mesh, coords = _mesh(roots, where=where)
     pp = pipeline(schedules)
-    if pp:  # the pipeline dimension: the other ranks of a stage's group are not data parallel
-        strat = "+".join(["pp"] + ([strat] if strat not in ("single", "manual") else []))
-        mesh["pp"], coords["pp"] = pp["pp"], pp["pp_rank"]
-        if mesh["dp"] * mesh["tp"] * pp["pp"] != where.world_size:
-            mesh["dp"], coords["dp"] = where.world_size // (pp["pp"] * mesh["tp"]), where.rank // pp["pp"]
+    if layout is not None:
+        strat, mesh, coords = layout.strategy(world_size=where.world_size), dict(layout.sizes), dict(layout.coords)
+    else:
+        strat = "single" if where.world_size == 1 else "manual"
+        mesh, coords = {"dp": where.world_size, "tp": 1, "pp": 1}, {"dp": where.rank, "tp": 0, "pp": 0}
     per_rank_batch = tokens // seq_len if seq_len else 0
     model = "+".join(model_name(r) for r in roots)
     return {
         "strategy": strat, "mesh": mesh, "coords": coords, "schedule": pp.get("schedule", ""),
         "microbatches": pp.get("microbatches", 0), "virtual_stages": pp.get("virtual_stages", 1),
         "model": model, "n_params": n, "n_params_nonembedding": n - n_embed, "seq_len": seq_len,
-        "global_batch": per_rank_batch * mesh["dp"], "flops_per_token": flops.per_token, "peak_flops": peak,
-        "peak_source": source,
+        "global_batch": per_rank_batch * mesh.get("dp", 1), "flops_per_token": flops.per_token,
+        "flops_method": flops.method, "peak_flops": peak, "peak_source": source,
         "device": torch.cuda.get_device_name(where.device) if where.device.type == "cuda" else "cpu",
         "backend": where.backend, "dtype": str(next((p.dtype for r in roots for p in r.parameters()), "")).replace("torch.", ""),
         "config": {"zero_code": True, "framework": framework, "argv": sys.argv[:50]},

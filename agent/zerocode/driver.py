@@ -14,13 +14,15 @@ What it hooks (installed once torch is imported; nothing is imported before):
   in ``optimizer.step``'s closure).
 - **collectives**: the existing tracers (``Telemetry.attach``) on each root as it is found.
 - **tokens**: the root's integer (batch, sequence) input (``input_ids`` or the first such tensor).
-- **loss**: the scalar handed to backward (``GradScaler.scale``'s input when scaled), when there is one
-  backward per step, or when a framework integration says the losses are pre-divided by the accumulation
-  (their sum is the step's loss); otherwise absent. Read on CPU only: on CUDA ``.item()`` would make the
-  job wait for the device every step, so zero-code CUDA runs carry no loss.
-- **FLOPs**: ``FlopCounterMode`` over the first step (per token where tokens are known); absent under
-  tensor parallelism (it counts DTensor matmuls at global shapes) and in pipeline stages (the first
-  stage call is torch's shape inference, where a dispatch mode has no business).
+- **loss**: what the step optimises: the scalars handed to backward in the step (``GradScaler.scale``'s
+  input when scaled), summed (gradient accumulation), a scalar equal to the sum of the ones before it
+  standing for them (a chunked loss hands each chunk to backward, then their sum to drive the backbone's
+  backward: torchtitan's ``ChunkedLossWrapper``); a framework's own logged loss where an integration
+  reports one (``framework_loss``). Read when the step's record is built, on the telemetry's flusher
+  thread: a CUDA loss never makes the training thread wait for the device.
+- **FLOPs**: counted from the modules' parameter shapes at the end of the first step (``census``), never
+  inside the job's forward or backward; ``MESHSCOPE_FLOPS=off`` leaves them out.
+- **layout**: from the wrappers, the DeviceMesh and the schedules (``census.layout``).
 - **pipeline**: each schedule's ``step`` is the ``pipeline`` phase, its stages' spans come from the
   existing ``PipelineTracer``; the roots' forward / backward are not timed inside it (the spans are).
 
@@ -35,7 +37,7 @@ import sys
 import threading
 from typing import Any
 
-from meshscope.agent.zerocode import detect
+from meshscope.agent.zerocode import census, detect
 
 _NAN = float("nan")
 _IN_FORWARD = "_meshscope_in_forward"  # a root module's open forward calls (an instance attribute)
@@ -43,8 +45,9 @@ _MAX_LOSSES = 1024  # backward scalars kept for one step (a loop that never step
 
 
 class Driver:
-    def __init__(self, *, store: str, run: str | None, stderr: Any = None) -> None:
+    def __init__(self, *, store: str, run: str | None, stderr: Any = None, flops: str = "analytic") -> None:
         self.store, self.run = store, run
+        self.flops_mode = flops
         self.errors = 0
         self._stderr = stderr
         self._tel: Any = None
@@ -53,6 +56,7 @@ class Driver:
         self._handles: list[Any] = []  # global hooks (removed after the first step)
         self._root_handles: list[Any] = []
         self._roots: dict[int, Any] = {}
+        self._inside: set[int] = set()  # the roots' modules: a submodule called on its own is no new root
         self._depth = 0  # module call depth while the global hooks are on
         self._step = self._first_step = 0
         self._last_optimizer: int | None = None  # id of the optimizer whose step ends an iteration
@@ -61,9 +65,10 @@ class Driver:
         self._seq_len = 0
         self._losses: list[Any] = []
         self._scaled: dict[int, Any] = {}  # id(GradScaler.scale output) -> the unscaled loss
-        self._loss_is_sum = False
+        self._expect_logged = False  # a framework will log this step's loss after its end (framework_loss)
         self._framework = ""
-        self._flops = detect.FlopCount()
+        self._flops = census.Flops(0.0, "absent: no step ended")
+        self._late_loss: Any = None  # the ended step's loss, for a framework that logs it after the step
         self._info_written = False
         self._opt_total = 0
         self._lr = 0.0
@@ -150,11 +155,10 @@ class Driver:
         sys.excepthook = excepthook
 
     def framework(self, *, name: str, step: int = 0, loss_is_sum: bool = False) -> None:
-        """A framework integration's word: its name, its global step at the start of training (a resumed
-        run keeps its numbering) and whether the losses handed to backward are pre-divided by the
-        accumulation (so their sum is the step's loss)."""
+        """A framework integration's word: its name and its global step at the start of training (a resumed
+        run keeps its numbering). ``loss_is_sum`` is accepted for the integrations that say so: the backward
+        scalars are summed in any case (module docstring)."""
         self._framework = name
-        self._loss_is_sum = loss_is_sum
         if self._tel is None and step > 0:
             self._step = self._first_step = step
 
@@ -164,7 +168,7 @@ class Driver:
         if self._depth != 1 or self._closed:
             return
         try:
-            if id(module) in self._roots or not self._torch.is_grad_enabled() \
+            if id(module) in self._inside or not self._torch.is_grad_enabled() \
                     or self._torch._C._current_graph_task_id() != -1:
                 return  # known, evaluation, or a recompute inside backward (activation checkpointing)
             if not any(p.requires_grad for p in module.parameters()):
@@ -179,6 +183,7 @@ class Driver:
 
     def _add_root(self, module: Any) -> None:
         self._roots[id(module)] = module
+        self._inside.update(id(m) for m in module.modules())
         self._root_handles += [
             module.register_forward_pre_hook(self._root_pre, prepend=True),
             # with kwargs: the token ids of a Hugging Face model come as input_ids=...
@@ -187,7 +192,13 @@ class Driver:
         started = self._tel is None
         tel = self._ensure_started(module)
         if tel is not None:
-            tel.attach(model_parts=[module])
+            mesh = None
+            if started:  # the first root's mesh labels the collectives with the job's own dims
+                try:
+                    mesh = census.mesh_of(module)
+                except Exception as exc:
+                    self.error("mesh", exc)
+            tel.attach(model_parts=[module], mesh=mesh)
             if started:  # the first stage module runs inside the first schedule step
                 for schedule in self._schedules:
                     tel.attach(schedule=schedule)
@@ -198,8 +209,6 @@ class Driver:
             return  # not started, evaluation (no grad), a pipeline stage (its spans are the compute), or
             # a call from another thread than the training thread's (its phases are that thread's)
         try:
-            if self._step == self._first_step:
-                self._flops.start(list(self._roots.values()))
             self._tel.push_phase("forward")
             d = module.__dict__
             d[_IN_FORWARD] = d.get(_IN_FORWARD, 0) + 1  # re-entrant calls each pop their own push
@@ -332,11 +341,9 @@ class Driver:
             first = self._last_optimizer is None
             self._last_optimizer = key
             if not first:
-                self._flops.abandon()  # the count stopped at the first optimizer: not one iteration's work
                 return
         if key != self._last_optimizer:
             return
-        self._flops.stop(self._tokens)
         self._end_step()
 
     def _end_step(self) -> None:
@@ -346,7 +353,10 @@ class Driver:
                 self._remove(self._handles)  # the roots are known: no hook on every module call from now on
                 self._write_info()
             tokens = self._tokens
-            tel.update_step(tokens=tokens, flops=self._flops.per_step(tokens), loss=self._loss(), lr=self._lr,
+            expect = self._expect_logged
+            loss = StepLoss(self._losses, expect_logged=expect) if self._losses or expect else None
+            self._late_loss, self._expect_logged = loss, False
+            tel.update_step(tokens=tokens, flops=self._flops.per_step(tokens), loss=loss, lr=self._lr,
                             skipped=self._skipped)
         except Exception as exc:
             self.error("step_values", exc)
@@ -361,17 +371,22 @@ class Driver:
     def _take_loss(self, tensors: Any) -> None:
         torch = self._torch
         if isinstance(tensors, torch.Tensor) and tensors.numel() == 1 and len(self._losses) < _MAX_LOSSES:
+            # detached: the flusher reads the value, the job's graph is not kept alive by it
             self._losses.append(self._scaled.pop(id(tensors), tensors).detach())
 
-    def _loss(self) -> float:
-        losses = self._losses
-        if not losses or (len(losses) > 1 and not self._loss_is_sum):
-            return _NAN  # several backwards, unknown whether they are pre-divided: absent, not wrong
-        if not all(t.is_cpu for t in losses):
-            return _NAN
-        if len(losses) >= _MAX_LOSSES:  # more backwards than a step plausibly has: no step is ending
-            return _NAN
-        return float(losses[0]) if len(losses) == 1 else float(sum(float(t) for t in losses))
+    def expect_logged_loss(self, *, framework: str) -> None:
+        """The framework will log the open step's loss after the step ends (``framework_loss``)."""
+        self._framework = self._framework or framework
+        self._expect_logged = True
+
+    def framework_loss(self, value: Any) -> None:
+        """A framework's own logged loss for the step that just ended (torchtitan logs it after the
+        optimizer step, with its cross-rank reduction): it replaces the backward scalars' sum in that
+        step's record, if the record is not built yet (the flusher holds a step with an open ``StepLoss``
+        for up to its hold time)."""
+        loss = self._late_loss
+        if loss is not None:
+            loss.logged = value
 
     # ------------------------------------------------------------------------------ lifecycle
     def _ensure_started(self, module: Any) -> Any:
@@ -386,7 +401,7 @@ class Driver:
         self._where = where
         self._thread = threading.get_ident()  # the training thread: the one that runs the model first
         run = self.run or detect.shared_run_name()
-        self._tel = Telemetry(config=TelemetryConfig(store=self.store, run=run), rank=where.rank,
+        self._tel = Telemetry(config=TelemetryConfig(store=self.store, run=run, flops=self.flops_mode), rank=where.rank,
                               world_size=where.world_size, local_rank=where.local_rank, attempt=where.attempt,
                               device=where.device)
         self._tel.begin_step(self._step)
@@ -394,9 +409,23 @@ class Driver:
 
     def _write_info(self) -> None:
         self._info_written = True
+        roots = list(self._roots.values())
         try:
-            info = detect.run_info(roots=list(self._roots.values()), where=self._where, seq_len=self._seq_len,
-                                   tokens=self._tokens, flops=self._flops, framework=self._framework,
+            lay = census.layout(roots, world_size=self._where.world_size, rank=self._where.rank,
+                                pipeline=detect.pipeline(self._schedules))
+        except Exception as exc:
+            self.error("layout", exc)
+            lay = None
+        try:
+            self._flops = census.flops(roots, seq_len=self._seq_len, layout=lay or census.Layout(),
+                                       mode=self.flops_mode) if lay is not None else \
+                census.Flops(0.0, "absent: the layout could not be read")
+        except Exception as exc:
+            self.error("flops", exc)
+            self._flops = census.Flops(0.0, f"absent: {type(exc).__name__} while counting")
+        try:
+            info = detect.run_info(roots=roots, where=self._where, seq_len=self._seq_len, tokens=self._tokens,
+                                   flops=self._flops, layout=lay, framework=self._framework,
                                    schedules=self._schedules)
         except Exception as exc:  # the run still gets its record: what Telemetry knows of the process
             self.error("run_info", exc)
@@ -412,7 +441,6 @@ class Driver:
         try:
             self._remove(self._handles)
             self._remove(self._root_handles)
-            self._flops.abandon()
             if tel is None:
                 return
             tel.discard_step()  # the open iteration made no optimizer step
@@ -476,3 +504,40 @@ def _raised_by_a_collective(torch: Any, exc: BaseException, tb: Any) -> bool:
         return False
     path = frames[-1][0].f_code.co_filename.replace("\\", "/")
     return any(part in path for part in _COLLECTIVE_CODE)
+
+
+class StepLoss:
+    """A step's loss, read when its record is built (``as_float`` calls ``item``) on the flusher thread:
+    the scalars handed to backward, summed, a scalar equal to the sum of the ones since the last such one
+    standing for them (a chunked loss: module docstring of ``driver``); or ``logged``, the framework's
+    own figure when an integration reported one in time."""
+
+    __slots__ = ("tensors", "logged", "expect_logged")
+
+    def __init__(self, tensors: list[Any], *, expect_logged: bool = False) -> None:
+        self.tensors, self.logged, self.expect_logged = tensors, None, expect_logged
+
+    @property
+    def pending(self) -> bool:
+        """A framework that logs its loss after the step has not yet (``stepstate.ready_steps`` holds the
+        step's record for it, a bounded time)."""
+        return self.expect_logged and self.logged is None
+
+    def item(self) -> float:
+        if self.logged is not None:
+            return float(self.logged)
+        return step_loss([float(t) for t in self.tensors]) if self.tensors else float("nan")
+
+
+def step_loss(values: list[float]) -> float:
+    """The sum of a step's backward scalars, each one equal (to 1e-5) to the sum of at least two before it
+    since the last such one replacing them (a chunked loss's total after its chunks)."""
+    import math
+
+    done, pending = 0.0, []
+    for v in values:
+        if len(pending) >= 2 and math.isclose(v, math.fsum(pending), rel_tol=1e-5, abs_tol=1e-9):
+            done, pending = done + v, []
+        else:
+            pending.append(v)
+    return done + math.fsum(pending)

@@ -1,4 +1,5 @@
-"""Hugging Face ``Trainer`` and Lightning ``Trainer`` integrations: what zero-code cannot see by itself.
+"""Hugging Face ``Trainer``, Lightning ``Trainer`` and torchtitan integrations: what zero-code cannot see
+by itself.
 
 Each is a callback a user adds in one line (``callbacks=[meshscope.TransformersCallback()]`` /
 ``[meshscope.LightningCallback()]``), and that ``meshscope run`` adds by itself to every trainer built in
@@ -7,6 +8,12 @@ the job. It starts the zero-code driver (``observe``) if nothing has, and tells 
 - that the losses handed to backward are divided by the gradient accumulation (both frameworks do: their
   sum is the step's loss), so a step of several micro-batches still has its loss.
 Steps, phases, collectives, tokens and FLOPs come from the driver, the same as for a plain loop.
+
+torchtitan has no callbacks: its ``MetricsProcessor`` is wrapped as it is imported. Its logged loss is the
+loss to show (each rank's backward scalars are its share of the global token count: ``sum over ranks``),
+so the driver takes the figure ``MetricsProcessor.log`` receives for each step ``should_log`` said it
+would log (``Driver.expect_logged_loss``, ``Driver.framework_loss``); the other steps carry the rank's
+own backward sum. The wrappers call the originals with the same arguments and return their results.
 
 The classes are built on first use, so importing this module imports neither framework."""
 
@@ -76,8 +83,48 @@ def _add_to_lightning(trainer: Any, *, package: str) -> None:
         trainer.callbacks.append(cls())
 
 
+def _patch_torchtitan(module: Any, *, on_error: Callable[[str, BaseException], None]) -> None:
+    """Wrap torchtitan's ``MetricsProcessor.should_log`` / ``log`` (module docstring)."""
+    from meshscope.agent import zerocode
+
+    cls = module.MetricsProcessor
+    should_log, log = cls.should_log, cls.log
+
+    @functools.wraps(should_log)
+    def should_log_wrapper(self, step, *args, **kwargs):
+        result = should_log(self, step, *args, **kwargs)
+        try:
+            driver = zerocode.current()
+            if driver is not None and result:
+                driver.expect_logged_loss(framework="torchtitan")
+        except Exception as exc:
+            on_error("torchtitan.should_log", exc)
+        return result
+
+    @functools.wraps(log)
+    def log_wrapper(self, step, global_avg_loss, *args, **kwargs):
+        try:
+            driver = zerocode.current()
+            if driver is not None:
+                driver.framework_loss(global_avg_loss)
+        except Exception as exc:
+            on_error("torchtitan.log", exc)
+        return log(self, step, global_avg_loss, *args, **kwargs)
+
+    cls.should_log, cls.log = should_log_wrapper, log_wrapper
+
+
 def add_when_imported(when_imported: Callable, *, on_error: Callable[[str, BaseException], None]) -> None:
-    """Have every trainer built in this process carry meshscope's callback (``meshscope run``)."""
+    """Have every trainer built in this process carry meshscope's callback (``meshscope run``), and
+    torchtitan's metrics report their loss."""
+
+    def titan(module: Any) -> None:
+        try:
+            _patch_torchtitan(module, on_error=on_error)
+        except Exception as exc:
+            on_error("torchtitan.patch", exc)
+
+    when_imported("torchtitan.components.metrics", titan)
 
     def patch(module: Any, *, package: str) -> None:
         try:

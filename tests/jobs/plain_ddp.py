@@ -35,10 +35,12 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
     for step in range(args.steps):
+        optimised = 0.0  # what this rank's step optimises: the sum of its pre-divided micro-batch losses
         for _ in range(args.accumulate):
             outputs = model(torch.randn(32, 256))
             loss = loss_fn(outputs, torch.randn(32, 16)) / args.accumulate
             loss.backward()
+            optimised += loss.item()
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()
@@ -48,6 +50,7 @@ def main():
         dist.all_reduce(reduced)
         if rank == 0:
             print(f"step {step} loss {reduced.item() / dist.get_world_size():.4f}", flush=True)
+            print(f"rank 0 step {step} optimised {optimised:.6f}", flush=True)
     # torch's gloo teardown race (pytorch/pytorch#179291): a gloo worker thread still holding a finished op's
     # tensors when the interpreter finalizes aborts the rank (-6) after a finished run. Released first, as a
     # careful job does: the group's threads are done with them before finalization.
