@@ -342,8 +342,8 @@ def _run_row(cfg: SyntheticConfig, *, rank: int, coord, model: dict, flops_per_t
         "virtual_stages": cfg.vstages, "model": cfg.model, "n_params": int(model["n_params"]),
         "n_params_nonembedding": int(model["n_params_nonembedding"]), "n_layers": model["n_layers"],
         "d_model": model["d_model"], "seq_len": model["seq_len"], "global_batch": cfg.batch,
-        "flops_per_token": flops_per_token, "peak_flops": PEAK_FLOPS, "peak_source": "table:H100",
-        "device": "NVIDIA H100 80GB HBM3", "backend": "nccl", "dtype": "bfloat16", "torch_version": "2.13.0",
+        "flops_per_token": flops_per_token, "flops_method": "model shape: 6*N + 12*L*D*S (synthetic)",
+        "peak_flops": PEAK_FLOPS, "peak_source": "table:H100", "device": "NVIDIA H100 80GB HBM3", "backend": "nccl", "dtype": "bfloat16", "torch_version": "2.13.0",
         "meshscope_version": "0.1.0", "python_version": "3.11.2",
         "config": json.dumps({"synthetic": True, "seed": cfg.seed, "activation_checkpoint": False}),
     }.items()}
