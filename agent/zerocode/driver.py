@@ -457,8 +457,8 @@ class Driver:
             dropped = tel.dropped_records + int(getattr(writer, "dropped_records", 0))
             if dropped:  # the job went on; say once what telemetry lost, and why
                 why = getattr(writer, "last_error", "") or "buffers full"
-                print(f"meshscope: rank {self._where.rank}: {dropped} telemetry records could not be written to "
-                      f"{self.store} ({why}); the job was not affected", file=self._stderr or sys.stderr)
+                self._say(f"rank {self._where.rank}: {dropped} telemetry records could not be written to "
+                          f"{self.store} ({why}); the job was not affected")
         except Exception as exc:
             self.error("close", exc)
 
@@ -466,7 +466,14 @@ class Driver:
         self._closed = True
         self._remove(self._handles)
         self._remove(self._root_handles)
-        print(f"meshscope: zero-code observation stands down: {why}", file=self._stderr or sys.stderr)
+        self._say(f"zero-code observation stands down: {why}")
+
+    def _say(self, message: str) -> None:
+        """One ``meshscope:`` line on stderr, in one write: the ranks share the job's stderr, and ``print``'s
+        separate write of the newline let two ranks' lines run together (and leave an empty line)."""
+        stream = self._stderr or sys.stderr
+        stream.write(f"meshscope: {message}\n")
+        stream.flush()
 
     @staticmethod
     def _remove(handles: list[Any]) -> None:
@@ -479,8 +486,7 @@ class Driver:
             if self._tel is not None:
                 self._tel.record_error(f"zerocode.{where}", exc)
             if self.errors == 1:
-                print(f"meshscope: telemetry error in {where} ({type(exc).__name__}: {exc}); counted, the job goes on",
-                      file=self._stderr or sys.stderr)
+                self._say(f"telemetry error in {where} ({type(exc).__name__}: {exc}); counted, the job goes on")
         except Exception:
             pass
 
