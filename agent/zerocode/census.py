@@ -128,7 +128,7 @@ def layout(roots: list[Any], *, world_size: int, rank: int, pipeline: dict) -> L
                 continue
             names = _dim_names(mesh)
             for i, name in enumerate(names):
-                if name in out.fsdp_dims or (fsdp_mesh is not None and mesh is fsdp_mesh):
+                if name in out.fsdp_dims or (fsdp_mesh is not None and (mesh is fsdp_mesh or mesh == fsdp_mesh)):
                     continue
                 # a dim named tp (or an unnamed one: a DTensor outside FSDP splits compute); a dp / cp / ep
                 # dim FSDP does not own is no tensor parallelism
