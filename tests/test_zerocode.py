@@ -66,6 +66,14 @@ def test_a_bad_run_name_or_store_is_one_line_and_exit_2(tmp_path):
         assert len(out.stderr.strip().splitlines()) == 1 and needle in out.stderr and "Traceback" not in out.stderr
 
 
+def test_a_bad_flops_mode_is_one_line_and_exit_2_before_the_job(tmp_path):
+    out = meshscope_run(tmp_path, "--store", str(tmp_path / "s"), "--", "touch", str(tmp_path / "ran"),
+                        env={"MESHSCOPE_FLOPS": "bogus"})
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out
+    assert "MESHSCOPE_FLOPS='bogus'" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "ran").exists()
+
+
 def test_the_default_run_name_is_the_scripts_and_the_time():
     from meshscope.agent.contract import check_run_name
     from meshscope.agent.zerocode.detect import default_run_name

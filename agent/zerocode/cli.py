@@ -23,7 +23,7 @@ from pathlib import Path
 
 from meshscope.agent.cliargs import ArgParser, UsageError, run_command
 from meshscope.agent.contract import SPOOL_NAME, check_run_name, spool_path
-from meshscope.agent.zerocode import DEFAULT_STORE, ENV_ATTEMPT, ENV_RUN, ENV_STORE, disabled
+from meshscope.agent.zerocode import DEFAULT_STORE, flops_mode, ENV_ATTEMPT, ENV_RUN, ENV_STORE, disabled
 from meshscope.agent.zerocode.detect import default_run_name
 
 BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"
@@ -135,6 +135,10 @@ def run(args, command: list[str]) -> int:
     if disabled():
         _say("MESHSCOPE_DISABLE is set: running the command untouched")
         return _wait(command, dict(os.environ))
+    try:
+        flops_mode()  # a bad MESHSCOPE_FLOPS is said here, before any rank starts
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     run_name = args.run if args.run is not None else default_run_name(command)
     try:
         check_run_name(run_name)
