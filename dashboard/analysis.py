@@ -8,6 +8,7 @@ dashboard on 1,024 ranks.
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -43,6 +44,98 @@ def breakdown(rows: pd.DataFrame) -> pd.DataFrame:
     for c in BREAKDOWN:
         g[c.replace("_s", "_frac")] = np.where(g["wall_s"] > 0, g[c] / g["wall_s"], np.nan)
     return g.reset_index()
+
+
+def step_time(rank_steps: pd.DataFrame) -> dict[str, float]:
+    """The step-time figures ``report``, the Overview and the Communication page state, all over one set of
+    rank-steps (a rank's step: its ``wall_s``, split into the four parts of ``BREAKDOWN``), so they agree:
+
+    - ``step_time_s_median``, ``step_time_s_mean``: median and mean ``wall_s`` over the rank-steps;
+    - ``compute_s``, ``exposed_comm_s``, ``bubble_s``, ``other_s``: each part's mean over the same rank-steps
+      (a missing part counts 0), so they sum to ``step_time_s_mean`` up to ``unattributed_s`` (wall - parts,
+      ~0 for every writer's records);
+    - ``rank_steps``, ``steps``, ``ranks``, ``first_step``, ``last_step``: what they are over.
+
+    ``rank_steps``: ``rank``, ``step``, ``wall_s`` and the parts (``dashboard.data``'s ``rank_steps``, cut to
+    the steady steps by the caller). Every figure NaN when there are no rows."""
+    r = rank_steps
+    out = {"step_time_s_median": float(r["wall_s"].median()) if len(r) else math.nan,
+           "step_time_s_mean": float(r["wall_s"].mean()) if len(r) else math.nan}
+    for c in BREAKDOWN:
+        out[c] = float(r[c].fillna(0.0).mean()) if len(r) else math.nan
+    out["unattributed_s"] = out["step_time_s_mean"] - sum(out[c] for c in BREAKDOWN)
+    out.update(rank_steps=int(len(r)), steps=int(r["step"].nunique()), ranks=int(r["rank"].nunique()),
+               first_step=int(r["step"].min()) if len(r) else None, last_step=int(r["step"].max()) if len(r) else None)
+    return out
+
+
+def nonfinite_loss(series: pd.DataFrame) -> dict | None:
+    """Where a run's loss was NaN or infinite, from the per-step counts of ``dashboard.data``'s Overview series
+    (``step``, ``ranks``, ``loss_nonfinite``: rank-steps with ``step.loss_nonfinite``, ``loss_nan``: of them
+    NaN): ``rank_steps`` non-finite of ``of_rank_steps``, the ``first_step``, ``steps`` (the steps that had
+    one), ``nan`` (whether a NaN was among them) and ``last`` (the last step with a loss was non-finite on
+    some rank). None when every recorded loss was finite."""
+    bad = series[series["loss_nonfinite"].fillna(0) > 0]
+    if bad.empty:
+        return None
+    known = series[(series["loss_nonfinite"].fillna(0) > 0) | series["loss"].notna()]
+    return {"rank_steps": int(bad["loss_nonfinite"].sum()), "of_rank_steps": int(series["ranks"].sum()),
+            "first_step": int(bad["step"].min()), "steps": [int(s) for s in bad["step"]],
+            "nan": bool(bad["loss_nan"].fillna(0).sum() > 0),
+            "last": bool(known["step"].max() == bad["step"].max())}
+
+
+def nonfinite_loss_warning(found: dict) -> str:
+    """The one line ``report`` and the Overview say for ``nonfinite_loss``'s result."""
+    return (f"Loss non-finite ({'NaN' if found['nan'] else 'infinite'}) on {found['rank_steps']} of "
+            f"{found['of_rank_steps']} rank-steps from step {found['first_step']}.")
+
+
+def mfu_reason(meta: dict, *, tokens: bool = True) -> str:
+    """Why a run has no MFU: the run record's own reason where the writer gave one (``mfu_reason``, or a
+    ``flops_method`` of "off" or "absent: <why>"), else what its record lacks (MFU = FLOPs / wall / peak: a
+    peak for the device, and the model's FLOPs: per token, with the steps' tokens, or per step). ``tokens``:
+    whether the run's steps recorded tokens."""
+    if meta.get("mfu_reason"):
+        return str(meta["mfu_reason"])
+    method = str(meta.get("flops_method") or "")
+    if method == "off":
+        return "FLOP counting is off (MESHSCOPE_FLOPS=off, or TelemetryConfig flops='off')"
+    if method.startswith("absent"):
+        return method.partition(":")[2].strip() or "the model's FLOPs were not counted"
+    if not _positive(meta.get("peak_flops")):
+        return f"no peak FLOP/s known for the device ({meta.get('device') or 'not recorded'})"
+    if not _positive(meta.get("flops_per_token")):
+        return "the model's FLOPs were not counted"
+    if not tokens:
+        return "the FLOPs per token are known, but no step recorded its tokens (the model's input is not token ids)"
+    return "no step recorded its FLOPs"
+
+
+def no_series_reason(name: str, *, meta: dict, tokens: bool = True) -> str:
+    """The one line an Overview chart (``tokens``, ``mfu``, ``loss``) shows instead of empty axes."""
+    if name == "mfu":
+        return f"MFU n/a: {mfu_reason(meta, tokens=tokens)}."
+    if name == "loss":
+        zero_code = bool(_json_object(meta.get("config")).get("zero_code"))
+        return "Loss n/a: no step recorded a loss" + (
+            " (zero-code reads the loss a job hands to backward: one backward per step, on CPU)." if zero_code else ".")
+    return "Throughput n/a: no step recorded its tokens (the model's input is not token ids)."
+
+
+def _json_object(text) -> dict:
+    try:
+        value = json.loads(text) if isinstance(text, str) else {}
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _positive(v) -> bool:
+    try:
+        return float(v) > 0
+    except (TypeError, ValueError):
+        return False
 
 
 # ------------------------------------------------------------------- robust scores, GPU slowdowns
@@ -258,8 +351,9 @@ def link_ratios(instances: pd.DataFrame, *, members: pd.DataFrame) -> tuple[pd.D
     groups = (c.groupby(["dim", "group"], as_index=False)
               .agg(group_size=("group_size", "max"), busbw_ratio=("ratio", "median"), busbw=("busbw", "median"))
               .sort_values("busbw_ratio").reset_index(drop=True))
-    m = members[["rank", "dim", "group"]].drop_duplicates().merge(groups[["dim", "group", "busbw_ratio"]],
-                                                                   on=["dim", "group"])
+    # A group without a ratio (one member: its bus bandwidth is 0 by the nccl-tests factor) names no link.
+    m = members[["rank", "dim", "group"]].drop_duplicates().merge(
+        groups.dropna(subset=["busbw_ratio"])[["dim", "group", "busbw_ratio"]], on=["dim", "group"])
     worst = m.loc[m.groupby("rank")["busbw_ratio"].idxmin()] if len(m) else m
     ranks = worst.rename(columns={"group": "link_group"})[["rank", "busbw_ratio", "link_group"]]
     return ranks.sort_values("rank").reset_index(drop=True), groups

@@ -36,7 +36,9 @@ ROW_BUDGET = 2_000_000  # records aggregated in SQL (spans)
 RAW_BUDGET = 200_000  # raw records brought into pandas (collectives)
 _META_COLS = ("world_size", "strategy", "mesh", "schedule", "microbatches", "virtual_stages", "model",
               "n_params", "n_params_nonembedding", "n_layers", "d_model", "seq_len", "global_batch",
-              "flops_per_token", "peak_flops", "device", "dtype", "config")
+              "flops_per_token", "peak_flops", "device", "dtype", "config",
+              # how the FLOPs were found or why MFU is absent, where the writer says (newer run records)
+              *(c for c in ("flops_method", "mfu_reason") if c in SCHEMAS["run"].names))
 
 
 def _range(steps: tuple[int, int] | None) -> list[int]:
@@ -141,21 +143,22 @@ def overview_data(store: Store, *, run: str, runs: list[str], steps: tuple[int, 
     """Everything the Overview takes from the step records, in one read of them:
 
     - ``series``: per run (all ``runs``) and step: ``step_time_s`` (max wall over ranks), ``tokens_mean``
-      (mean replica tokens), ``mfu`` (mean per-rank MFU), ``loss`` (mean of finite losses), ``ranks``.
+      (mean replica tokens), ``mfu`` (mean per-rank MFU), ``loss`` (mean of finite losses), ``ranks``,
+      ``loss_nonfinite`` (ranks whose loss was NaN or infinite) and ``loss_nan`` (of them, NaN).
     - ``breakdown``: per rank of ``run``: mean wall / compute / exposed comm / bubble / other seconds.
     - ``heatmap``: compute seconds on a grid of at most max_ranks x max_steps cells (mean over a cell's
       steps, then max over its ranks, so a slow rank is not averaged away); ``rank_bin``/``step_bin``
       are a cell's first rank/step, ``rank_width``/``step_width`` its size.
-    - ``rank_steps``: per rank and step of ``run``: ``wall_s``, ``compute_s``, ``exposed_comm_s``,
-      ``bubble_s``, ``other_s``, ``cpu_s``, ``cpu_wait_s`` (the input of ``stragglers.rank_step_verdicts``,
-      ``environment.cpu_wait_share`` and the steady breakdown), for the latest steps of the range whose
-      rows fit ``budget``.
+    - ``rank_steps``: ``rank_steps`` (the same statement): the input of ``stragglers.rank_step_verdicts``,
+      ``environment.cpu_wait_share``, the steady breakdown and ``analysis.step_time``.
     - ``window``: the step range's first start and last end time (for the GPU join)."""
     r = _range(steps)
     focus = "run = $run"
     frames = store.query_all([
         ("SELECT run, step, max(wall_s) AS step_time_s, avg(tokens) AS tokens_mean, avg(mfu) AS mfu, "
-         "avg(loss) FILTER (WHERE loss IS NOT NULL AND NOT isnan(loss)) AS loss, count(*) AS ranks "
+         "avg(loss) FILTER (WHERE loss IS NOT NULL AND NOT isnan(loss) AND NOT isinf(loss)) AS loss, "
+         "count(*) AS ranks, count(*) FILTER (WHERE loss_nonfinite) AS loss_nonfinite, "
+         "count(*) FILTER (WHERE loss_nonfinite AND isnan(loss)) AS loss_nan "
          "FROM step GROUP BY run, step ORDER BY run, step", None),
         (f"SELECT rank, avg(wall_s) AS wall_s, avg(compute_s) AS compute_s, avg(exposed_comm_s) AS exposed_comm_s, "
          f"avg(bubble_s) AS bubble_s, avg(other_s) AS other_s, count(*) AS steps FROM step WHERE {focus} "
@@ -171,17 +174,40 @@ def overview_data(store: Store, *, run: str, runs: list[str], steps: tuple[int, 
         SELECT rbin * b.rw AS rank_bin, sbin * b.sw + b.s0 AS step_bin, max(v) AS compute_s,
                any_value(b.rw) AS rank_width, any_value(b.sw) AS step_width
         FROM c, b GROUP BY ALL ORDER BY rank_bin, step_bin""", {"run": run, "mr": max_ranks, "ms": max_steps}),
-        (f"""WITH w AS (SELECT max(step) AS hi, greatest(1, count(DISTINCT rank)) AS n FROM step WHERE {focus})
-            SELECT rank, step, wall_s, compute_s, exposed_comm_s, bubble_s, other_s, cpu_s, cpu_wait_s FROM step, w
-            WHERE {focus} AND step > w.hi - greatest(1, $budget // w.n) ORDER BY step, rank""",
-         {"run": run, "budget": budget}),
+        (_RANK_STEPS, {"run": run, "budget": budget}),
         (f"SELECT min(t_start) AS t_start, max(t_end) AS t_end FROM step WHERE {focus}", {"run": run}),
     ], kinds=("step",), runs=runs, materialize={"step": ("step BETWEEN ? AND ?", r, _OVERVIEW_COLS)})
     return dict(zip(("series", "breakdown", "heatmap", "rank_steps", "window"), frames))
 
 
 _OVERVIEW_COLS = ("run", "rank", "step", "t_start", "t_end", "wall_s", "compute_s", "exposed_comm_s", "bubble_s",
-                  "other_s", "tokens", "mfu", "loss", "cpu_s", "cpu_wait_s")
+                  "other_s", "tokens", "mfu", "loss", "loss_nonfinite", "cpu_s", "cpu_wait_s")
+# Per rank and step of ``$run``, for the latest steps whose rows fit ``$budget``: one statement, read by the
+# Overview (``overview_data``) and the Communication page (``rank_steps``), so both state the same figures.
+_RANK_STEPS = """WITH w AS (SELECT max(step) AS hi, greatest(1, count(DISTINCT rank)) AS n FROM step WHERE run = $run)
+    SELECT rank, step, wall_s, compute_s, exposed_comm_s, bubble_s, other_s, cpu_s, cpu_wait_s FROM step, w
+    WHERE run = $run AND step > w.hi - greatest(1, $budget // w.n) ORDER BY step, rank"""
+
+
+def rank_steps(store: Store, *, run: str, steps: tuple[int, int] | None, budget: int = RAW_BUDGET) -> pd.DataFrame:
+    """Per rank and step of ``run``: ``wall_s``, ``compute_s``, ``exposed_comm_s``, ``bubble_s``, ``other_s``,
+    ``cpu_s``, ``cpu_wait_s``, for the latest steps of the range whose rows fit ``budget``: the rows
+    ``overview_data``'s ``rank_steps`` holds, read alone (the Communication page)."""
+    return store.query_all([(_RANK_STEPS, {"run": run, "budget": budget})], kinds=("step",), runs=[run],
+                           materialize={"step": ("step BETWEEN ? AND ?", _range(steps), _OVERVIEW_COLS)})[0]
+
+
+def attempts(store: Store, *, run: str) -> pd.DataFrame:
+    """Per attempt of ``run`` (a torchrun restart, or a launch ``meshscope run --new-attempt`` recorded as
+    the next attempt): ``attempt`` (as stored, 0 first), ``ranks``, ``rank_steps``, ``first_step`` and
+    ``last_step`` of the step rows it wrote, every attempt's rows read (not only the newest attempt's, as
+    the other readers do). A step row belongs to the attempt of its rank's latest run record that
+    started before the step ended."""
+    return store.query(
+        """SELECT r.attempt, count(DISTINCT s.rank) AS ranks, count(*) AS rank_steps, min(s.step) AS first_step,
+                  max(s.step) AS last_step
+           FROM step s ASOF JOIN run r ON s.rank = r.rank AND s.t_end >= r.t_start
+           GROUP BY r.attempt ORDER BY r.attempt""", kinds=("step", "run"), runs=[run], all_attempts=True)
 
 
 def gpu_by_device(store: Store, *, run: str, window: tuple[float, float] | None) -> pd.DataFrame:

@@ -67,6 +67,30 @@ def step_lines(series: pd.DataFrame, *, y: str, title: str, y_title: str, percen
     return _layout(fig, title=title, x="step", y=y_title, height=300)
 
 
+NONFINITE_COLOR = "#d50000"
+
+
+def mark_nonfinite(fig: go.Figure, series: pd.DataFrame, *, found: dict) -> go.Figure:
+    """The loss chart with a red mark at each step of ``series`` (one run: ``step``, ``loss``,
+    ``loss_nonfinite``) whose loss was non-finite on some rank, at the last finite loss before it (or the
+    next one; 0 when the run has none), and a red line above the plot saying so (``found``:
+    ``analysis.nonfinite_loss``)."""
+    s = series.sort_values("step")
+    level = s["loss"].ffill().bfill().fillna(0.0)
+    bad = s["loss_nonfinite"].fillna(0) > 0
+    kind = "NaN" if found["nan"] else "infinite"
+    fig.add_trace(go.Scatter(
+        x=s.loc[bad, "step"], y=level[bad], mode="markers", name=f"loss {kind}",
+        marker=dict(color=NONFINITE_COLOR, symbol="x", size=11, line=dict(width=2, color=NONFINITE_COLOR)),
+        customdata=s.loc[bad, "loss_nonfinite"], hovertemplate="step %{x}: loss " + kind + " on %{customdata} "
+        "rank(s)<extra></extra>"))
+    n = found["rank_steps"]
+    fig.add_annotation(text=f"loss {kind} on {n} rank-step{'' if n == 1 else 's'} from step {found['first_step']}",
+                       xref="paper", yref="paper", x=1.0, y=1.0, xanchor="right", yanchor="top", showarrow=False,
+                       font=dict(color=NONFINITE_COLOR))
+    return fig
+
+
 # Per-rank charts past this many ranks draw one SVG path per series instead of a bar (or marker) per rank:
 # 16,384 ranks x 4 stacked bars are 65,536 SVG elements, which took a browser ~25 s to draw.
 BAR_MAX_RANKS = 512

@@ -1,6 +1,12 @@
 """``meshscope report --store DIR|s3://BUCKET/PREFIX [--store ...] --run NAME [--steps A:B] [--json]``: a run's verdicts
 in the terminal, computed by the same views the dashboard's pages render (one computation: what the
-Overview and Pipeline pages say, ``report`` says). ``--json`` prints one object for scripts and CI."""
+Overview and Pipeline pages say, ``report`` says). ``--json`` prints one object for scripts and CI.
+
+Every headline figure says what it is: step time as the median and the mean of the ranks' step times over
+the steady steps (``step_time_s_median``, ``step_time_s_mean``; ``step_time_s`` is the median), the
+breakdown as means over the same rank-steps that sum to that mean (``analysis.step_time``, which the
+Communication page's exposed communication is too), tokens/s and MFU as medians over those steps, the loss
+as the last step's (non-finite: ``loss_nonfinite`` and a warning, never "n/a")."""
 
 from __future__ import annotations
 
@@ -37,7 +43,20 @@ def build(load: views.Loader, *, run: str, steps: tuple[int, int] | None = None)
         "breakdown": None, "pipeline": None, "warnings": list(ov.warnings),
         "attempts": _int(meta.get("attempts", 0)) + 1 if meta.get("attempts") is not None else None,
         "events": analysis.event_summary(load("events", run=run)),
+        # the same figures, named for what they are (the keys above are kept for scripts that read them)
+        "step_time_s_median": _num(ov.metrics.get("step_time_s")), "step_time_s_mean": _num(ov.metrics.get("step_time_s_mean")),
+        "tokens_per_s_median": _num(ov.metrics.get("tokens_per_s")), "mfu_median": _num(ov.metrics.get("mfu")),
+        "loss_last": _num(ov.metrics.get("loss")), "figures_steps": None, "figures_rank_steps": None,
+        "mfu_reason": None if _num(ov.metrics.get("mfu")) is not None else analysis.mfu_reason(
+            meta, tokens=bool(ov.series.loc[ov.series["run"] == run, "tokens_mean"].gt(0).any()) if len(ov.series) else False),
+        "loss_nonfinite": ov.loss_nonfinite and {k: v for k, v in ov.loss_nonfinite.items() if k != "steps"},
+        "attempt_steps": [{"attempt": int(a["attempt"]) + 1, "ranks": int(a["ranks"]), "rank_steps": int(a["rank_steps"]),
+                           "steps": [int(a["first_step"]), int(a["last_step"])]}
+                          for a in load("attempts", run=run).to_dict("records")],
     }
+    if ov.step_time is not None:
+        out["figures_steps"] = [ov.step_time["first_step"], ov.step_time["last_step"]]
+        out["figures_rank_steps"] = ov.step_time["rank_steps"]
     if ov.first_steady_step is not None and rng[0] is not None:
         out["warmup_steps_excluded"] = int(ov.first_steady_step) - int(rng[0])
     if ov.stragglers is not None:
@@ -47,9 +66,13 @@ def build(load: views.Loader, *, run: str, steps: tuple[int, int] | None = None)
         out["straggler_cost_s_per_step"] = _num(ov.metrics.get("cost_s"))
     if ov.breakdown is not None and len(ov.breakdown):
         cols = ["wall_s", "compute_s", "exposed_comm_s", "bubble_s", "other_s"]
+        t = ov.step_time
         out["breakdown"] = {"mean_over_ranks": {c: _num(ov.breakdown[c].mean()) for c in cols},
                             "per_rank": [{"rank": int(r["rank"]), **{c: _num(r[c]) for c in cols}}
-                                         for r in ov.breakdown.to_dict("records")]}
+                                         for r in ov.breakdown.to_dict("records")],
+                            # means over the steady rank-steps: they sum to step_time_s_mean
+                            "mean_per_rank_step": {**{c: _num(t[c]) for c in analysis.BREAKDOWN},
+                                                   "sum_s": _num(t["step_time_s_mean"])}}
     if int(meta["mesh"].get("pp", 1)) > 1:
         out["pipeline"] = _pipeline(load, run=run, steps=steps)
     return out
@@ -75,16 +98,23 @@ def format_text(rep: dict[str, Any]) -> str:
         w = rep["warmup_steps_excluded"]
         lines.append(f"  verdicts from step {rep['first_steady_step']} ({w} warm-up step{'' if w == 1 else 's'} "
                      f"left out; {rep['verdict_steps']} judged)")
-    lines.append(f"  step time {_fmt(rep['step_time_s'], '.3f')} s · {_fmt(rep['tokens_per_s'], ',.0f')} tokens/s · "
-                 f"MFU {_fmt(rep['mfu'], '.1%')} · loss {_fmt(rep['loss'], '.3f')}")
+    median, mean = rep.get("step_time_s_median", rep["step_time_s"]), rep.get("step_time_s_mean")
+    mfu = f"MFU {_fmt(rep['mfu'], '.1%')} (median)" if rep["mfu"] is not None else "MFU n/a"
+    lines.append(f"  step time {_secs(median)} median, {_secs(mean)} mean · "
+                 f"{_fmt(rep['tokens_per_s'], ',.0f')} tokens/s (median) · {mfu} · loss {_loss(rep)}")
+    if rep.get("figures_steps"):
+        a, b = rep["figures_steps"]
+        lines.append(f"    (over steps {a}..{b}, {rep['figures_rank_steps']} rank-steps; the loss is the last step's)")
+    if rep["mfu"] is None and rep.get("mfu_reason"):
+        lines.append(f"    MFU n/a: {rep['mfu_reason']}")
     b = rep["breakdown"]
-    if b:
-        m = b["mean_over_ranks"]
-        wall = m["wall_s"] or float("nan")
-        lines.append("  per step (mean over ranks): " + ", ".join(
-            f"{name} {_fmt(m[c], '.3f')} s ({_fmt(m[c] / wall if m[c] is not None else None, '.0%')})"
+    if b and b.get("mean_per_rank_step"):
+        m = b["mean_per_rank_step"]
+        wall = m["sum_s"] or float("nan")
+        lines.append("  per step (mean over rank-steps): " + " + ".join(
+            f"{name} {_secs(m[c])} ({_fmt(m[c] / wall if m[c] is not None else None, '.0%')})"
             for name, c in (("compute", "compute_s"), ("exposed comm", "exposed_comm_s"), ("bubble", "bubble_s"),
-                            ("other", "other_s"))))
+                            ("other", "other_s"))) + f" = {_secs(m['sum_s'])}, the mean step time")
     if rep["stragglers"]:
         for s in rep["stragglers"]:
             lines.append(f"  STRAGGLER rank {s['rank']}: {s['cause']}; its peers wait "
@@ -113,8 +143,11 @@ def format_text(rep: dict[str, Any]) -> str:
         lines.append(f"  events: {counts}; key event: rank {last['rank']} step {last['step']} {last['kind']}: "
                      f"{last['message'][:160]}")
     if (rep["attempts"] or 1) > 1:
-        lines.append(f"  the run was restarted: {rep['attempts']} attempts (steps re-executed after a restart "
-                     f"count once, the newest attempt's)")
+        parts = "; ".join(f"attempt {a['attempt']}: steps {a['steps'][0]}..{a['steps'][1]} ({a['rank_steps']} "
+                          f"rank-steps)" for a in rep.get("attempt_steps") or ())
+        lines.append(f"  attempts: {rep['attempts']} (a restart, or a launch with --new-attempt)" +
+                     (f": {parts}" if parts else "") + "; a step run by several attempts counts once, the newest "
+                     "attempt's")
     for w in rep["warnings"]:
         lines.append(f"  WARNING {w}")
     return "\n".join(lines)
@@ -169,6 +202,21 @@ def _num(v) -> float | None:
 def _int(v) -> int | None:
     f = _num(v)
     return None if f is None else int(f)
+
+
+def _loss(rep: dict[str, Any]) -> str:
+    """The loss for the text: non-finite is said, never "n/a"."""
+    bad = rep.get("loss_nonfinite")
+    if bad and bad["last"]:
+        return f"non-finite ({'NaN' if bad['nan'] else 'inf'})"
+    return f"{_fmt(rep['loss'], '.3f')} (last)"
+
+
+def _secs(v) -> str:
+    """Seconds, in ms below 0.1 s (a CPU test job's steps are fractions of a millisecond)."""
+    if v is None or v != v:
+        return "n/a"
+    return f"{v:.3f} s" if abs(v) >= 0.1 else f"{v * 1e3:.3g} ms"
 
 
 def _fmt(v, spec: str) -> str:

@@ -100,6 +100,9 @@ class Overview:
     verdict_steps: int = 0  # steady steps the straggler verdict judged
     warnings: list[str] = field(default_factory=list)  # environment.warnings: when a figure means less
     breakdown: pd.DataFrame | None = None  # analysis.breakdown over the steady steps
+    step_time: dict | None = None  # analysis.step_time over the steady rank-steps (report, Communication)
+    loss_nonfinite: dict | None = None  # analysis.nonfinite_loss of the focus run (None: every loss finite)
+    notes: dict[str, str] = field(default_factory=dict)  # figure name -> why it is not drawn (no data)
     has_peers: bool = False  # some rank shares its pipeline stage with another: a straggler verdict exists
     unattributed_s: float = 0.0
     frames: list[pd.DataFrame] = field(default_factory=list)  # for the skipped-files warning
@@ -118,6 +121,16 @@ def collective_window(meta: dict, steps, *, budget: int) -> tuple[int, int] | No
     """Latest steps of the range whose collective records (all ranks) fit in ``budget``."""
     rng = _range_of(meta, steps)
     return rng and data.budget_window(rng, rows_per_step=meta.get("collectives_per_step"), budget=budget)
+
+
+def steady_rank_steps(rank_steps: pd.DataFrame, *, meta: dict) -> tuple[int | None, pd.DataFrame]:
+    """(the first steady step, the rank-steps from it) of ``data.rank_steps``' rows: warm-up
+    (``stragglers.first_steady_step`` on each step's slowest rank) left out. The Overview, ``report`` and the
+    Communication page cut their figures here, so they state the same ones."""
+    per_step = rank_steps.groupby("step", as_index=False)["wall_s"].max().rename(columns={"wall_s": "step_time_s"})
+    first = stragglers.first_steady_step(per_step, run_first_step=int(meta.get("first_step", 0)))
+    steady = rank_steps[rank_steps["step"] >= first] if first is not None else rank_steps
+    return first, (steady if len(steady) else rank_steps)
 
 
 def overview(load: Loader, *, run: str, runs: list[str], steps, threshold: float = stragglers.STRAGGLER_REL) -> Overview:
@@ -161,19 +174,36 @@ def _overview_figures(view: Overview, d: dict, gpu_later: Pending | None, links:
     mine = series[series["run"] == run]
     step_time = float(mine["step_time_s"].median()) if len(mine) else np.nan
     loss = mine["loss"].dropna()
+    view.loss_nonfinite = bad = analysis.nonfinite_loss(mine)
     view.metrics = {"tokens_per_s": float(mine["tokens_per_s"].median()), "mfu": float(mine["mfu"].median()),
-                    "step_time_s": step_time, "loss": float(loss.iloc[-1]) if len(loss) else np.nan}
+                    "step_time_s": step_time, "step_time_s_mean": np.nan,
+                    # the last step's loss; NaN when it was not finite (``loss_nonfinite`` says so)
+                    "loss": np.nan if bad and bad["last"] or not len(loss) else float(loss.iloc[-1])}
     f = view.figures
-    f["tokens"] = figures.step_lines(series, y="tokens_per_s", title="Throughput", y_title="tokens/s", zero=True)
-    f["mfu"] = figures.step_lines(series, y="mfu", title="MFU (mean of per-rank MFU)", y_title="MFU", percent=True, zero=True)
-    f["loss"] = figures.step_lines(series, y="loss", title="Loss (mean over ranks that report it)", y_title="loss")
+    charts = (("tokens", "tokens_per_s", dict(title="Throughput", y_title="tokens/s", zero=True)),
+              ("mfu", "mfu", dict(title="MFU (mean of per-rank MFU)", y_title="MFU", percent=True, zero=True)),
+              ("loss", "loss", dict(title="Loss (mean over ranks with a finite loss)", y_title="loss")))
+    for name, column, kw in charts:
+        if series[column].notna().any() or (name == "loss" and bad):
+            f[name] = figures.step_lines(series, y=column, **kw)
+        else:  # an empty chart's axes say nothing: one line on why instead
+            view.notes[name] = analysis.no_series_reason(name, meta=meta, tokens=bool(mine["tokens_mean"].gt(0).any()))
+    if bad:
+        f["loss"] = figures.mark_nonfinite(f["loss"], mine, found=bad)
+        view.warnings = [analysis.nonfinite_loss_warning(bad)]
     if gpu_later is None:  # the focus run has no step records in the range (others may)
         return view
-    view.first_steady_step = stragglers.first_steady_step(mine, run_first_step=int(meta.get("first_step", 0)))
     rs = d["rank_steps"]
-    steady = rs[rs["step"] >= view.first_steady_step] if view.first_steady_step is not None else rs
+    view.first_steady_step, steady = steady_rank_steps(rs, meta=meta)
     # Means over the steady steps (warm-up left out, as the verdicts): the latest that fit the budget.
     view.breakdown = bd = analysis.breakdown(steady if len(steady) else d["breakdown"])
+    # The headline figures over the same steady steps: step time (median and mean of the rank-steps the
+    # breakdown's means sum to), tokens/s and MFU (medians over those steps).
+    view.step_time = analysis.step_time(steady)
+    cut = mine[mine["step"] >= view.first_steady_step] if view.first_steady_step is not None else mine
+    step_time = view.step_time["step_time_s_median"]
+    view.metrics.update(step_time_s=step_time, step_time_s_mean=view.step_time["step_time_s_mean"],
+                        tokens_per_s=float(cut["tokens_per_s"].median()), mfu=float(cut["mfu"].median()))
     f["breakdown"] = figures.breakdown_bars(bd)
     view.unattributed_s = float(bd["unattributed_s"].abs().max())
     hm = d["heatmap"]
@@ -193,9 +223,9 @@ def _overview_figures(view: Overview, d: dict, gpu_later: Pending | None, links:
     lk = links.result()
     link, _ = analysis.link_ratios(analysis.instance_busbw(lk["instances"]), members=lk["members"])
     view.stragglers = stragglers.straggler_table(verdicts, gpu=gpu, link=link)
-    view.warnings = environment.warnings(device=meta.get("device"), shares=environment.cpu_wait_share(steady),
-                                         n_steady=view.verdict_steps, hosts=data.rank_hosts(meta.get("rank_hosts")),
-                                         clocks=gpu)
+    view.warnings += environment.warnings(device=meta.get("device"), shares=environment.cpu_wait_share(steady),
+                                          n_steady=view.verdict_steps, hosts=data.rank_hosts(meta.get("rank_hosts")),
+                                          clocks=gpu)
     # The job's cost: per step, the largest wait a flagged rank caused (none flagged: nothing to blame).
     flagged = cost[cost["rank"].isin(view.stragglers["rank"])]
     view.metrics["cost_s"] = float(flagged["cost_s"].sum() / max(len(cost), 1))
@@ -275,6 +305,9 @@ def pipeline(load: Loader, *, run: str, steps, gantt_step: int | None = None) ->
 class Communication:
     summary: pd.DataFrame
     steps: tuple[int, int] | None = None  # steps covered (the latest of the range that fit the budget)
+    step_time: dict | None = None  # analysis.step_time over the steady rank-steps: the Overview's and report's
+    first_steady_step: int | None = None
+    op_steps: tuple[int, int] | None = None  # the steps the per-op figures cover (the window, warm-up left out)
     skew: pd.DataFrame | None = None
     slow_groups: pd.DataFrame | None = None
     figures: dict[str, go.Figure] = field(default_factory=dict)
@@ -282,14 +315,25 @@ class Communication:
 
 
 def communication(load: Loader, *, run: str, steps) -> Communication:
-    """Everything from one read of the raw records of the latest steps that fit ``RAW_BUDGET``."""
+    """Everything from one read of the raw records of the latest steps that fit ``RAW_BUDGET`` (time per op
+    over the steady ones among them), and the exposed communication per rank-step of the step records over
+    the steady steps, as the Overview and ``report`` state it (``step_time``)."""
     meta = meta_of(load("runs_table"), run)
+    rs = load("rank_steps", run=run, steps=steps)
+    step_time = first = None
+    if len(rs):
+        first, steady = steady_rank_steps(rs, meta=meta)
+        step_time = analysis.step_time(steady)
     window = collective_window(meta, steps, budget=data.RAW_BUDGET)
     rows = load("collective_rows", run=run, steps=window)
-    view = Communication(summary=rows, frames=[rows], steps=window)
+    view = Communication(summary=rows, frames=[rows, rs], steps=window, step_time=step_time, first_steady_step=first)
     if rows.empty:
         return view
-    view.summary = analysis.comm_summary(rows)
+    # Time per op over the steady steps too (the first step's waits, e.g. DDP's bucket setup, would weigh on
+    # the mean as they do not on the step figure above); skew and bus bandwidth keep the whole window.
+    timed = rows[rows["step"] >= first] if first is not None and (rows["step"] >= first).any() else rows
+    view.op_steps = (int(timed["step"].min()), int(timed["step"].max()))
+    view.summary = analysis.comm_summary(timed)
     view.figures["time"] = figures.comm_time(view.summary)
     coll = rows[rows["peer"] < 0]
     if coll.empty:

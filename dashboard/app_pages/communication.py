@@ -14,15 +14,20 @@ def main(ctx: ui.Context) -> None:
     if view.summary.empty:
         ui.missing("collective records", run=run)
         return
-    s, f = view.summary, view.figures
+    s, f, t = view.summary, view.figures, view.step_time
     c = st.columns(3)
-    c[0].metric("exposed comm per rank-step", f"{s['exposed_s'].sum() * 1e3:.2f} ms")
-    c[1].metric("overlapped per rank-step", f"{s['overlapped_s'].sum() * 1e3:.2f} ms")
+    if t is not None:  # the step records' figure: the Overview's breakdown and report state the same
+        c[0].metric("exposed comm (mean per rank-step)", f"{t['exposed_comm_s'] * 1e3:.2f} ms",
+                    help=f"Mean of the step records' exposed communication over steps {t['first_step']}–"
+                         f"{t['last_step']} (warm-up left out), as the Overview's breakdown and `meshscope report`.")
+    c[1].metric("overlapped (mean per rank-step)", f"{s['overlapped_s'].sum() * 1e3:.2f} ms")
     c[2].metric("ops per rank-step", f"{s['ops_per_step'].sum():.1f}")
     ui.window_note(ctx, view.steps, what="The figures on this page", budget=data.RAW_BUDGET)
     ui.chart(f["time"])
-    st.caption("Exposed = wait_s, the time the training thread was blocked on the op; overlapped = "
-               "duration − wait, hidden behind compute.")
+    where = f"steps {view.op_steps[0]}–{view.op_steps[1]}" if view.op_steps else "the selected steps"
+    st.caption("Exposed = wait_s, the time the training thread was blocked on the op; overlapped = duration − wait, "
+               f"hidden behind compute. Per op, from the collective records of {where}: the ops' exposed time sums "
+               f"to {s['exposed_s'].sum() * 1e3:.2f} ms per rank-step.")
     if view.skew is None:
         st.info("No collectives (only P2P or nothing) to compare arrival times and link bandwidth.")
         return

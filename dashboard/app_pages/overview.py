@@ -32,19 +32,33 @@ def main(ctx: ui.Context) -> None:
                    "all.", icon="⚠️")
     if view.stragglers is not None and len(view.stragglers):  # the headline verdict; details below
         st.warning(_verdict(view) + " Details under Stragglers below.", icon="🐢")
-    c = st.columns(4)
-    c[0].metric("tokens/s (median)", _fmt(m["tokens_per_s"], ",.0f"))
-    c[1].metric("MFU (median)", _fmt(m["mfu"], ".1%"))
-    c[2].metric("step time (median)", _fmt(m["step_time_s"], ".3f") + " s")
-    c[3].metric("loss (last)", _fmt(m["loss"], ".3f"))
+    over = (f"over steps {view.first_steady_step}–{view.step_time['last_step']} (warm-up left out)"
+            if view.step_time else "over the selected steps")
+    c = st.columns(5)
+    c[0].metric("tokens/s (median)", _fmt(m["tokens_per_s"], ",.0f"), help=f"Median of the steps' tokens/s {over}.")
+    c[1].metric("MFU (median)", _fmt(m["mfu"], ".1%"), help=f"Median of the steps' MFU {over}.")
+    c[2].metric("step time (median)", _fmt(m["step_time_s"], ".3f") + " s",
+                help=f"Median of the ranks' step wall times {over}.")
+    c[3].metric("step time (mean)", _fmt(m["step_time_s_mean"], ".3f") + " s",
+                help=f"Mean of the ranks' step wall times {over}: the sum of the breakdown below.")
+    bad = view.loss_nonfinite
+    c[4].metric("loss (last)", ("non-finite (NaN)" if bad["nan"] else "non-finite (inf)") if bad and bad["last"]
+                else _fmt(m["loss"], ".3f"))
     for col, name in zip(st.columns(3), ("tokens", "mfu", "loss")):
         with col:
-            ui.chart(f[name])
+            if name in f:
+                ui.chart(f[name])
+            else:  # no data for it: why, in one line, not empty axes
+                st.info(view.notes[name])
     if view.stragglers is None:  # other selected runs have steps in the range, the focus run has none
         ui.missing("step records", run=run)
         return
 
     st.subheader("Per-rank time breakdown")
+    t = view.step_time
+    st.caption(f"Means per step {over}: compute {t['compute_s']:.3f} s + exposed comm {t['exposed_comm_s']:.3f} s "
+               f"+ bubble {t['bubble_s']:.3f} s + other {t['other_s']:.3f} s = {t['step_time_s_mean']:.3f} s, the mean "
+               f"step time (the median is {t['step_time_s_median']:.3f} s).")
     ui.chart(f["breakdown"])
     if view.unattributed_s > 1e-3:
         st.caption(f"Components do not add up to wall time on some ranks (up to {view.unattributed_s:.3f} s "
