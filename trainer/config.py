@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshscope.agent.contract.formulas import strategy_name
+from meshscope.agent.contract import strategy_name
 from meshscope.agent.cliargs import ArgParser
 from meshscope.agent.cliargs import UsageError as ConfigError  # one error type for every command line
 from meshscope.agent.instrument.telemetry import TelemetryConfig

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshscope.agent.contract.formulas import training_flops_per_token
+from meshscope.agent.contract import training_flops_per_token
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "looped-bfs")
 MULTI_STAGE = ("interleaved", "interleaved-zb", "looped-bfs")  # several stages per rank (virtual_stages)

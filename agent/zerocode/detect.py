@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from meshscope.agent.zerocode import launch_attempt
+from meshscope.agent.zerocode.env import launch_attempt
 
 
 
@@ -171,6 +171,23 @@ def pipeline(schedules: list[Any]) -> dict:
     name = type(sched).__name__
     return {"schedule": SCHEDULES.get(name, name.lower()), "microbatches": int(sched._n_microbatches),
             "virtual_stages": len(stages), "pp": int(stages[0].group_size), "pp_rank": int(stages[0].group_rank)}
+
+
+def pipeline_tokens(schedule: Any, args: tuple, kwargs: dict, find: TokenFinder) -> tuple[int, int]:
+    """(tokens, sequence length) of one schedule step on this rank: the token ids the first stage is given,
+    else the targets the last stage is given, else (a middle stage) its input's shape as the stage knows it
+    (microbatch × sequence, of a 3-D activation) times the microbatches; (0, 0) where none of these is. The roots' own forward is not counted inside a
+    schedule (its hooks stand aside there)."""
+    tokens, seq = find(args, kwargs)
+    if tokens:
+        return tokens, seq
+    stages = list(getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)])
+    meta = getattr(stages[0], "inputs_meta", None) if stages and stages[0] is not None else None
+    # (microbatch, sequence, hidden): a language model's activations; a 2-D input is (samples, features)
+    first = next((t for t in (meta or ()) if hasattr(t, "shape") and len(t.shape) >= 3), None)
+    if first is None:
+        return 0, 0
+    return int(first.shape[0]) * int(first.shape[1]) * int(schedule._n_microbatches), int(first.shape[1])
 
 
 def run_info(*, roots: list[Any], where: Where, seq_len: int, tokens: int, flops: Any, layout: Any,

@@ -288,6 +288,9 @@ class Driver:
                     if self._tel is not None:
                         self._tel.push_phase("pipeline")
                         pushed = True
+                        tokens, seq = detect.pipeline_tokens(schedule, args, kwargs, self._find_tokens)
+                        self._tokens += tokens
+                        self._seq_len = self._seq_len or seq
                 except Exception as exc:
                     self.error("pipeline", exc)
             self._in_pipeline += 1

@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 from meshscope.agent.collector import packs
 from meshscope.agent.collector.store import stored_schema
 from meshscope.agent.contract import DIMS, SCHEMAS
-from meshscope.agent.contract.formulas import strategy_name
+from meshscope.agent.contract import strategy_name
 from meshscope.dashboard import pipeline_sim
 from meshscope.dashboard.analysis import busbw_factor, normalize_schedule
 from meshscope.dashboard.memory_model import ModelSpec, memory_model
