@@ -23,7 +23,7 @@ DIM_ALIASES: Mapping[str, str] = {
     "fsdp": "fsdp", "dp_shard": "fsdp", "shard": "fsdp", "dp_shard_cp": "fsdp",
     "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep",
     # torchtitan's flattened dims: FSDP's shard group (dp_shard × cp) and the batch / loss groups
-    "efsdp": "fsdp", "batch": "dp", "loss": "dp", "dp_cp": "dp",
+    "efsdp": "fsdp", "batch": "dp", "loss": "dp", "loss_mesh": "dp", "dp_cp": "dp", "world": "world",
 }
 _CACHE_LIMIT = 4096  # distinct group objects; rank lists built per call would otherwise grow it forever
 
@@ -42,7 +42,8 @@ class GroupInfo:
 
 
 class MeshInfo:
-    """Maps process groups to ``GroupInfo``; build one per tracer from the job's DeviceMesh (or ``None``).
+    """Maps process groups to ``GroupInfo``; build one per tracer from the job's DeviceMesh (or a list of
+    them, or ``None``).
 
     ``aliases`` extends/overrides ``DIM_ALIASES`` (mesh dim name → schema dim)."""
 
@@ -50,8 +51,9 @@ class MeshInfo:
         self._aliases = {**DIM_ALIASES, **(aliases or {})}
         self._dim_by_group_name: dict[str, str] = {}
         self._cache: dict[int, tuple[Any, GroupInfo]] = {}
-        if mesh is not None:
-            for dim_name, pg in _mesh_groups(mesh):
+        meshes = mesh if isinstance(mesh, (list, tuple)) else [mesh] if mesh is not None else []
+        for one in meshes:  # a job may name its dims on several meshes (``census.mesh_of``): the first wins
+            for dim_name, pg in _mesh_groups(one):
                 # First name wins: a real dim is listed before the flattened dims that may alias it.
                 self._dim_by_group_name.setdefault(pg.group_name, self._aliases.get(dim_name, "other"))
 
@@ -89,9 +91,12 @@ class MeshInfo:
 def _mesh_groups(mesh: Any) -> list[tuple[str, Any]]:
     """(dim name, ProcessGroup) for every named dim of the mesh and every flattened dim of its root."""
     names = list(mesh.mesh_dim_names or ())
-    out = [(name, mesh.get_group(name)) for name in names]
     root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
-    for name in getattr(root, "_flatten_mapping", {}) or {}:  # e.g. "dp_shard_cp" from mesh._flatten()
-        if name not in names:
-            out.append((name, root.get_group(name)))
+    flattened = [(root, n) for n in getattr(root, "_flatten_mapping", {}) or {} if n not in names]  # mesh._flatten()
+    out = []
+    for owner, name in [(mesh, n) for n in names] + flattened:
+        try:
+            out.append((name, owner.get_group(name)))
+        except Exception:  # a dim without a group of its own (a size-1 or fake-backend dim): no label from it
+            continue
     return out

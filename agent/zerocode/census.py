@@ -19,7 +19,8 @@ FLOPs (``agent.contract.formulas.training_flops_per_token``): N is every paramet
 ``nn.Embedding`` (a lookup), counted on the shapes this rank computes with: FSDP gathers its shards (the
 global shape), tensor parallelism splits a matmul (the global shape over the TP degree when the parameter
 is sharded on a TP dim); MoE experts count top-k of E. Attention adds 12·L·D·S, L the outermost modules
-named ``*Attention*``, D their query width.
+named ``*Attention*``, D
+the input width of their output projection (heads × head dim).
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from meshscope.agent.contract.formulas import strategy_name, training_flops_per_
 # How a mesh dim name reads: by its ``_``-separated words, so "dp_replicate" is data parallel although
 # "rep" holds "ep".
 _DIM_WORDS = {"tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep"}
-_Q_NAMES = ("wq", "q_proj", "query", "q", "to_q")  # a query projection, by the names models give it
-_QKV_NAMES = ("wqkv", "qkv", "qkv_proj", "c_attn", "in_proj", "query_key_value", "Wqkv")  # fused q, k, v
+# an attention's output and query projections, by the names models give them
+_OUT_NAMES = ("wo", "o_proj", "out_proj", "c_proj", "proj", "dense", "to_out", "o")
+_Q_NAMES = ("wq", "q_proj", "query", "q", "to_q")
 
 
 def dim_kind(name: str) -> str:
@@ -52,7 +54,7 @@ class Layout:
     dp_kind: str = ""  # "", ddp, fsdp, hsdp
     sizes: dict = field(default_factory=lambda: {"dp": 1, "tp": 1, "pp": 1})
     coords: dict = field(default_factory=lambda: {"dp": 0, "tp": 0, "pp": 0})
-    mesh: Any = None
+    mesh: Any = None  # the meshes that name the job's dims (``_meshes``)
     fsdp_dims: tuple = ()  # the mesh dim names FSDP2 owns (its parameters are DTensors on them too)
     tp_dims: tuple = ()  # the dims a parameter is split on for compute
 
@@ -90,13 +92,22 @@ def root_mesh(mesh: Any) -> Any:
     return getter() if getter is not None else mesh
 
 
-def mesh_of(root: Any) -> Any:
-    """The job's root DeviceMesh as ``root``'s parameters show it (FSDP2's mesh, else a DTensor's), or None."""
+def _meshes(*found: Any) -> list[Any]:
+    """The meshes that name a job's dims: those its parameters live on (FSDP2's, a DTensor's), then their
+    root (a job may build its meshes by unflattening one 1-D world mesh: torchtitan does, and then only
+    the meshes it built name its dims)."""
+    out: list[Any] = []
+    for mesh in [*found, *(root_mesh(m) for m in found if m is not None)]:
+        if mesh is not None and all(mesh is not m for m in out):
+            out.append(mesh)
+    return out
+
+
+def mesh_of(root: Any) -> list[Any]:
+    """The DeviceMeshes ``root``'s parameters show (``_meshes``), for the collectives' dim labels."""
     info = _fsdp_mesh_info(root)
-    if info is not None:
-        return root_mesh(info.mesh)
-    return root_mesh(next((p.device_mesh for p in root.parameters() if getattr(p, "device_mesh", None) is not None),
-                          None))
+    dtensor = next((p.device_mesh for p in root.parameters() if getattr(p, "device_mesh", None) is not None), None)
+    return _meshes(info.mesh if info is not None else None, dtensor)
 
 
 def layout(roots: list[Any], *, world_size: int, rank: int, pipeline: dict) -> Layout:
@@ -138,19 +149,23 @@ def layout(roots: list[Any], *, world_size: int, rank: int, pipeline: dict) -> L
         if tp_dims:
             break
     out.tp_dims = tuple(tp_dims)
-    out.mesh = root_mesh(fsdp_mesh if fsdp_mesh is not None else tp_mesh)
+    meshes = _meshes(fsdp_mesh, tp_mesh)
+    out.mesh = meshes
     sizes = {"dp": 1, "tp": 1, "pp": 1}
     coords = {"dp": 0, "tp": 0, "pp": 0}
     if tp_mesh is not None:
         for name in tp_dims:
             sizes["tp"] *= tp_mesh.size(_dim_names(tp_mesh).index(name))
-    root = out.mesh
-    if root is not None and root.mesh_dim_names:
-        for i, name in enumerate(root.mesh_dim_names):
+    seen: set[str] = set()
+    for mesh in meshes:  # each named dim once, from the first mesh that has it
+        for i, name in enumerate(mesh.mesh_dim_names or ()):
+            if name in seen or name == "world":
+                continue
+            seen.add(name)
             kind = dim_kind(name)
-            if kind in ("cp", "ep") and root.size(i) > 1:
-                sizes[kind] = sizes.get(kind, 1) * root.size(i)
-            coords[kind] = coords.get(kind, 0) * root.size(i) + int(root.get_local_rank(i))
+            if kind in ("cp", "ep") and mesh.size(i) > 1:
+                sizes[kind] = sizes.get(kind, 1) * mesh.size(i)
+            coords[kind] = coords.get(kind, 0) * mesh.size(i) + int(mesh.get_local_rank(i))
     if pipeline:
         sizes["pp"], coords["pp"] = int(pipeline["pp"]), int(pipeline["pp_rank"])
     rest = sizes["tp"] * sizes["pp"] * sizes.get("cp", 1)
@@ -162,7 +177,7 @@ def layout(roots: list[Any], *, world_size: int, rank: int, pipeline: dict) -> L
         out.dp_kind = "ddp"
     if sizes["dp"] * rest != world_size and pipeline:  # PP over plain data parallel: the rest of the ranks
         sizes["dp"] = max(1, world_size // rest)
-    if root is None or not root.mesh_dim_names:  # no mesh: the data-parallel coordinate from the rank
+    if not seen:  # no named mesh: the data-parallel coordinate from the rank
         coords["dp"] = rank // sizes["pp"] % sizes["dp"] if sizes["dp"] > 1 else 0
     out.sizes, out.coords = sizes, {k: v for k, v in coords.items() if k in sizes}
     return out
@@ -217,7 +232,9 @@ def _expert_share(module: Any, parent: Any, p: Any) -> float:
 
 
 def _attention(roots: list[Any], *, tp_dims: tuple) -> tuple[int, float]:
-    """(layers, query width this rank computes) of the outermost ``*Attention*`` modules."""
+    """(layers, attention width this rank computes) of the outermost ``*Attention*`` modules: the width is
+    the input of the attention's output projection (heads × head dim, whatever q, k and v look like: fused,
+    grouped-query), else the output of its query projection."""
     import torch
 
     layers, width = 0, 0.0
@@ -226,17 +243,31 @@ def _attention(roots: list[Any], *, tp_dims: tuple) -> tuple[int, float]:
         while stack:
             module = stack.pop()
             if "attention" in type(module).__name__.lower() and module is not root:
-                q = next((c for n, c in module.named_children() if n in _Q_NAMES), None)
-                fused = next((c for n, c in module.named_children() if n in _QKV_NAMES), None) if q is None else None
-                w = getattr(q if q is not None else fused, "weight", None)
-                if isinstance(w, torch.Tensor) and w.dim() == 2:
-                    # Linear: (out, in); HF's Conv1D: (in, out), its out the larger one for q, k, v fused
-                    out_dim = w.shape[0] if isinstance(q or fused, torch.nn.Linear) else w.shape[1]
+                found = _attention_width(module)
+                if found is not None:
+                    w, dim = found
                     layers += 1
-                    width = float(out_dim / (3 if q is None else 1)) * _local_share(w, tp_dims=tp_dims)
+                    width = float(dim) * _local_share(w, tp_dims=tp_dims)
                 continue  # an attention's inner modules (its kernels' wrappers) are not more layers
             stack.extend(module.children())
     return layers, width
+
+
+def _attention_width(attention: Any) -> tuple[Any, int] | None:
+    """(the weight it is read from, heads × head dim) of one attention module, or None."""
+    import torch
+
+    named = [(name.rsplit(".", 1)[-1], m) for name, m in attention.named_modules() if name]
+    for names, pick in ((_OUT_NAMES, "in"), (_Q_NAMES, "out")):
+        for short, m in named:
+            w = getattr(m, "weight", None)
+            if short in names and isinstance(w, torch.Tensor) and w.dim() == 2:
+                # Linear: (out, in); Hugging Face's Conv1D: (in, out)
+                linear = isinstance(m, torch.nn.Linear)
+                if pick == "in":
+                    return w, int(w.shape[1] if linear else w.shape[0])
+                return w, int(w.shape[0] if linear else w.shape[1])
+    return None
 
 
 def flops(roots: list[Any], *, seq_len: int, layout: Layout, mode: str = "analytic") -> Flops:
