@@ -13,6 +13,9 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # sources; rebuilt when one is newer than this interpreter's build (no C compiler: the Python path). The
 # functional collectives' kernels (a torch C++ extension: agent/instrument/funcol_kernels.py) are built last,
 # against the torch installed, into ~/.cache/meshscope (~40 s once per torch and source; none: the sites).
+# torchtitan 0.3.0 (tests/realworld: the real third-party trainer under meshscope run) and its torch-dependent
+# packages without their dependencies (they would pull another torch; torchtitan's wandb is imported only when
+# enabled); its other dependencies are in the test extra.
 NATIVE_CURRENT = $(PY) -c "import glob, os, sys, sysconfig; so = 'agent/instrument/_hot' + sysconfig.get_config_var('EXT_SUFFIX'); sys.exit(not (os.path.exists(so) and all(os.path.getmtime(so) >= os.path.getmtime(f) for f in glob.glob('agent/instrument/_hot*.[ch]'))))"
 
 install:
@@ -22,6 +25,9 @@ install:
 	@$(NATIVE_CURRENT) || ! command -v cc >/dev/null || $(PIP) install -q --no-deps --no-build-isolation -e .
 	@$(PY) -c "import meshscope.agent, meshscope.dashboard, streamlit, duckdb, pyarrow, prometheus_client, pytest_timeout, hypothesis, playwright, yaml, cryptography, psutil, plotly, pynvml, tqdm, ninja, setuptools.command.bdist_wheel, transformers, accelerate, lightning, moto.server, opentelemetry.sdk, opentelemetry.exporter.otlp.proto.http" 2>/dev/null \
 		|| $(PIP) install -e '.[test]'
+	@$(PY) -c "import torchtitan, torchdata, torch_checkpointing, spmd_types, datasets, tokenizers, safetensors, tyro, tensorboard, einops, triton" 2>/dev/null \
+		|| { $(PIP) install -q --no-deps torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1 spmd_types==0.2.3 \
+			&& $(PIP) install -e '.[test]'; }
 	@$(PY) -m meshscope.agent.instrument.funcol_kernels --check >/dev/null 2>&1 || ! command -v c++ >/dev/null \
 		|| $(PY) -m meshscope.agent.instrument.funcol_kernels
 

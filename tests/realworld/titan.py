@@ -19,13 +19,11 @@ What differs from torchtitan's defaults, and why (everything else is llama3_debu
 - ``--metrics.disable-color-printing``: the log's ANSI colours off (parsing; nothing else changes).
 - ``--dump-folder ./outputs`` in the run's own working directory.
 
-Layouts (world size): "fsdp" (2), "ddp" (2), "tp" (2), "hsdp" (4), "fsdp+tp" (4) run. Two do not, on this
-torch, with or without any observer (measured 2026-11-28, torch 2.13.0+cpu, torchtitan 0.3.0); ``SKIPPED``
-holds the reason and the test skips them with it:
-
-- "pp" (pipeline degree 2, ``--training.disable-cuda-graphs``, which pipeline parallel requires): see
-  ``SKIPPED["pp"]``.
-- "cp" (context parallel 2): see ``SKIPPED["cp"]``.
+Layouts (world size): "fsdp" (2), "ddp" (2), "tp" (2), "hsdp" (4), "fsdp+tp" (4) and "cp" (2, at
+seq_len 256: flex attention's context parallel needs seq_len divisible by cp x its block size 128, else
+"NotImplementedError: Q_LEN 128 is not divisible by CP mesh world size 2 * BLOCK_SIZE 128") run. "pp" does
+not, on this torch, with or without any observer (measured 2026-11-28, torch 2.13.0+cpu, torchtitan 0.3.0):
+``SKIPPED`` holds the reason and the test skips it with that reason.
 
 The job's own log line per step (``torchtitan/components/metrics.py:523``) is
 ``step: N  loss: X  grad_norm: G  memory: M GiB(P%)  tps: T  tflops: F  mfu: U%``; it prints no step time
@@ -61,6 +59,7 @@ class Layout:
     nproc: int
     flags: tuple[str, ...]
     strategy: str  # meshscope's canonical name for it
+    seq_len: int = SEQ_LEN
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -76,12 +75,22 @@ LAYOUTS: dict[str, Layout] = {
     "pp": Layout(2, ("--parallelism.pipeline-parallel-degree", "2",
                      "--parallelism.data-parallel-shard-degree", "1",
                      "--training.disable-cuda-graphs"), "pp"),
+    # context parallel with flex attention needs seq_len divisible by cp x the flex block size (128)
+    # torchtitan shards the parameters with FSDP over dp_shard x cp (its mesh's "fsdp" dim, size 2 here; the
+    # log says "Applied FSDP to the model"): FSDP sharding plus context parallel, "fsdp+cp" in meshscope's words
     "cp": Layout(2, ("--parallelism.context-parallel-degree", "2",
-                     "--parallelism.data-parallel-shard-degree", "1"), "cp"),
+                     "--parallelism.data-parallel-shard-degree", "1"), "fsdp+cp", seq_len=256),
 }
 
 # Layouts torchtitan 0.3.0 cannot train on this torch without any observer: the reason, with the error.
-SKIPPED: dict[str, str] = {}
+SKIPPED: dict[str, str] = {
+    "pp": "torchtitan/trainer.py:856 calls pp_schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=..., "
+          "losses=..., loss_kwargs=..., return_outputs=False), the schedule API of a newer torch; torch 2.13's "
+          "PipelineScheduleMulti.step(*args, target=None, losses=None, return_outputs=True, loss_kwargs=None, "
+          "**kwargs) takes arg_mbs as a model keyword argument and every rank fails in the first step: "
+          "'ValueError: Expecting 4 arg_mbs but got 1' (torch/distributed/pipelining/schedules.py:563, "
+          "_check_inputs), without any observer",
+}
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:(.*)$")
@@ -153,7 +162,7 @@ def command(layout: str, steps: int) -> list[str]:
         "--hf-assets-path", str(TOKENIZER), "--dataloader.dataset-path", str(DATASET),
         "--dump-folder", "./outputs",
         "--parallelism.spmd-backend", "partial_dtensor",
-        "--training.seq-len", str(SEQ_LEN), "--training.local-batch-size", str(LOCAL_BATCH),
+        "--training.seq-len", str(spec.seq_len), "--training.local-batch-size", str(LOCAL_BATCH),
         "--training.steps", str(steps), "--debug.seed", str(SEED), "--metrics.disable-color-printing",
         *spec.flags,
     ]

@@ -1,0 +1,131 @@
+"""Conformance against a real third-party trainer: torchtitan 0.3.0 (PyPI, unchanged) trains its llama3
+``llama3_debugmodel`` on CPU/gloo ranks under torchrun in each parallel layout, once plainly and once under
+``meshscope run`` (the zero-code launcher), 10 steps each (``tests/realworld/titan.py``; the CPU shim and why:
+``tests/realworld/titan_cpu/sitecustomize.py``).
+
+Per layout:
+- both runs exit 0 and log every step;
+- meshscope changes nothing the job prints: its own ``[rankN]:`` lines are identical once the timestamps,
+  throughput (tps, tflops, mfu) and durations are masked (``titan.normalise``; the loss is never masked), and
+  ``meshscope:`` lines are ours;
+- the losses logged are identical: same seed, same data, and torchtitan's CPU runs are deterministic to the
+  printed precision (5 decimals; measured: repeated plain runs print the same losses, so the tolerance is 0);
+- ``meshscope report --json`` of the observed run has every step of every rank, the layout's canonical
+  ``strategy``, the job's last loss (1e-4), an MFU or the reason there is none, and a median step time within
+  10 % of the job's own (the time between its consecutive step lines, which is torchtitan's end_to_end).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("torchtitan", reason="torchtitan is not installed (make install installs it)")
+
+from tests.realworld import titan  # noqa: E402
+
+pytestmark = [pytest.mark.realworld, pytest.mark.gloo, pytest.mark.timeout(1200)]
+
+STEPS = 10
+RUN_TIMEOUT_S = 480
+
+WORKING = ["fsdp", "ddp", "tp", "hsdp", "fsdp+tp", "cp"]
+LAYOUT_PARAMS = [pytest.param(name, id=name) for name in WORKING] + [
+    pytest.param(name, id=name, marks=pytest.mark.skip(reason=f"torchtitan 0.3.0 on torch 2.13 CPU: {reason}"))
+    for name, reason in titan.SKIPPED.items()
+]
+
+_RUNS: dict[str, tuple[titan.TitanResult, titan.TitanResult]] = {}
+
+
+@pytest.fixture
+def runs(request, tmp_path_factory) -> tuple[titan.TitanResult, titan.TitanResult]:
+    """(plain, observed): the layout trained 10 steps without and with ``meshscope run``; once per layout."""
+    layout = request.node.callspec.params["layout"]
+    if layout not in _RUNS:
+        base = tmp_path_factory.mktemp(f"titan-{layout.replace('+', '_')}")
+        plain = titan.run(layout=layout, steps=STEPS, workdir=base / "plain", meshscope_store=None, run_name=None,
+                          timeout_s=RUN_TIMEOUT_S)
+        observed = titan.run(layout=layout, steps=STEPS, workdir=base / "observed", meshscope_store=base / "store",
+                             run_name=f"titan-{layout.replace('+', '_')}", timeout_s=RUN_TIMEOUT_S)
+        _RUNS[layout] = (plain, observed)
+    return _RUNS[layout]
+
+
+def _report(observed: titan.TitanResult) -> dict:
+    assert observed.returncode == 0, observed.failure()
+    return titan.report_json(observed.meshscope_store, observed.run_name)
+
+
+@pytest.mark.parametrize("layout", LAYOUT_PARAMS)
+def test_both_runs_train_every_step(layout, runs):
+    plain, observed = runs
+    for res in (plain, observed):
+        assert res.returncode == 0, res.failure()
+        assert [s.step for s in res.steps] == list(range(1, STEPS + 1)), res.failure()
+
+
+@pytest.mark.parametrize("layout", LAYOUT_PARAMS)
+def test_job_output_is_unchanged_by_meshscope(layout, runs):
+    plain, observed = runs
+    assert plain.returncode == 0 and observed.returncode == 0, (plain.failure(), observed.failure())
+    want = titan.normalise(plain.stdout, plain.workdir)
+    got = titan.normalise(observed.stdout, observed.workdir)
+    assert sorted(got) == sorted(want) == list(range(titan.LAYOUTS[layout].nproc))
+    for rank in want:
+        assert got[rank] == want[rank], f"rank {rank}'s log differs under meshscope run"
+
+
+@pytest.mark.parametrize("layout", LAYOUT_PARAMS)
+def test_losses_are_identical_with_and_without_meshscope(layout, runs):
+    plain, observed = runs
+    assert plain.returncode == 0 and observed.returncode == 0, (plain.failure(), observed.failure())
+    assert len(plain.losses) == STEPS
+    assert observed.losses == plain.losses
+    for rank, logs in observed.steps_by_rank.items():  # every rank that logs, not only rank 0
+        assert {s.step: s.loss for s in logs} == {s.step: s.loss for s in plain.steps_by_rank[rank]}
+
+
+@pytest.mark.parametrize("layout", LAYOUT_PARAMS)
+def test_report_has_every_step_of_every_rank(layout, runs):
+    _, observed = runs
+    report = _report(observed)
+    world = titan.LAYOUTS[layout].nproc
+    steps = report["steps"]
+    n_steps = steps[1] - steps[0] + 1 if isinstance(steps, list) else steps  # today [first, last]
+    assert n_steps == STEPS, report
+    assert report["world_size"] == world, report
+    assert report.get("ranks", world) == world, report
+    last = report["attempt_steps"][-1]
+    assert last["ranks"] == world and last["rank_steps"] == world * STEPS, report
+
+
+@pytest.mark.parametrize("layout", LAYOUT_PARAMS)
+def test_report_names_the_strategy(layout, runs):
+    _, observed = runs
+    assert _report(observed)["strategy"] == titan.LAYOUTS[layout].strategy
+
+
+@pytest.mark.parametrize("layout", LAYOUT_PARAMS)
+def test_report_loss_is_the_jobs_last_logged_loss(layout, runs):
+    _, observed = runs
+    report = _report(observed)
+    assert report["loss"] == pytest.approx(observed.last_loss, abs=1e-4), report
+
+
+@pytest.mark.parametrize("layout", LAYOUT_PARAMS)
+def test_report_has_mfu_or_the_reason(layout, runs):
+    _, observed = runs
+    report = _report(observed)
+    mfu, reason = report.get("mfu"), report.get("mfu_reason")
+    assert (isinstance(mfu, (int, float)) and math.isfinite(mfu)) or (isinstance(reason, str) and reason), report
+
+
+@pytest.mark.parametrize("layout", LAYOUT_PARAMS)
+def test_report_step_time_is_the_jobs(layout, runs):
+    _, observed = runs
+    report = _report(observed)
+    own = observed.step_time_median_s
+    assert own is not None and own > 0, observed.failure()
+    assert report["step_time_s_median"] == pytest.approx(own, rel=0.10), (report, own)
