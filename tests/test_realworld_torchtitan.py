@@ -18,6 +18,8 @@ Per layout:
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 
@@ -36,26 +38,74 @@ LAYOUT_PARAMS = [pytest.param(name, id=name) for name in WORKING] + [
     for name, reason in titan.SKIPPED.items()
 ]
 
-_RUNS: dict[str, tuple[titan.TitanResult, titan.TitanResult]] = {}
+@pytest.fixture(scope="session")
+def titan_runs(tmp_path_factory):
+    """Once per session and layout: (plain, observed), the layout trained 10 steps without and with
+    ``meshscope run``; every test of the layout reads the same two runs."""
+    cache: dict[str, tuple[titan.TitanResult, titan.TitanResult]] = {}
+
+    def get(layout: str) -> tuple[titan.TitanResult, titan.TitanResult]:
+        if layout not in cache:
+            name = f"titan-{layout.replace('+', '_')}"
+            base = tmp_path_factory.mktemp(name)
+            plain = titan.run(layout=layout, steps=STEPS, workdir=base / "plain", meshscope_store=None,
+                              run_name=None, timeout_s=RUN_TIMEOUT_S)
+            observed = titan.run(layout=layout, steps=STEPS, workdir=base / "observed",
+                                 meshscope_store=base / "store", run_name=name, timeout_s=RUN_TIMEOUT_S)
+            cache[layout] = (plain, observed)
+        return cache[layout]
+
+    return get
 
 
 @pytest.fixture
-def runs(request, tmp_path_factory) -> tuple[titan.TitanResult, titan.TitanResult]:
-    """(plain, observed): the layout trained 10 steps without and with ``meshscope run``; once per layout."""
-    layout = request.node.callspec.params["layout"]
-    if layout not in _RUNS:
-        base = tmp_path_factory.mktemp(f"titan-{layout.replace('+', '_')}")
-        plain = titan.run(layout=layout, steps=STEPS, workdir=base / "plain", meshscope_store=None, run_name=None,
-                          timeout_s=RUN_TIMEOUT_S)
-        observed = titan.run(layout=layout, steps=STEPS, workdir=base / "observed", meshscope_store=base / "store",
-                             run_name=f"titan-{layout.replace('+', '_')}", timeout_s=RUN_TIMEOUT_S)
-        _RUNS[layout] = (plain, observed)
-    return _RUNS[layout]
+def runs(layout, titan_runs) -> tuple[titan.TitanResult, titan.TitanResult]:
+    return titan_runs(layout)
 
 
-def _report(observed: titan.TitanResult) -> dict:
-    assert observed.returncode == 0, observed.failure()
-    return titan.report_json(observed.meshscope_store, observed.run_name)
+@pytest.fixture(scope="session")
+def titan_reports(titan_runs):
+    """Once per session and layout: ``meshscope report --json`` of the observed run."""
+    cache: dict[str, dict] = {}
+
+    def get(layout: str) -> dict:
+        if layout not in cache:
+            _, observed = titan_runs(layout)
+            assert observed.returncode == 0, observed.failure()
+            cache[layout] = titan.report_json(observed.meshscope_store, observed.run_name)
+        return cache[layout]
+
+    return get
+
+
+@pytest.fixture
+def report(layout, titan_reports) -> dict:
+    return titan_reports(layout)
+
+
+_SHIM_PROBE = """
+import sys
+import torchtitan.distributed.fsdp as fsdp
+import torchtitan.distributed.utils as dist_utils
+import torchtitan.models.common.attention as attention
+import torchtitan.tools.utils as utils
+print(utils.device_type, dist_utils.device_type, dist_utils.set_pg_timeouts.__module__,
+      attention.FlexAttention._compiled_flex_attn.__qualname__, fsdp.disable_fsdp_gradient_division.__module__)
+"""
+
+
+@pytest.mark.parametrize("observed", [False, True], ids=["plain", "meshscope-run"])
+def test_cpu_shim_is_active_with_and_without_meshscope_run(observed, tmp_path):
+    """The shim is a ``sitecustomize``: under ``meshscope run`` meshscope's bootstrap ``sitecustomize`` comes
+    first on PYTHONPATH and must run it as the next one on sys.path."""
+    cmd = [sys.executable, "-c", _SHIM_PROBE]
+    if observed:
+        cmd = [sys.executable, "-m", "meshscope", "run", "--store", str(tmp_path / "store"), "--run", "probe", "--",
+               *cmd]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=titan.environment(tmp_path), capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["cpu", "cpu", "sitecustomize", "flex_attention", "sitecustomize"], proc.stdout
 
 
 @pytest.mark.parametrize("layout", LAYOUT_PARAMS)
@@ -88,44 +138,36 @@ def test_losses_are_identical_with_and_without_meshscope(layout, runs):
 
 
 @pytest.mark.parametrize("layout", LAYOUT_PARAMS)
-def test_report_has_every_step_of_every_rank(layout, runs):
-    _, observed = runs
-    report = _report(observed)
+def test_report_has_every_step_of_every_rank(layout, report):
     world = titan.LAYOUTS[layout].nproc
     steps = report["steps"]
     n_steps = steps[1] - steps[0] + 1 if isinstance(steps, list) else steps  # today [first, last]
     assert n_steps == STEPS, report
     assert report["world_size"] == world, report
-    assert report.get("ranks", world) == world, report
-    last = report["attempt_steps"][-1]
+    last = report["attempt_steps"][-1]  # the ranks that recorded steps, and their (rank, step) records
     assert last["ranks"] == world and last["rank_steps"] == world * STEPS, report
 
 
 @pytest.mark.parametrize("layout", LAYOUT_PARAMS)
-def test_report_names_the_strategy(layout, runs):
-    _, observed = runs
-    assert _report(observed)["strategy"] == titan.LAYOUTS[layout].strategy
+def test_report_names_the_strategy(layout, report):
+    assert report["strategy"] == titan.LAYOUTS[layout].strategy, report
 
 
 @pytest.mark.parametrize("layout", LAYOUT_PARAMS)
-def test_report_loss_is_the_jobs_last_logged_loss(layout, runs):
+def test_report_loss_is_the_jobs_last_logged_loss(layout, runs, report):
     _, observed = runs
-    report = _report(observed)
     assert report["loss"] == pytest.approx(observed.last_loss, abs=1e-4), report
 
 
 @pytest.mark.parametrize("layout", LAYOUT_PARAMS)
-def test_report_has_mfu_or_the_reason(layout, runs):
-    _, observed = runs
-    report = _report(observed)
+def test_report_has_mfu_or_the_reason(layout, report):
     mfu, reason = report.get("mfu"), report.get("mfu_reason")
     assert (isinstance(mfu, (int, float)) and math.isfinite(mfu)) or (isinstance(reason, str) and reason), report
 
 
 @pytest.mark.parametrize("layout", LAYOUT_PARAMS)
-def test_report_step_time_is_the_jobs(layout, runs):
+def test_report_step_time_is_the_jobs(layout, runs, report):
     _, observed = runs
-    report = _report(observed)
     own = observed.step_time_median_s
     assert own is not None and own > 0, observed.failure()
     assert report["step_time_s_median"] == pytest.approx(own, rel=0.10), (report, own)
