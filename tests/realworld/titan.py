@@ -35,6 +35,7 @@ what torchtitan's ``end_to_end`` measures (the time between two ``log`` calls, l
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import re
 import statistics
@@ -202,6 +203,8 @@ def run(*, layout: str, steps: int, workdir: Path, meshscope_store: Path | None,
     elapsed = time.perf_counter() - t0
     (workdir / "stdout.txt").write_text(out)
     (workdir / "stderr.txt").write_text(err)
+    (workdir / "result.json").write_text(json.dumps({"layout": layout, "returncode": rc, "elapsed_s": elapsed,
+                                                     "command": cmd}, indent=1) + "\n")
     return TitanResult(layout=layout, world=LAYOUTS[layout].nproc, returncode=rc, stdout=out, stderr=err,
                        elapsed_s=elapsed, command=cmd, workdir=workdir, meshscope_store=meshscope_store,
                        run_name=run_name, steps_by_rank=parse_steps(out))
@@ -272,8 +275,6 @@ def normalise(stdout: str, workdir: Path | None = None) -> dict[int, list[str]]:
 
 def report_json(store: Path, run_name: str, timeout_s: float = 120) -> dict:
     """``python -m meshscope report --store DIR --run NAME --json``'s object."""
-    import json
-
     proc = subprocess.run([sys.executable, "-m", "meshscope", "report", "--store", str(store), "--run", run_name,
                            "--json"], capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
