@@ -36,9 +36,9 @@ def main() -> None:
     n = ap.parse_args().n
     rows = {
         "positional tuple": lambda: (1, "all_reduce", "dp", "g", 2, 3, 100, 1.0, 2.0, 1.0, 0.1, 1.0, 1.0, -1, "c10d"),
-        "CollectiveRecord(**kw) class": lambda: CollectiveRecord(
+        "CollectiveRecord(**kw, mesh_dim="") class": lambda: CollectiveRecord(
             step=1, op="all_reduce", dim="dp", group="g", group_size=2, seq=3, bytes=100, t_start=1.0, t_end=2.0,
-            duration_s=1.0, wait_s=0.1, algbw=1.0, busbw=1.0, peer=-1, source="c10d"),
+            duration_s=1.0, wait_s=0.1, algbw=1.0, busbw=1.0, peer=-1, source="c10d", mesh_dim=""),
         "collective_record(**kw) factory": lambda: collective_record(
             step=1, op="all_reduce", dim="dp", group="g", group_size=2, seq=3, bytes=100, t_start=1.0, t_end=2.0,
             duration_s=1.0, wait_s=0.1, algbw=1.0, busbw=1.0, peer=-1, source="c10d"),

@@ -281,9 +281,11 @@ def comm_summary(rows: pd.DataFrame) -> pd.DataFrame:
     (rank, step) pairs in ``rows``).
 
     ``rows``: collective and P2P records with ``rank``, ``step``, ``op``, ``dim``, ``bytes``,
-    ``duration_s``, ``wait_s``."""
+    ``duration_s``, ``wait_s``, and where the records carry it ``mesh_dim`` (the job's own name of the
+    dim: a row per name, so ``dp_shard`` and ``dp_replicate`` stay apart; "" in records from before it)."""
     rank_steps = max(int(rows.groupby("rank")["step"].nunique().sum()), 1)
-    t = (rows.groupby(["op", "dim"], as_index=False)
+    keys = ["op", "dim", "mesh_dim"] if "mesh_dim" in rows.columns else ["op", "dim"]
+    t = (rows.groupby(keys, as_index=False)
          .agg(count=("bytes", "size"), duration_s=("duration_s", "sum"), wait_s=("wait_s", "sum"),
               total_bytes=("bytes", "sum")))
     t["exposed_s"] = t["wait_s"] / rank_steps

@@ -210,6 +210,20 @@ def attempts(store: Store, *, run: str) -> pd.DataFrame:
            GROUP BY r.attempt ORDER BY r.attempt""", kinds=("step", "run"), runs=[run], all_attempts=True)
 
 
+def collective_counts(store: Store, *, run: str, steps: tuple[int, int] | None = None) -> pd.DataFrame:
+    """Per op and dim (its kind, ``dim``, and the job's own name, ``mesh_dim``: "" in records from before
+    it): ``ops_per_rank_step`` (ops over the rank-steps that recorded any op in ``steps``), ``bytes_per_op``
+    (mean) and ``exposed_s_per_rank_step``. What a job's structure predicts (FSDP2: an all-gather per
+    module per forward, ...) is checked against this."""
+    return store.query(
+        """WITH c AS (SELECT * FROM collective WHERE step BETWEEN ? AND ?),
+                n AS (SELECT count(*) AS rank_steps FROM (SELECT DISTINCT rank, step FROM c))
+           SELECT op, dim, coalesce(mesh_dim, '') AS mesh_dim, count(*) / any_value(n.rank_steps) AS ops_per_rank_step,
+                  avg(bytes) AS bytes_per_op, sum(wait_s) / any_value(n.rank_steps) AS exposed_s_per_rank_step
+           FROM c, n GROUP BY op, dim, coalesce(mesh_dim, '') ORDER BY op, dim, mesh_dim""",
+        kinds=("collective",), runs=[run], params=_range(steps))
+
+
 def gpu_by_device(store: Store, *, run: str, window: tuple[float, float] | None) -> pd.DataFrame:
     """``gpu_by_rank`` before the join: per ``host`` and ``gpu`` (index), from the GPU samples only (a few
     files per host rather than one ``run`` file per rank). Join with ``runs_table``'s ``rank_hosts``
@@ -247,8 +261,8 @@ def collective_rows(store: Store, *, run: str, steps: tuple[int, int] | None) ->
     reading the columns costs about the same for 10 steps as for all (each rank's file is read whole),
     so one read serves the whole Communication page; pass a window that fits ``RAW_BUDGET`` rows."""
     return store.query(
-        "SELECT rank, step, op, dim, \"group\", group_size, bytes, seq, t_start, t_end, duration_s, wait_s, peer "
-        "FROM collective WHERE step BETWEEN ? AND ?", kinds=("collective",), runs=[run], params=_range(steps))
+        "SELECT rank, step, op, dim, \"group\", group_size, bytes, seq, t_start, t_end, duration_s, wait_s, peer, "
+        "coalesce(mesh_dim, '') AS mesh_dim FROM collective WHERE step BETWEEN ? AND ?", kinds=("collective",), runs=[run], params=_range(steps))
 
 
 _INSTANCES = ('SELECT "group", seq, any_value(op) AS op, any_value(dim) AS dim, max(group_size) AS group_size, '

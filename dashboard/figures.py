@@ -226,9 +226,18 @@ def bubble_trend(per_step: pd.DataFrame, *, theory: float | None) -> go.Figure:
 
 
 # --------------------------------------------------------------------------------- communication
+def dim_label(df: pd.DataFrame) -> pd.Series:
+    """The job's own mesh dim name (``mesh_dim``) where a record has one, else the dim's kind (``dim``)."""
+    if "mesh_dim" not in df.columns:
+        return df["dim"]
+    own = df["mesh_dim"].fillna("")
+    return own.where(own != "", df["dim"])
+
+
 def comm_time(summary: pd.DataFrame) -> go.Figure:
-    """Per op and dim: exposed (waited) and overlapped seconds per rank and step, stacked."""
-    x = summary["op"] + " · " + summary["dim"]
+    """Per op and dim (the job's own dim name where the records carry it, e.g. ``dp_shard``): exposed
+    (waited) and overlapped seconds per rank and step, stacked."""
+    x = summary["op"] + " · " + dim_label(summary)
     fig = go.Figure([
         go.Bar(x=x, y=summary["exposed_s"] * 1e3, name="exposed (wait)", marker_color=COLORS["exposed_comm_s"]),
         go.Bar(x=x, y=summary["overlapped_s"] * 1e3, name="overlapped", marker_color="#ef9a9a")])

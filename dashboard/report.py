@@ -75,6 +75,11 @@ def build(load: views.Loader, *, run: str, steps: tuple[int, int] | None = None)
                                                    "sum_s": _num(t["step_time_s_mean"])}}
     if int(meta["mesh"].get("pp", 1)) > 1:
         out["pipeline"] = _pipeline(load, run=run, steps=steps)
+    window = tuple(out["figures_steps"]) if out["figures_steps"] else steps
+    out["collectives"] = [{"op": c["op"], "dim": c["dim"], "mesh_dim": c["mesh_dim"],
+                           "ops_per_rank_step": _num(c["ops_per_rank_step"]), "bytes_per_op": _num(c["bytes_per_op"]),
+                           "exposed_s_per_rank_step": _num(c["exposed_s_per_rank_step"])}
+                          for c in load("collective_counts", run=run, steps=window).to_dict("records")]
     return out
 
 

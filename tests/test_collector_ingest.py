@@ -40,7 +40,7 @@ def writer(store, *, run="r1", rank=0, attempt=0, **kw) -> SpoolWriter:
 def coll_rows(rank: int, n: int, start: int = 0) -> list[CollectiveRecord]:
     return [CollectiveRecord(step=i // 10, op="all_reduce" if i % 2 else "all_gather", dim="fsdp", group="g0",
                              group_size=4, seq=i, bytes=1000 + i, t_start=10.0 + i, t_end=10.5 + i, duration_s=0.5,
-                             wait_s=0.1, algbw=2000.0, busbw=3000.0, peer=-1, source="c10d")
+                             wait_s=0.1, algbw=2000.0, busbw=3000.0, peer=-1, source="c10d", mesh_dim="dp_shard")
             for i in range(start, start + n)]
 
 

@@ -37,7 +37,7 @@ def step(i, *, wall=1.0, compute=0.6, exposed=0.2, bubble=0.1, other=0.1, loss=2
 def coll(seq, *, op="all_reduce", dim="dp", dur=0.5, nbytes=100):
     return CollectiveRecord(step=seq // 10, op=op, dim=dim, group=f"{dim}0", group_size=2, seq=seq, bytes=nbytes,
                             t_start=1.0, t_end=1.0 + dur, duration_s=dur, wait_s=0.1, algbw=1.0, busbw=1.0, peer=-1,
-                            source="c10d")
+                            source="c10d", mesh_dim="")
 
 
 def mem(i, *, t, **fields):

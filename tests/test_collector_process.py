@@ -108,7 +108,7 @@ def _feed(store: Path, stop_event: threading.Event, counts: dict) -> None:
         for r, w in enumerate(writers):
             rows = [CollectiveRecord(step=i // 40, op="all_reduce", dim="dp", group="dp0", group_size=2, seq=i, bytes=8,
                                      t_start=1.0, t_end=2.0, duration_s=1.0, wait_s=0.1, algbw=8.0, busbw=8.0, peer=-1,
-                                     source="c10d")
+                                     source="c10d", mesh_dim="")
                     for i in range(seq, seq + 50)]
             w.submit("collective", rows)
             w.flush()

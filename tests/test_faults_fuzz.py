@@ -77,7 +77,7 @@ def step_row(step: int) -> StepRecord:
 def coll_row(seq: int) -> CollectiveRecord:
     return CollectiveRecord(step=seq // 2, op="all_reduce", dim="dp", group="0", group_size=2, seq=seq, bytes=4096,
                             t_start=1.0, t_end=1.5, duration_s=0.5, wait_s=0.1, algbw=8e3, busbw=8e3, peer=-1,
-                            source="c10d")
+                            source="c10d", mesh_dim="")
 
 
 # A pool of intact frames (encoded once): hypothesis picks among them.

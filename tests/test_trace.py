@@ -47,12 +47,12 @@ def store(tmp_path_factory):
             fsdp = dict(step=s, op="all_gather", dim="fsdp", group="fsdp0", group_size=2, bytes=4_000_000, peer=-1,
                         source="fsdp_comm")
             colls.append(CollectiveRecord(**fsdp, seq=3 * s, t_start=t + 0.1, t_end=t + 0.3, duration_s=0.2,
-                                          wait_s=0.05, algbw=2e7, busbw=1e7))
+                                          wait_s=0.05, algbw=2e7, busbw=1e7, mesh_dim=""))
             colls.append(CollectiveRecord(**fsdp, seq=3 * s + 1, t_start=t + 0.2, t_end=t + 0.35, duration_s=0.15,
-                                          wait_s=0.0, algbw=2.7e7, busbw=1.3e7))
+                                          wait_s=0.0, algbw=2.7e7, busbw=1.3e7, mesh_dim=""))
             colls.append(CollectiveRecord(step=s, op="send", dim="pp", group="pp0", group_size=2, seq=3 * s + 2,
                                           bytes=1000, t_start=t + 0.6, t_end=t + 0.61, duration_s=0.01, wait_s=0.0,
-                                          algbw=1e5, busbw=1e5, peer=1 - rank, source="c10d"))
+                                          algbw=1e5, busbw=1e5, peer=1 - rank, source="c10d", mesh_dim=""))
         w.submit("step", steps)
         w.submit("span", spans)
         w.submit("collective", colls)
@@ -62,7 +62,7 @@ def store(tmp_path_factory):
             strategy="pp", mesh='{"pp": 2}', coords="{}", schedule="1f1b", microbatches=2, virtual_stages=1,
             model="tiny", n_params=1, n_params_nonembedding=1, n_layers=1, d_model=1, seq_len=1, global_batch=1,
             flops_per_token=1.0, peak_flops=1.0, peak_source="override", device="cpu", backend="gloo", dtype="fp32",
-            torch_version="2.13", meshscope_version="0.1", python_version="3.11", config="{}")])
+            torch_version="2.13", meshscope_version="0.1", python_version="3.11", config="{}", flops_method="")])
         w.flush()
         assert w.close()
     Ingestor(store=store, state=MetricsState(), clock=Clock()).ingest_all()

@@ -84,6 +84,9 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("algbw", _f64), ("busbw", _f64),  # bytes/s
         ("peer", _i32),  # P2P peer global rank, -1 for collectives
         ("source", _str),  # which hook saw it: "ddp_comm_hook", "fsdp_comm", "funcol", "c10d", "nccl_fr"
+        # v4: the job's own name of the group's mesh dim ("dp_shard", "tp", "dp_replicate", ...; "world" for
+        # the default group, "" for a group that is neither); ``dim`` is its kind in DIMS
+        ("mesh_dim", _str),
     ]),
     # Pipeline compute spans (waits excluded).
     "span": pa.schema([
@@ -118,9 +121,9 @@ KINDS = tuple(SCHEMAS)
 
 # Older versions, as the columns added since: readers lift their batches to the current schema (the
 # columns NULL). Version 2 added ``step.cpu_s`` and ``step.cpu_wait_s``; version 3 ``memory.param_bytes``,
-# ``memory.grad_bytes`` and ``memory.optimizer_bytes``; version 4 ``run.flops_method``.
+# ``memory.grad_bytes`` and ``memory.optimizer_bytes``; version 4 ``run.flops_method`` and ``collective.mesh_dim``.
 _ADDED = {2: {"step": ("cpu_s", "cpu_wait_s")}, 3: {"memory": ("param_bytes", "grad_bytes", "optimizer_bytes")},
-          4: {"run": ("flops_method",)}}
+          4: {"run": ("flops_method",), "collective": ("mesh_dim",)}}
 
 
 def _before(version: int) -> dict[str, pa.Schema]:

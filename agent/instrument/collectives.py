@@ -142,6 +142,7 @@ class CollectiveTracer:
         self._no_future: set[tuple[str, str]] = set()  # (op, group) whose works have no future
         # The Recorder protocol has no ``seq`` yet; pass the issue-order sequence number where accepted.
         self._pass_seq = _accepts_kw(recorder.record_collective, "seq")
+        self._pass_label = _accepts_kw(recorder.record_collective, "mesh_dim")
         self._kernels: Any = None  # funcol_kernels.Bound, where the functional collectives' kernels trace them
         self._hot_paths()
 
@@ -413,6 +414,8 @@ class CollectiveTracer:
                       t_start=t_start + epoch, t_end=t_end + epoch, wait_s=wait_s, peer=peer, source=source)
             if self._pass_seq:
                 kw["seq"] = seq
+            if self._pass_label:
+                kw["mesh_dim"] = info.label
             if context is not DIRECT:
                 kw["context"] = context
             self.recorder.record_collective(**kw)

@@ -36,6 +36,7 @@ class GroupInfo:
     size: int
     name: str  # the ProcessGroup's unique name (the flight recorder's ``process_group[0]``)
     ranks: tuple[int, ...]  # global ranks, indexed by group rank
+    label: str = ""  # the job's own mesh dim name ("dp_shard", "tp"), "world" for the default group, else ""
 
     def global_rank(self, group_rank: int) -> int:
         return self.ranks[group_rank] if 0 <= group_rank < len(self.ranks) else -1
@@ -50,12 +51,14 @@ class MeshInfo:
     def __init__(self, mesh: Any = None, *, aliases: Mapping[str, str] | None = None) -> None:
         self._aliases = {**DIM_ALIASES, **(aliases or {})}
         self._dim_by_group_name: dict[str, str] = {}
+        self._label_by_group_name: dict[str, str] = {}
         self._cache: dict[int, tuple[Any, GroupInfo]] = {}
         meshes = mesh if isinstance(mesh, (list, tuple)) else [mesh] if mesh is not None else []
         for one in meshes:  # a job may name its dims on several meshes (``census.mesh_of``): the first wins
             for dim_name, pg in _mesh_groups(one):
                 # First name wins: a real dim is listed before the flattened dims that may alias it.
                 self._dim_by_group_name.setdefault(pg.group_name, self._aliases.get(dim_name, "other"))
+                self._label_by_group_name.setdefault(pg.group_name, dim_name)
 
     def lookup(self, group: Any) -> GroupInfo:
         """``GroupInfo`` for any group designator the c10d / functional-collective APIs accept."""
@@ -81,11 +84,13 @@ class MeshInfo:
 
             pg = c10d._resolve_process_group(funcol._resolve_group_name(group))
         name = pg.group_name
-        dim = self._dim_by_group_name.get(name)
+        dim, label = self._dim_by_group_name.get(name), self._label_by_group_name.get(name, "")
         if dim is None:
             world = c10d.GroupMember.WORLD
             dim = "world" if world is not None and name == world.group_name else "other"
-        return GroupInfo(dim=dim, size=pg.size(), name=name, ranks=tuple(dist.get_process_group_ranks(pg)))
+            label = "world" if dim == "world" else ""
+        return GroupInfo(dim=dim, size=pg.size(), name=name, ranks=tuple(dist.get_process_group_ranks(pg)),
+                         label=label)
 
 
 def _mesh_groups(mesh: Any) -> list[tuple[str, Any]]:

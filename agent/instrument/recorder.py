@@ -27,11 +27,12 @@ class Recorder(Protocol):
 
     def record_collective(
         self, *, op: str, dim: str, group: str, group_size: int, nbytes: int, t_start: float, t_end: float,
-        wait_s: float, peer: int = -1, source: str, seq: int = 0,
+        wait_s: float, peer: int = -1, source: str, seq: int = 0, mesh_dim: str = "",
     ) -> None:
         """One collective or P2P op. ``t_start``..``t_end`` is issue to observed completion;
         ``wait_s`` is the time the training thread was blocked waiting for it (its exposed part);
-        ``seq`` the per-group issue order (0: let the recorder number it)."""
+        ``seq`` the per-group issue order (0: let the recorder number it); ``mesh_dim`` the job's own name
+        of the group's mesh dim (``GroupInfo.label``)."""
 
     def record_span(self, *, stage: int, microbatch: int, kind: str, t_start: float, t_end: float) -> None:
         """One pipeline compute span (forward / backward / weight) of one microbatch on one stage."""

@@ -306,7 +306,7 @@ class Telemetry:
     # ------------------------------------------------------------------------------- Recorder API
     def record_collective(self, *, op: str, dim: str, group: str, group_size: int, nbytes: int, t_start: float,
                           t_end: float, wait_s: float, peer: int = -1, source: str, seq: int = 0,
-                          context: Any = DIRECT) -> None:
+                          context: Any = DIRECT, mesh_dim: str = "") -> None:
         """One collective record. A direct caller's op is accounted to the open step now; the tracer's
         deferred records (``context``: the ``live.key`` of the step the op completed in, or for a CUDA op
         was queued in) are accounted when their step's record is built (``_build_step``)."""
@@ -335,7 +335,8 @@ class Telemetry:
         seq = seq or self._next_seq(group)
         self._push("collective", collective_record(
             step=step, op=op, dim=dim, group=group, group_size=group_size, seq=seq, bytes=nbytes, t_start=t_start,
-            t_end=t_end, duration_s=duration, wait_s=wait_s, algbw=alg, busbw=bus, peer=peer, source=source))
+            t_end=t_end, duration_s=duration, wait_s=wait_s, algbw=alg, busbw=bus, peer=peer, source=source,
+            mesh_dim=mesh_dim))
         self._last_coll = (op, dim, seq)
         self._progress(t_end)
 

@@ -80,7 +80,7 @@ def collective_table(*, n: int, seq0: int, step0: int, per_step: int, t0: float,
         "group": [f"{d}0" for d in dims.tolist()], "group_size": np.full(n, group_size), "seq": seq,
         "bytes": nbytes, "t_start": t_start, "t_end": t_start + duration, "duration_s": duration,
         "wait_s": duration * 0.3, "algbw": algbw, "busbw": algbw * 2 * (group_size - 1) / group_size,
-        "peer": peer, "source": ["c10d"] * n,
+        "peer": peer, "source": ["c10d"] * n, "mesh_dim": dims.tolist(),
     })
 
 

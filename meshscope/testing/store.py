@@ -319,7 +319,7 @@ def _collectives(ops, *, timing, K: int, t_step, extra) -> dict:
         "seq": seq.ravel(), "bytes": rep(nbytes), "t_start": (t_step[:, None] + start).ravel(),
         "t_end": (t_step[:, None] + end).ravel(), "duration_s": dur.ravel(), "wait_s": wait.ravel(),
         "algbw": algbw.ravel(), "busbw": (algbw * factor[None, :]).ravel(), "peer": rep([o.peer for o in ops]),
-        "source": rep([o.source for o in ops])}
+        "source": rep([o.source for o in ops]), "mesh_dim": rep([o.dim for o in ops])}
 
 
 def _spans(tpl, *, t_step, t_offset, scale) -> dict:
