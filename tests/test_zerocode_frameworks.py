@@ -63,6 +63,10 @@ def test_a_hugging_face_trainer_with_accumulation(tmp_path, monkeypatch):
     run = read_table(store, "run", run="hf").iloc[0]
     assert json.loads(run["config"])["framework"] == "transformers"  # the callback was added by itself
     assert (run["strategy"], run["model"], run["n_params"]) == ("ddp", "GPT2LMHeadModel", grads // 4)
+    # the model's shape: 6 per matmul parameter (all but the position embedding: the output head is tied to
+    # the token embedding and multiplies) + 12·L·D·S of attention (2 GPT2Attention of width 64, 32 tokens)
+    assert run["flops_per_token"] == 6 * (grads // 4 - 64 * 64) + 12 * 2 * 64 * 32, run["flops_method"]
+    assert (steps["mfu"] > 0).all()
     rep = report(store, "hf")
     assert rep["steps"] == [0, 4]
     charts = every_page_renders(monkeypatch, store, focus="hf")

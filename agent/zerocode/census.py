@@ -15,8 +15,8 @@ Layout rules (the contract's vocabulary, ``agent.contract.formulas``):
 - context / expert parallel: a dim of the job's root mesh named ``cp`` / ``ep`` of size > 1;
 - pipeline: a schedule stepped (``detect.pipeline``).
 
-FLOPs (``agent.contract.formulas.training_flops_per_token``): N is every parameter outside an
-``nn.Embedding`` (a lookup), counted on the shapes this rank computes with: FSDP gathers its shards (the
+FLOPs (``agent.contract.formulas.training_flops_per_token``): N is every parameter of a module other than
+an ``nn.Embedding`` (a lookup; an output head tied to it is a matmul, counted), counted on the shapes this rank computes with: FSDP gathers its shards (the
 global shape), tensor parallelism splits a matmul (the global shape over the TP degree when the parameter
 is sharded on a TP dim); MoE experts count top-k of E. Attention adds 12·L·D·S, L the outermost modules
 named ``*Attention*``, D
@@ -277,13 +277,12 @@ def flops(roots: list[Any], *, seq_len: int, layout: Layout, mode: str = "analyt
     if mode == "off":
         return Flops(0.0, "off")
     n = 0.0
-    seen: set[int] = set()
+    seen: set[int] = set()  # counted once, though a parameter may be tied to several modules
     for root in roots:
         parents = {id(c): m for m in root.modules() for c in m.children()}
         for module in root.modules():
             if isinstance(module, torch.nn.Embedding):
-                seen.update(id(p) for p in module.parameters(recurse=False))
-                continue
+                continue  # a lookup; its weight tied to an output head is counted there (a real matmul)
             for p in module.parameters(recurse=False):
                 if id(p) in seen:
                     continue
