@@ -25,6 +25,10 @@ seq_len 256: flex attention's context parallel needs seq_len divisible by cp x i
 not, on this torch, with or without any observer (measured 2026-11-28, torch 2.13.0+cpu, torchtitan 0.3.0):
 ``SKIPPED`` holds the reason and the test skips it with that reason.
 
+Measured (2026-11-28, 2 cores shared with other test runs, so +-30 %; wall of one 10-step run, plain / under
+``meshscope run``): fsdp 48 / 57 s, ddp 27 / 31 s, tp 29 / 29 s, hsdp 65 / 72 s, fsdp+tp 77 / 91 s, cp 49 / 49 s;
+~20 s of each is start-up (imports, the compiled create_block_mask) before step 1.
+
 The job's own log line per step (``torchtitan/components/metrics.py:523``) is
 ``step: N  loss: X  grad_norm: G  memory: M GiB(P%)  tps: T  tflops: F  mfu: U%``; it prints no step time
 (``time_metrics/end_to_end(s)`` goes only to TensorBoard / W&B), so the job's step time is taken from the
