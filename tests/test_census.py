@@ -1,7 +1,7 @@
 """The layout and the FLOPs zero-code reads off a job's structure (``agent.zerocode.census``), on every
 data / tensor parallel layout torch builds (tests/workers/census_layouts.py, 4 gloo ranks), against the
-layout that was built and the model's shape (6·N + 12·L·D·S with the TP plan's split). One launch, seven
-layouts."""
+layout that was built and the model's shape (6·N + 12·L·D·S with the TP plan's split; under context
+parallelism a rank's sequence is 1/cp of the one attended over). One launch, eight layouts."""
 
 from __future__ import annotations
 
@@ -16,8 +16,11 @@ import pytest
 from meshscope.agent.contract.formulas import canonical_strategy, strategy_name
 
 WORKER = Path(__file__).resolve().parent / "workers" / "census_layouts.py"
-EXPECTED = {"ddp": ("ddp", 4, 1), "replicate": ("ddp", 4, 1), "fsdp": ("fsdp", 4, 1),
-            "replicate-shard1": ("ddp", 4, 1), "hsdp": ("hsdp", 4, 1), "tp": ("tp", 1, 4), "fsdp+tp": ("fsdp+tp", 2, 2)}
+# layout: (strategy, dp, tp, cp). fsdp+cp is torchtitan's: FSDP over dp_shard × cp flattened, the cp dim on
+# a mesh no parameter lives on.
+EXPECTED = {"ddp": ("ddp", 4, 1, 1), "replicate": ("ddp", 4, 1, 1), "fsdp": ("fsdp", 4, 1, 1),
+            "replicate-shard1": ("ddp", 4, 1, 1), "hsdp": ("hsdp", 4, 1, 1), "tp": ("tp", 1, 4, 1),
+            "fsdp+tp": ("fsdp+tp", 2, 2, 1), "fsdp+cp": ("fsdp+cp", 2, 1, 2)}
 
 
 @pytest.mark.gloo
@@ -28,9 +31,9 @@ def test_census_names_each_layout_and_counts_its_flops(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {r["layout"]: r for r in map(json.loads, (line for line in out.stdout.splitlines() if line.startswith("{")))}
     assert set(rows) == set(EXPECTED)
-    for name, (strategy, dp, tp) in EXPECTED.items():
+    for name, (strategy, dp, tp, cp) in EXPECTED.items():
         r = rows[name]
-        assert (r["strategy"], r["sizes"]["dp"], r["sizes"]["tp"]) == (strategy, dp, tp), r
+        assert (r["strategy"], r["sizes"]["dp"], r["sizes"]["tp"], r["sizes"].get("cp", 1)) == (strategy, dp, tp, cp), r
         assert r["flops_per_token"] == pytest.approx(r["expected"], rel=1e-9), r
 
 

@@ -87,10 +87,22 @@ class MeshInfo:
         dim, label = self._dim_by_group_name.get(name), self._label_by_group_name.get(name, "")
         if dim is None:
             world = c10d.GroupMember.WORLD
-            dim = "world" if world is not None and name == world.group_name else "other"
-            label = "world" if dim == "world" else ""
+            dim_name = mesh_dim_name(pg)
+            if world is not None and name == world.group_name:
+                dim, label = "world", "world"
+            elif dim_name:  # a mesh dim of a mesh the job never showed us (torchtitan's cp mesh)
+                dim, label = self._aliases.get(dim_name, "other"), dim_name
+            else:
+                dim = "other"
         return GroupInfo(dim=dim, size=pg.size(), name=name, ranks=tuple(dist.get_process_group_ranks(pg)),
                          label=label)
+
+
+def mesh_dim_name(pg: Any) -> str:
+    """The mesh dim a process group was made for, from its description: ``DeviceMesh`` names each group it
+    creates ``mesh_<dim name>`` (its own dims and its flattened ones); "" for any other group."""
+    desc = str(getattr(pg, "group_desc", "") or "")
+    return desc[5:] if desc.startswith("mesh_") and desc != "mesh_default" else ""
 
 
 def _mesh_groups(mesh: Any) -> list[tuple[str, Any]]:

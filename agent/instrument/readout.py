@@ -37,8 +37,22 @@ def as_float(value: Any, default: float = float("nan")) -> float:
         return default
     try:
         return float(value.item() if hasattr(value, "item") else value)
-    except (TypeError, ValueError, RuntimeError):
+    except (TypeError, ValueError, RuntimeError, LookupError):
         return default
+
+
+def read_loss(value: Any) -> float | None:
+    """A step's loss as given (a float, a tensor, or an object whose ``item`` raises ``LookupError`` when
+    the step has no single loss, e.g. the zero-code driver's ``StepLoss`` of a GAN's two models); None
+    when none was given or it has none: absent, which is not a non-finite loss."""
+    if value is None:
+        return None
+    try:
+        return float(value.item() if hasattr(value, "item") else value)
+    except LookupError:
+        return None
+    except (TypeError, ValueError, RuntimeError):
+        return float("nan")
 
 
 # The tracers' counts of what they could not record: CollectiveTracer.stats (the done queue full, ops left

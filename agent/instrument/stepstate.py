@@ -7,13 +7,14 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
+import math
 import threading
 import time
 from typing import Any
 
 from meshscope.agent.contract import span_record, step_record
 from meshscope.agent.instrument.cpu import parse as parse_cpu
-from meshscope.agent.instrument.readout import as_float
+from meshscope.agent.instrument.readout import as_float, read_loss
 
 _chain = itertools.chain.from_iterable
 COMPUTE_PHASES = frozenset({"forward", "backward", "optimizer", "pipeline", "compute"})
@@ -246,8 +247,8 @@ def step_rows(state: StepState, *, t_end: float, cpu_end: Any, spans: Any, epoch
         bwd = state.span_kind_time.get("backward", 0.0) + state.span_kind_time.get("weight", 0.0)
     else:
         fwd, bwd = state.phases.get("forward", 0.0), state.phases.get("backward", 0.0)
-    raw_loss = v.get("loss")
-    loss = as_float(raw_loss)
+    given = read_loss(v.get("loss"))
+    loss = float("nan") if given is None else given
     flops = as_float(v.get("flops"), 0.0)
     # no peak to compare with (an unknown device, or none given): MFU is not known, not 0
     mfu = flops / wall / peak_flops if wall > 0 and peak_flops > 0 else float("nan")
@@ -257,7 +258,7 @@ def step_rows(state: StepState, *, t_end: float, cpu_end: Any, spans: Any, epoch
         forward_s=fwd, backward_s=bwd, optimizer_s=state.phases.get("optimizer", 0.0),
         tokens=int(v.get("tokens", 0)), flops=flops, mfu=mfu, loss=loss,
         # a loss given and not finite; no loss given (None) is absent, not a NaN loss
-        loss_nonfinite=raw_loss is not None and not (loss == loss and abs(loss) != float("inf")),
+        loss_nonfinite=given is not None and not math.isfinite(given),
         grad_norm=as_float(v.get("grad_norm")), lr=as_float(v.get("lr"), 0.0),
         skipped=bool(v.get("skipped", False)),
         n_collectives=state.n_collectives, dropped_records_total=dropped, cpu_s=cpu, cpu_wait_s=cpu_wait,

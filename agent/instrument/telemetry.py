@@ -47,7 +47,7 @@ from typing import Any, Iterator
 
 from meshscope.agent import version
 from meshscope.agent.contract import (
-    SCHEMAS, AnchoredClock, Clock, collective_record, event_record, run_record, span_record, algbw,
+    SCHEMAS, AnchoredClock, Clock, StepRecord, collective_record, event_record, run_record, span_record, algbw,
     busbw_factor, spool_path,
 )
 from meshscope.agent.instrument import memory
@@ -66,6 +66,8 @@ SHARED_BOUNDARY_S = 50e-6
 CUDA_HOLD_S = 2.0  # how long an ended step waits for its CUDA ops still on the GPU (stepstate.ready_steps)
 # A run record's fields the caller's info does not give: empty, not NULL (every rank writes the same columns).
 _RUN_DEFAULTS = {f.name: ("" if f.type == "string" else 0) for f in SCHEMAS["run"]}
+# Where a built step row (a tagged tuple: ``records.record_factory``) holds its loss and its flag.
+_LOSS, _NONFINITE = (1 + StepRecord._fields.index(f) for f in ("loss", "loss_nonfinite"))
 
 
 class Telemetry:
@@ -105,6 +107,7 @@ class Telemetry:
         self._train_thread = threading.get_ident()
         self._progress_t = self.clock.now()
         self._hang_reported = False
+        self._loss_bad = False  # the last built step's loss was non-finite (one event per streak)
         self._last_coll: tuple[str, str, int] | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -420,6 +423,10 @@ class Telemetry:
             for row in span_rows:
                 self._push("span", row)
             self._push("step", step_row)
+            bad = bool(step_row[_NONFINITE])
+            if bad and not self._loss_bad:  # the first of a streak: a diverged job is one event, not one a step
+                self.event("nonfinite_loss", f"loss {step_row[_LOSS]} at step {state.step}", step=state.step)
+            self._loss_bad = bad
             # Sampled here, not at the step's end on the training thread: /proc reads and the allocator's
             # stats are process-wide, so the flusher reads them later, once per drain (memory.readings).
             if state.step % self.config.memory_every == 0 or state.tensors != memory.NOT_MEASURED:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshscope.agent.contract.formulas import strategy_name, training_flops_per_token
+from meshscope.agent.instrument.meshinfo import DIM_ALIASES
 
 # How a mesh dim name reads: by its ``_``-separated words, so "dp_replicate" is data parallel although
 # "rep" holds "ep".
@@ -41,7 +42,11 @@ _Q_NAMES = ("wq", "q_proj", "query", "q", "to_q")
 
 
 def dim_kind(name: str) -> str:
-    """tp / pp / cp / ep / dp for a mesh dim name (``dp_shard``, ``dp_replicate``, ``fsdp``: dp)."""
+    """tp / pp / cp / ep / dp for a mesh dim name (``dp_shard``, ``dp_replicate``, ``fsdp``: dp): the known
+    names first (torchtitan's ``dp_shard_cp`` is FSDP's group, not cp), else the words of the name."""
+    known = DIM_ALIASES.get((name or "").lower())
+    if known is not None:
+        return known if known in _DIM_WORDS else "dp"
     words = [w for w in re.split(r"[^a-z0-9]+", (name or "").lower()) if w]
     return next((_DIM_WORDS[w] for w in words if w in _DIM_WORDS), "dp")
 
@@ -110,8 +115,9 @@ def mesh_of(root: Any) -> list[Any]:
     return _meshes(info.mesh if info is not None else None, dtensor)
 
 
-def layout(roots: list[Any], *, world_size: int, rank: int, pipeline: dict) -> Layout:
-    """The job's layout (see the module docstring). ``pipeline``: ``detect.pipeline``'s fields or {}."""
+def layout(roots: list[Any], *, world_size: int, rank: int, pipeline: dict, meshes: list[Any] = ()) -> Layout:
+    """The job's layout (see the module docstring). ``pipeline``: ``detect.pipeline``'s fields or {};
+    ``meshes``: every DeviceMesh the job built (the zero-code driver keeps them), for cp and ep."""
     from torch.nn.parallel import DistributedDataParallel
 
     out = Layout()
@@ -149,15 +155,15 @@ def layout(roots: list[Any], *, world_size: int, rank: int, pipeline: dict) -> L
         if tp_dims:
             break
     out.tp_dims = tuple(tp_dims)
-    meshes = _meshes(fsdp_mesh, tp_mesh)
-    out.mesh = meshes
+    own = _meshes(fsdp_mesh, tp_mesh)
+    out.mesh = own
     sizes = {"dp": 1, "tp": 1, "pp": 1}
     coords = {"dp": 0, "tp": 0, "pp": 0}
     if tp_mesh is not None:
         for name in tp_dims:
             sizes["tp"] *= tp_mesh.size(_dim_names(tp_mesh).index(name))
     seen: set[str] = set()
-    for mesh in meshes:  # each named dim once, from the first mesh that has it
+    for mesh in own:  # each named dim once, from the first mesh that has it
         for i, name in enumerate(mesh.mesh_dim_names or ()):
             if name in seen or name == "world":
                 continue
@@ -166,11 +172,31 @@ def layout(roots: list[Any], *, world_size: int, rank: int, pipeline: dict) -> L
             if kind in ("cp", "ep") and mesh.size(i) > 1:
                 sizes[kind] = sizes.get(kind, 1) * mesh.size(i)
             coords[kind] = coords.get(kind, 0) * mesh.size(i) + int(mesh.get_local_rank(i))
+    # Context and expert parallelism on meshes no parameter lives on: torchtitan's cp mesh is used only in
+    # its attention's code (an all-gather of K and V on the cp group). Its group may be the world's (a dim
+    # over every rank reuses the default group), so it is named by the meshes the job built, not by groups.
+    for mesh in meshes:
+        names = mesh.mesh_dim_names or ()
+        for i, name in enumerate(names):
+            kind = dim_kind(name)
+            if kind not in ("cp", "ep") or name in seen or mesh.size(i) <= 1:
+                continue
+            coordinate = mesh.get_coordinate()
+            if coordinate is None:  # this rank is not in that mesh
+                continue
+            seen.add(name)
+            sizes[kind] = sizes.get(kind, 1) * mesh.size(i)
+            coords[kind] = coords.get(kind, 0) * mesh.size(i) + int(coordinate[i])
     if pipeline:
         sizes["pp"], coords["pp"] = int(pipeline["pp"]), int(pipeline["pp_rank"])
     rest = sizes["tp"] * sizes["pp"] * sizes.get("cp", 1)
     if fsdp_mesh is not None:
         sizes["dp"] = replicas * shards
+        if sizes["dp"] * rest > world_size and sizes["dp"] % sizes.get("cp", 1) == 0:
+            # FSDP shards over data parallel × cp (torchtitan's dp_shard_cp, its "fsdp", cp the inner dim):
+            # the batches are dp's
+            sizes["dp"] //= sizes["cp"]
+            coords["dp"] //= sizes["cp"]
         out.dp_kind = "hsdp" if replicas > 1 and shards > 1 else "fsdp" if shards > 1 else "ddp" if replicas > 1 else ""
     elif replicas > 1:
         sizes["dp"] = max(1, world_size // rest) if _old_replicate_only(roots) else replicas
@@ -293,6 +319,8 @@ def flops(roots: list[Any], *, seq_len: int, layout: Layout, mode: str = "analyt
     layers, width = _attention(roots, tp_dims=layout.tp_dims)
     if layers and not seq_len:
         return Flops(0.0, "absent: attention found but no token ids seen (sequence length unknown)")
+    # under context parallelism a rank holds 1/cp of each sequence and attends over all of it
+    seq_len *= int(layout.sizes.get("cp", 1) or 1)
     per_token = training_flops_per_token(n_matmul_params=n, n_attention_layers=layers,
                                          attention_dim=int(round(width)), seq_len=seq_len)
     what = f"analytic: 6*N (N={int(n)})" + (f" + 12*L*D*S (L={layers}, D={int(width)}, S={seq_len})" if layers else

@@ -41,6 +41,7 @@ from meshscope.agent.zerocode import census, detect
 
 _NAN = float("nan")
 _IN_FORWARD = "_meshscope_in_forward"  # a root module's open forward calls (an instance attribute)
+_MAX_MESHES = 256  # DeviceMeshes remembered (a job that builds them in a loop must not grow the list)
 _MAX_LOSSES = 1024  # backward scalars kept for one step (a loop that never steps must not grow)
 
 
@@ -74,6 +75,7 @@ class Driver:
         self._lr = 0.0
         self._skipped = False
         self._schedules: list[Any] = []  # pipeline schedules seen, in order (attached once telemetry runs)
+        self._meshes: list[Any] = []  # weak references to the DeviceMeshes the job built (_MAX_MESHES)
         self._in_pipeline = 0  # > 0 inside a schedule's step: its spans time the compute, not the roots
         self._thread = 0
 
@@ -128,6 +130,35 @@ class Driver:
             detect.patch(owner, "destroy_process_group", self._wrap_destroy)
         # pipelining imports dynamo, FSDP and DTensor: only in a job that imports it itself
         when_imported("torch.distributed.pipelining.schedules", self._patch_schedules)
+        when_imported("torch.distributed.device_mesh", self._patch_device_mesh)
+
+    def _patch_device_mesh(self, device_mesh: Any) -> None:
+        """Each DeviceMesh the job builds is kept (weakly): a mesh no parameter lives on still names a dim of
+        the layout (torchtitan's context-parallel mesh is used only inside its attention's code)."""
+        import weakref
+
+        meshes = self._meshes
+
+        def make(original):
+            def __init__(mesh, *args, **kwargs):
+                original(mesh, *args, **kwargs)
+                try:
+                    if len(meshes) < _MAX_MESHES:
+                        meshes.append(weakref.ref(mesh))
+                except Exception as exc:
+                    self.error("device_mesh", exc)
+            return __init__
+
+        try:
+            cls = getattr(device_mesh, "DeviceMesh", None)
+            if isinstance(cls, type) and "__init__" in vars(cls):
+                detect.patch(cls, "__init__", make)
+        except Exception as exc:
+            self.error("install.device_mesh", exc)
+
+    def job_meshes(self) -> list[Any]:
+        """The DeviceMeshes the job built that are still alive, in the order it built them."""
+        return [m for m in (ref() for ref in self._meshes) if m is not None]
 
     def _patch_schedules(self, schedules: Any) -> None:
         try:
@@ -194,8 +225,9 @@ class Driver:
         if tel is not None:
             mesh = None
             if started:  # the first root's mesh labels the collectives with the job's own dims
-                try:
+                try:  # the meshes its parameters live on name a group first, then the others the job built
                     mesh = census.mesh_of(module)
+                    mesh += [m for m in self.job_meshes() if all(m is not k for k in mesh)]
                 except Exception as exc:
                     self.error("mesh", exc)
             tel.attach(model_parts=[module], mesh=mesh)
@@ -357,7 +389,8 @@ class Driver:
                 self._write_info()
             tokens = self._tokens
             expect = self._expect_logged
-            loss = StepLoss(self._losses, expect_logged=expect) if self._losses or expect else None
+            loss = (StepLoss(self._losses, expect_logged=expect, several_models=len(self._optimizers) > 1)
+                    if self._losses or expect else None)
             self._late_loss, self._expect_logged = loss, False
             tel.update_step(tokens=tokens, flops=self._flops.per_step(tokens), loss=loss, lr=self._lr,
                             skipped=self._skipped)
@@ -415,7 +448,7 @@ class Driver:
         roots = list(self._roots.values())
         try:
             lay = census.layout(roots, world_size=self._where.world_size, rank=self._where.rank,
-                                pipeline=detect.pipeline(self._schedules))
+                                pipeline=detect.pipeline(self._schedules), meshes=self.job_meshes())
         except Exception as exc:
             self.error("layout", exc)
             lay = None
@@ -516,15 +549,18 @@ def _raised_by_a_collective(torch: Any, exc: BaseException, tb: Any) -> bool:
 
 
 class StepLoss:
-    """A step's loss, read when its record is built (``as_float`` calls ``item``) on the flusher thread:
-    the scalars handed to backward, summed, a scalar equal to the sum of the ones since the last such one
-    standing for them (a chunked loss: module docstring of ``driver``); or ``logged``, the framework's
-    own figure when an integration reported one in time."""
+    """A step's loss, read when its record is built (``readout.read_loss`` calls ``item``) on the flusher
+    thread: the scalars handed to backward, summed, a scalar equal to the sum of the ones since the last
+    such one standing for them (a chunked loss: module docstring of ``driver``); or ``logged``, the
+    framework's own figure when an integration reported one in time. ``item`` raises ``LookupError`` when
+    the step has no single loss: none handed to backward, or several models each with its own optimizer
+    and its own loss (a GAN's discriminator and generator: their sum is no loss the job optimises)."""
 
-    __slots__ = ("tensors", "logged", "expect_logged")
+    __slots__ = ("tensors", "logged", "expect_logged", "several_models")
 
-    def __init__(self, tensors: list[Any], *, expect_logged: bool = False) -> None:
+    def __init__(self, tensors: list[Any], *, expect_logged: bool = False, several_models: bool = False) -> None:
         self.tensors, self.logged, self.expect_logged = tensors, None, expect_logged
+        self.several_models = several_models
 
     @property
     def pending(self) -> bool:
@@ -533,20 +569,27 @@ class StepLoss:
         return self.expect_logged and self.logged is None
 
     def item(self) -> float:
+        import math
+
         if self.logged is not None:
             return float(self.logged)
-        return step_loss([float(t) for t in self.tensors]) if self.tensors else float("nan")
+        terms = loss_terms([float(t) for t in self.tensors])
+        if not terms or (self.several_models and len(terms) > 1):
+            raise LookupError("no single loss in this step")
+        return math.fsum(terms)
 
 
-def step_loss(values: list[float]) -> float:
-    """The sum of a step's backward scalars, each one equal (to 1e-5) to the sum of at least two before it
-    since the last such one replacing them (a chunked loss's total after its chunks)."""
+def loss_terms(values: list[float]) -> list[float]:
+    """A step's backward scalars, each one equal (to 1e-5) to the sum of at least two before it since the
+    last such one replacing them (a chunked loss's total after its chunks): what the step's loss sums."""
     import math
 
-    done, pending = 0.0, []
+    done: list[float] = []
+    pending: list[float] = []
     for v in values:
         if len(pending) >= 2 and math.isclose(v, math.fsum(pending), rel_tol=1e-5, abs_tol=1e-9):
-            done, pending = done + v, []
+            done.append(v)
+            pending = []
         else:
             pending.append(v)
-    return done + math.fsum(pending)
+    return done + pending

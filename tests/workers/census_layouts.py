@@ -1,5 +1,6 @@
 """Builds each data / tensor parallel layout torch offers on 4 gloo ranks (DDP, composable replicate,
-FSDP2, FSDP2 on a replicate × shard mesh of shard 1 — torchtitan's DDP —, HSDP, TP, FSDP2 + TP) around one
+FSDP2, FSDP2 on a replicate × shard mesh of shard 1 — torchtitan's DDP —, HSDP, TP, FSDP2 + TP, FSDP2 over
+dp_shard × cp with a cp mesh no parameter lives on — torchtitan's context parallel —) around one
 small attention model and prints, from rank 0, one JSON line per layout: what ``census`` reads off it
 (strategy, mesh sizes, FLOPs per token) and what the model's shape says. Used by tests/test_census.py."""
 
@@ -64,13 +65,23 @@ def tp_plan():
     return plan
 
 
-def build(name):
+def build(name, meshes):
+    """The model of layout ``name``; every DeviceMesh built goes to ``meshes`` (what zero-code keeps)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
     model = Model()
+    if name == "fsdp+cp":  # torchtitan's ParallelDims: a 1-D world mesh unflattened, FSDP on dp_shard × cp
+        world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+        batches = world._unflatten(0, (2, 2), ("batch", "cp"))
+        dense = world._unflatten(0, (2, 2), ("dp_shard", "cp"))
+        fsdp = dense["dp_shard", "cp"]._flatten("dp_shard_cp")
+        meshes += [world, batches, dense, fsdp]
+        for layer in model.layers:
+            fully_shard(layer, mesh=fsdp)
+        return fully_shard(model, mesh=fsdp)
     if name == "ddp":
         return DistributedDataParallel(model)
     if name == "replicate":
@@ -102,14 +113,15 @@ def build(name):
 def main():
     dist.init_process_group("gloo")
     for name in sys.argv[1:]:
-        model = build(name)
-        lay = census.layout([model], world_size=4, rank=dist.get_rank(), pipeline={})
+        meshes = []
+        model = build(name, meshes)
+        lay = census.layout([model], world_size=4, rank=dist.get_rank(), pipeline={}, meshes=meshes)
         flops = census.flops([model], seq_len=SEQ, layout=lay)
-        tp = lay.sizes["tp"]
+        tp, cp = lay.sizes["tp"], lay.sizes.get("cp", 1)
         # the model's shape: per block 4·D² attention + 2·D·H MLP, the head V·D; the TP plan splits the
-        # blocks' matmuls (not the head) over tp
+        # blocks' matmuls (not the head) over tp; a rank's SEQ tokens are 1/cp of the sequence attended over
         blocks = LAYERS * (4 * DIM * DIM + 2 * DIM * HIDDEN)
-        expected = 6 * (blocks / tp + VOCAB * DIM) + 12 * LAYERS * (DIM / tp) * SEQ
+        expected = 6 * (blocks / tp + VOCAB * DIM) + 12 * LAYERS * (DIM / tp) * SEQ * cp
         if dist.get_rank() == 0:
             print(json.dumps({"layout": name, "strategy": lay.strategy(world_size=4), "sizes": lay.sizes,
                               "flops_per_token": flops.per_token, "expected": expected, "method": flops.method}),
