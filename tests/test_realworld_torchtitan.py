@@ -10,6 +10,9 @@ Per layout:
   ``meshscope:`` lines are ours;
 - the losses logged are identical: same seed, same data, and torchtitan's CPU runs are deterministic to the
   printed precision (5 decimals; measured: repeated plain runs print the same losses, so the tolerance is 0);
+- the collectives meshscope recorded are c10d's own count (each process group's sequence number, read at the
+  first and the last optimizer step: ``titan.c10d_counts``), group by group and rank by rank, and labelled with
+  the job's own mesh dim; and meshscope issues none of its own (the counts are the plain run's);
 - ``meshscope report --json`` of the observed run has every step of every rank, the layout's canonical
   ``strategy``, the job's last loss (1e-4), an MFU or the reason there is none, and a median step time within
   10 % of the job's own (the time between its consecutive step lines, which is torchtitan's end_to_end).
@@ -135,6 +138,33 @@ def test_losses_are_identical_with_and_without_meshscope(layout, runs):
     assert observed.losses == plain.losses
     for rank, logs in observed.steps_by_rank.items():  # every rank that logs, not only rank 0
         assert {s.step: s.loss for s in logs} == {s.step: s.loss for s in plain.steps_by_rank[rank]}
+
+
+@pytest.mark.parametrize("layout", LAYOUT_PARAMS)
+def test_collectives_recorded_are_c10ds_own_count_per_group_and_labelled_with_the_jobs_dims(layout, runs, report):
+    from meshscope.agent.collector.reader import read_table
+
+    plain, observed = runs
+    counted, plain_counted = titan.c10d_counts(observed.workdir), titan.c10d_counts(plain.workdir)
+    world = titan.LAYOUTS[layout].nproc
+    assert sorted(counted) == list(range(world)), observed.failure()
+    # meshscope issues no collective: every group of the job counts the same with and without it
+    assert {r: {g: c.ops for g, c in gs.items()} for r, gs in counted.items()} == \
+        {r: {g: c.ops for g, c in gs.items()} for r, gs in plain_counted.items()}
+    records = read_table(observed.meshscope_store, "collective", run=observed.run_name)  # report ingested them
+    steps = read_table(observed.meshscope_store, "step", run=observed.run_name)
+    for rank, groups in counted.items():
+        last = int(steps.loc[steps["rank"] == rank, "step"].max())
+        mine = records[(records["rank"] == rank) & records["step"].between(1, last)]  # as c10d's two readings
+        assert mine.groupby("group").size().to_dict() == {g: c.ops for g, c in groups.items() if c.ops}, rank
+        for name, group in groups.items():
+            labels = set(mine.loc[mine["group"] == name, "mesh_dim"])
+            if group.desc.startswith("mesh_"):  # a group DeviceMesh made for a dim: that dim's name
+                assert labels <= {group.desc[len("mesh_"):]}, (rank, name, group, labels)
+            else:  # the default group: a mesh dim over every rank reuses it (device_mesh), else "world"
+                assert group.world and all(lab != "" for lab in labels), (rank, name, group, labels)
+    total = sum(c.ops for gs in counted.values() for c in gs.values())
+    assert total > 0
 
 
 @pytest.mark.parametrize("layout", LAYOUT_PARAMS)

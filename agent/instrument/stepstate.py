@@ -81,6 +81,7 @@ class PendingSteps:
         # An O(1) pop of the oldest: deleting a plain dict's first key again and again leaves dummies that each
         # next ``iter`` walks (2.5 µs per forget on the flusher after 50,000 steps, against 0.7 now).
         self._gone: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self._recent: collections.deque = collections.deque(maxlen=16)  # the last steps gone: key_finder
         self._lock = threading.Lock()
 
     def begin(self, step: int, t_start: float, cpu0: Any) -> StepState:
@@ -95,15 +96,20 @@ class PendingSteps:
         """``at(t)``: the key of the step open at clock time ``t`` (begun, and not ended before ``t``) among the
         steps open now, or None — what ``Live.key`` read then, for an op whose completion is only known later
         (funcol_kernels). One look-up table per drain, a bisection per op. Any thread."""
-        states = list(self._open.values())  # (a copy: the training thread adds to it; begin order is time order)
-        starts = [state.t_start for state in states]
+        # The steps open now and the last ones gone (a step discarded at exit may go before the ops begun
+        # in it are drained: they keep its number, ``step_of``), as (t_start, t_end, key); t_end 0: not ended.
+        with self._lock:
+            spans = list(self._recent)
+        spans += [(state.t_start, state.t_end, state.key) for state in list(self._open.values())]
+        spans.sort()
+        starts = [span[0] for span in spans]
 
         def at(t: float) -> int | None:
             i = bisect.bisect_right(starts, t) - 1
             if i < 0:
                 return None
-            state = states[i]
-            return state.key if state.t_end == 0.0 or t <= state.t_end else None
+            _, t_end, key = spans[i]
+            return key if t_end == 0.0 or t <= t_end else None
 
         return at
 
@@ -114,6 +120,7 @@ class PendingSteps:
         self._open.pop(state.key, None)
         with self._lock:
             self._gone[state.key] = state.step
+            self._recent.append((state.t_start, state.t_end, state.key))
             if len(self._gone) > 4096:
                 self._gone.popitem(last=False)
 

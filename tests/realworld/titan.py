@@ -180,6 +180,7 @@ def environment(workdir: Path) -> dict[str, str]:
     env["HF_DATASETS_OFFLINE"] = "1"
     env["HF_HUB_OFFLINE"] = "1"
     env["HF_HOME"] = str(workdir / "hf")  # the datasets cache of this run, not ~/.cache
+    env["TITAN_C10D_COUNTS"] = str(workdir / "c10d")  # c10d's own collective counts (titan_cpu/sitecustomize.py)
     env.pop("MESHSCOPE_DISABLE", None)
     return env
 
@@ -274,6 +275,30 @@ def normalise(stdout: str, workdir: Path | None = None) -> dict[int, list[str]]:
                 line = pattern.sub(repl, line)
             norm.append(line.rstrip())
         out[rank] = norm
+    return out
+
+
+@dataclass(frozen=True)
+class GroupCount:
+    """One process group of one rank, as c10d counts it (titan_cpu/sitecustomize.py, section 7)."""
+
+    ops: int  # collectives c10d issued on it between the run's first and last optimizer steps
+    desc: str  # its description: DeviceMesh names its groups "mesh_<dim>", the default group "default_pg"
+    size: int
+    world: bool
+
+
+def c10d_counts(workdir: Path) -> dict[int, dict[str, GroupCount]]:
+    """Per rank and process group name: the collectives c10d itself counted from the end of step 0 (the
+    first optimizer step) to the end of the last step."""
+    out: dict[int, dict[str, GroupCount]] = {}
+    for path in sorted((Path(workdir) / "c10d").glob("rank*.json")):
+        data = json.loads(path.read_text())
+        first = data["first"]["groups"]
+        out[data["last"]["rank"]] = {
+            name: GroupCount(ops=g["seq"] - first.get(name, {"seq": 0})["seq"], desc=g["desc"], size=g["size"],
+                             world=g["world"])
+            for name, g in data["last"]["groups"].items()}
     return out
 
 
