@@ -1,8 +1,9 @@
 """The Prometheus metric catalog, kept as data.
 
 One table drives everything that names a metric: the agent's collector builds each family from its
-entry here (so nothing can be exported that is not listed), ``markdown_table()`` renders the README
-table, and the Grafana/alert-rule checks resolve every PromQL metric name through ``sample_names()``.
+entry here (so nothing can be exported that is not listed), ``markdown_table()`` renders the
+metric table of docs/metrics.md, and the Grafana/alert-rule checks resolve every PromQL metric name through
+``sample_names()``.
 
 Conventions (checked by tests/test_catalog.py): one prefix ``meshscope_``; base units as the last word
 before ``_total`` (``_seconds``, ``_bytes``, ``_ratio``, ``_watts``, ``_celsius``, ``_hertz``); counters
@@ -265,7 +266,7 @@ def rank_budget() -> RankBudget:
 
 
 def markdown_table() -> str:
-    """The README metric table."""
+    """The metric table of docs/metrics.md (between its ``metrics:begin``/``end`` markers)."""
     lines = ["| Metric | Type | Unit | Labels | Help | Source |", "| --- | --- | --- | --- | --- | --- |"]
     for s in CATALOG:
         labels = ", ".join(s.labels + tuple(f"{lab} (info)" for lab in s.info_labels)) or "—"

@@ -87,7 +87,7 @@ def _fmt(value: float, spec: str) -> str:
 def train_summary(steps: list[dict], *, peak_flops: float) -> dict:
     """Median tokens/s and MFU of a run's step records (``step``, ``wall_s``, ``tokens``, ``flops``, ``mfu``)
     over the steps after warm-up (the report's rule, ``dashboard.stragglers.first_steady_step``). MFU is
-    recomputed here as flops / wall_s / ``peak_flops`` (the README's formula) beside the trainer's own."""
+    recomputed here as flops / wall_s / ``peak_flops`` (docs/formulas.md) beside the trainer's own."""
     rows = sorted((s for s in steps if _num(s.get("wall_s")) > 0), key=lambda s: s["step"])
     if not rows:
         raise ValueError("the run recorded no steps with a wall time")

@@ -1,6 +1,6 @@
 """Per-step, per-rank and per-collective analyses: DataFrame in, DataFrame out, no plotting, no I/O.
 
-The formulas are the README's (section Formulas), the reference; each function states the one it computes.
+The formulas are docs/formulas.md's, the reference; each function states the one it computes.
 Inputs are either raw store rows or the per-rank/per-step aggregates the data layer computes in SQL
 (documented per function), so the same function serves a unit test on a hand-computed table and the
 dashboard on 1,024 ranks.

@@ -1,6 +1,6 @@
 """The what-if planner's links: a collective's time from a calibration's α-β fits (``calibration.fit_alpha_beta``),
-and what it borrows where the calibration did not measure that op, group size or message size (README,
-Formulas, "What-if planner"). ``planner`` predicts with them; the textbook model uses the nominal figures."""
+and what it borrows where the calibration did not measure that op, group size or message size
+(docs/formulas.md, "What-if planner"). ``planner`` predicts with them; the textbook model uses the nominal figures."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Analytic memory per device for a run's strategy (README, Formulas, "Memory model").
+"""Analytic memory per device for a run's strategy (docs/formulas.md, "Memory model").
 
 Model states, mixed precision with Adam: parameters 2 B, gradients 2 B, optimizer state 12 B per
 parameter (fp32 master 4 + momentum 4 + variance 4); pure fp32: 4 + 4 + 8. Sharding:

@@ -1,5 +1,5 @@
 """The what-if planner: a measured calibration (``dashboard.calibration``) turned into predictions for
-layouts not yet run (README, Formulas, "What-if planner"). Pure functions; ``meshscope plan``, the
+layouts not yet run (docs/formulas.md, "What-if planner"). Pure functions; ``meshscope plan``, the
 What-if page and ``bench/planner_grid.py`` call them.
 
 Per rank and step (FLOPs per rank F = flops_per_token × global tokens / world; φ the processor sharing

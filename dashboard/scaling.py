@@ -1,4 +1,4 @@
-"""Scaling across runs (README "Formulas", Scaling): DataFrame in, DataFrame out, no plotting, no I/O.
+"""Scaling across runs (docs/formulas.md, Scaling): DataFrame in, DataFrame out, no plotting, no I/O.
 The Scaling page (``views.scaling``) and ``meshscope sweep``'s table both call these functions on the same
 loads (``views.scaling_runs``), so the two show the same numbers.
 

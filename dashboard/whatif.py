@@ -81,7 +81,8 @@ def _flavor(meta: dict) -> dict:
 
 
 def host_cores() -> int:
-    """Cores this process may use: the CPU host's the calibration assumes its runs shared (README)."""
+    """Cores this process may use: the CPU host's the calibration assumes its runs shared (docs/formulas.md,
+    "What-if planner")."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux

@@ -1,4 +1,4 @@
-"""The metric catalog: naming conventions, cardinality budget, README table."""
+"""The metric catalog: naming conventions, cardinality budget, the docs/metrics.md table."""
 
 from __future__ import annotations
 

@@ -64,7 +64,8 @@ def test_makefile_target_and_readme():
     make = (ROOT / "Makefile").read_text()
     phony = next(line for line in make.splitlines() if line.startswith(".PHONY:"))
     assert "gpu-check" in phony.split()
-    assert "make gpu-check" in (ROOT / "README.md").read_text()
+    assert "make gpu-check" in (ROOT / "README.md").read_text()  # one line in its Tests section
+    assert "make gpu-check" in (ROOT / "docs" / "testing.md").read_text()  # the kit's checks and its runs
     # A lent GPU machine may have no route to PyPI: the target installs meshscope without dependencies and
     # only the kit's own imports (offline wheels through GPU_CHECK_PIP), never the whole test extra.
     # Under `make test` the outer make's MAKELEVEL/MAKEFLAGS would add "Entering directory" lines.

@@ -1,4 +1,4 @@
-"""The Scaling verdict (README "Formulas", Scaling): families kept apart, the baseline stated, a fit only
+"""The Scaling verdict (docs/formulas.md, Scaling): families kept apart, the baseline stated, a fit only
 from enough world sizes, and one computation for the Scaling page and ``meshscope sweep``'s table."""
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def main(ctx: ui.Context) -> None:
     st.caption("Extrapolated: what the calibration runs did not measure (another group size, an op not seen, a "
                "kind of traffic whose overlap was not measured) is taken from the nearest measurement and listed "
                "per layout. Textbook: FLOPs / (peak × ranks), volume / nominal bandwidth, 90 % overlap, the closed-form "
-               "bubble (README, Formulas, What-if planner).")
+               "bubble (docs/formulas.md, What-if planner).")
 
 
 ui.render(main)

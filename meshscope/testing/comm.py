@@ -1,7 +1,7 @@
 """The collective model of the synthetic store: which collectives one rank issues per step, with what
 sizes, on which groups and links, and how long they take. See ``meshscope.testing.store`` for the whole model.
 
-Sizes follow the README's Formulas: DDP all-reduces the bf16 gradients in 25 MiB buckets; FSDP all-gathers
+Sizes follow docs/formulas.md: DDP all-reduces the bf16 gradients in 25 MiB buckets; FSDP all-gathers
 each unit's bf16 parameters (forward, and again in backward unless pipelined) and reduce-scatters its fp32
 gradients; TP all-reduces B_micro·S·D activations twice in forward and twice in backward per layer and
 microbatch; PP sends and receives one activation (gradient) tensor per F (B) span and stage boundary.

@@ -8,7 +8,7 @@ What is modelled (one optimizer step, synchronous training, per rank):
   the measured bubble has the shape of the real schedule.
 - Collectives per rank and step for each mesh dim: DDP gradient buckets (all-reduce), FSDP per-unit
   all-gathers and reduce-scatters, TP all-reduces (2 forward + 2 backward per layer and microbatch), PP
-  send/recv around every F and B span. Sizes follow the README's Formulas; durations follow size / busbw of
+  send/recv around every F and B span. Sizes follow docs/formulas.md; durations follow size / busbw of
   the link (NVLink within a host, InfiniBand across). Ops of one kind on one group beyond
   ``max_ops_per_group`` per step are merged (sizes and times summed), which keeps a 1,024-rank store
   small while keeping per-step totals.
