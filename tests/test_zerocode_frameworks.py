@@ -36,14 +36,27 @@ def ddp_bytes_per_step(store: Path, run: str):
     return dp.groupby(["rank", "step"])["bytes"].sum()
 
 
+def plain_run(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
+    """The same job without meshscope (the environment ``meshscope_run`` gives it, less meshscope)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(list(argv), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
 def test_a_hugging_face_trainer_with_accumulation(tmp_path, monkeypatch):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    store, out = tmp_path / "store", tmp_path / "out"
+    store, out, plain_out = tmp_path / "store", tmp_path / "out", tmp_path / "plain"
     res = meshscope_run(tmp_path, "--store", str(store), "--run", "hf", "--",
                         *torchrun("hf_trainer.py", "--out", str(out), "--steps", "5", "--accumulate", "2"))
     assert res.returncode == 0, res.stderr[-3000:]
     history = json.loads((out / "log_history.json").read_text())
+    # meshscope changes nothing the job does: without it, the same exit and the same log, step for step
+    # (loss, grad norm, learning rate; HF's own timing figures differ run to run and are left out)
+    plain = plain_run(tmp_path, *torchrun("hf_trainer.py", "--out", str(plain_out), "--steps", "5", "--accumulate", "2"))
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    own = json.loads((plain_out / "log_history.json").read_text())
+    assert own["global_step"] == history["global_step"]
+    assert [h for h in own["log"] if "loss" in h] == [h for h in history["log"] if "loss" in h]
     ingest(store)
     steps = read_table(store, "step", run="hf")
     assert len(steps) == history["global_step"] * 2 == 10  # every optimizer step of every rank
@@ -74,11 +87,18 @@ def test_a_hugging_face_trainer_with_accumulation(tmp_path, monkeypatch):
 
 
 def test_a_lightning_trainer_ddp_with_accumulation(tmp_path, monkeypatch):
-    store, out = tmp_path / "store", tmp_path / "out"
+    store, out, plain_out = tmp_path / "store", tmp_path / "out", tmp_path / "plain"
     out.mkdir()
+    plain_out.mkdir()
     res = meshscope_run(tmp_path, "--store", str(store), "--run", "pl", "--",
                         *torchrun("lightning_job.py", "--out", str(out), "--steps", "5", "--accumulate", "2"))
     assert res.returncode == 0, res.stderr[-3000:]
+    # meshscope changes nothing the job does: without it, the same exit, output and losses on every rank
+    plain = plain_run(tmp_path, *torchrun("lightning_job.py", "--out", str(plain_out), "--steps", "5", "--accumulate", "2"))
+    assert plain.returncode == 0 and plain.stdout == res.stdout, (plain.stdout, res.stdout)
+    for rank in (0, 1):
+        name = f"lightning-rank{rank}.json"
+        assert json.loads((plain_out / name).read_text()) == json.loads((out / name).read_text()), rank
     ingest(store)
     steps = read_table(store, "step", run="pl")
     for rank in (0, 1):

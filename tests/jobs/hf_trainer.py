@@ -30,6 +30,7 @@ def main():
     parser.add_argument("--meshscope-callback", action="store_true", help="the one-line integration, no launcher")
     args = parser.parse_args()
     config = GPT2Config(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=2)
+    torch.manual_seed(0)  # the same initial weights in every run (a run with meshscope and one without compare)
     model = GPT2LMHeadModel(config)
     training = TrainingArguments(
         output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=4,

@@ -45,6 +45,7 @@ def main():
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=args.steps,
                         accumulate_grad_batches=args.accumulate, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
+    torch.manual_seed(0)  # the same initial weights in every run (a run with meshscope and one without compare)
     model = TinyLM()
     trainer.fit(model, loader)
     with open(os.path.join(args.out, f"lightning-rank{trainer.global_rank}.json"), "w") as f:
