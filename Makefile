@@ -1,9 +1,24 @@
 # The two set-up commands of the README: `make demo` and `make test`. Both install what is missing.
-PY ?= python3
+# Into .venv/ in this checkout, made by make from $(BASE_PY) with the machine's own packages visible (a torch
+# already there, a GPU machine's say, is used, not replaced; what is missing goes into .venv): nothing outside
+# the checkout changes, so a second clone's `make` never re-points another clone's meshscope. Only the Debian
+# servers (install-servers) are machine-wide. PY=... runs everything with another Python instead.
+BASE_PY ?= python3
+VENV ?= .venv
+PY ?= $(VENV)/bin/python
 PIP = $(PY) -m pip
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# The tracer's C++ kernels are built (and found at run time) here, not in ~/.cache, for what make runs.
+export MESHSCOPE_CACHE_DIR ?= $(abspath $(VENV))/cache
 
 .PHONY: demo test install install-servers test-fast bench gpu-check clean
+
+# torchrun as pip would write it: a machine's torch brings its console script outside .venv, where it would
+# start the machine's Python, which may not have meshscope (`meshscope run -- torchrun ...` after activate).
+$(VENV)/bin/python:
+	$(BASE_PY) -m venv --system-site-packages $(VENV)
+	@printf '#!%s\nimport sys\nfrom torch.distributed.run import main\nsys.exit(main())\n' "$(abspath $(VENV))/bin/python" > $(VENV)/bin/torchrun
+	@chmod +x $(VENV)/bin/torchrun
 
 # torch first, from the pinned CPU wheel (a GPU machine keeps the torch it has): pyproject only declares
 # a range, so pip never resolves a newer torch with gigabytes of CUDA packages. Then meshscope itself,
@@ -12,13 +27,13 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # The C form of the tracer's hot path (agent/instrument/_hot.c) is built by the editable install next to its
 # sources; rebuilt when one is newer than this interpreter's build (no C compiler: the Python path). The
 # functional collectives' kernels (a torch C++ extension: agent/instrument/funcol_kernels.py) are built last,
-# against the torch installed, into ~/.cache/meshscope (~40 s once per torch and source; none: the sites).
+# against the torch installed, into MESHSCOPE_CACHE_DIR (~40 s once per torch and source; none: the sites).
 # torchtitan 0.3.0 (tests/realworld: the real third-party trainer under meshscope run) and its torch-dependent
 # packages without their dependencies (they would pull another torch; torchtitan's wandb is imported only when
 # enabled); its other dependencies are in the test extra.
 NATIVE_CURRENT = $(PY) -c "import glob, os, sys, sysconfig; so = 'agent/instrument/_hot' + sysconfig.get_config_var('EXT_SUFFIX'); sys.exit(not (os.path.exists(so) and all(os.path.getmtime(so) >= os.path.getmtime(f) for f in glob.glob('agent/instrument/_hot*.[ch]'))))"
 
-install:
+install: $(filter $(VENV)/bin/python,$(PY))
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
 	@$(PY) -c "import os, meshscope.agent; assert os.path.realpath(meshscope.agent.__file__).startswith(os.path.realpath('agent') + os.sep)" 2>/dev/null \
 		|| $(PIP) install -q --no-deps -e .
@@ -64,7 +79,7 @@ bench: install
 # GPU_CHECK_ARGS the kit's own (--timeout-s, --steps, --out).
 GPU_CHECK_PIP ?=
 GPU_CHECK_ARGS ?=
-gpu-check:
+gpu-check: $(filter $(VENV)/bin/python,$(PY))
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
 	@$(PY) -c "import os, meshscope.agent; assert os.path.realpath(meshscope.agent.__file__).startswith(os.path.realpath('agent') + os.sep)" 2>/dev/null \
 		|| $(PIP) install -q --no-deps --no-build-isolation -e .
