@@ -57,6 +57,12 @@ def test_the_wheel_in_a_fresh_venv_trains_ingests_reports_and_runs_the_stack(tmp
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist),
                     str(ROOT)], check=True, capture_output=True, timeout=300)
     (wheel,) = dist.glob("meshscope-*.whl")
+    import zipfile
+
+    # the product only: the test fixtures (meshscope/testing: moto, torch.testing._internal) stay in the checkout
+    names = zipfile.ZipFile(wheel).namelist()
+    assert not [n for n in names if n.startswith("meshscope/testing/") or n.startswith("tests/")], names
+    assert "meshscope/agent/zerocode/bootstrap/sitecustomize.py" in names
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=False).create(env_dir)
     py = env_dir / "bin" / "python"
