@@ -63,9 +63,11 @@ STALE_TMP_S = 3600.0  # a build killed with its process leaves a temporary file;
 
 
 def cache_base() -> Path:
-    """The reader's cache directory (buckets' copies, segments): ``$MESHSCOPE_CACHE_DIR``, default
-    ``~/.cache/meshscope``; absolute, so the paths handed to DuckDB are."""
-    return Path(os.environ.get("MESHSCOPE_CACHE_DIR") or Path.home() / ".cache" / "meshscope").expanduser().resolve()
+    """The reader's cache directory (buckets' copies, segments): ``env.cache_root``; absolute, so the paths
+    handed to DuckDB are."""
+    from meshscope.agent.env import cache_root
+
+    return cache_root()
 
 
 def segment_dir(roots: Sequence[Path], *, kind: str, run: str) -> Path:

@@ -43,11 +43,11 @@ are timed with CUDA events instead (``comm_nccl``; checked on a GPU by the GPU k
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch.distributed as dist
 
+from meshscope.agent.env import ENV_DDP_KERNEL, switched_off
 from meshscope.agent.instrument import native
 from meshscope.agent.instrument.ops import stamp_unwrap
 
@@ -234,7 +234,7 @@ def attach(tracer: Any, module: Any) -> _HookState | None:
     if module._comm_hooks:
         raise RuntimeError("DDP model already has a comm hook; its buckets are not traced")
     kernels = getattr(tracer, "_kernels", None)
-    if kernels is not None and os.environ.get("MESHSCOPE_DDP_KERNEL", "1") != "0":
+    if kernels is not None and not switched_off(ENV_DDP_KERNEL):
         # In torch's dispatcher, DDP's built-in all-reduce left in place (funcol_kernels: a process without CUDA)
         armed = kernels.arm_ddp(module.process_group if module.process_group is not None else _default_group())
         if armed is not None:

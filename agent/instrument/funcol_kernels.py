@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import itertools
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -46,9 +45,9 @@ def _key() -> str:
 def cache_dir() -> Path:
     """Where the extension of this torch and this source is built: ``$MESHSCOPE_CACHE_DIR`` or
     ``$XDG_CACHE_HOME/meshscope`` (``~/.cache/meshscope``), then ``funcol-kernels/<torch>-<python>-<source hash>``."""
-    root = os.environ.get("MESHSCOPE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "meshscope")
-    return Path(root) / "funcol-kernels" / _key()
+    from meshscope.agent.env import cache_root
+
+    return cache_root() / "funcol-kernels" / _key()
 
 
 def _name() -> str:
@@ -104,7 +103,9 @@ def usable(tracer: Any) -> Any | None:
 
     from meshscope.agent.instrument import native
 
-    if (not native.switched_on() or os.environ.get("MESHSCOPE_FUNCOL_KERNELS", "1") == "0"
+    from meshscope.agent.env import ENV_FUNCOL_KERNELS, switched_off
+
+    if (not native.switched_on() or switched_off(ENV_FUNCOL_KERNELS)
             or getattr(tracer, "now", None) is not time.perf_counter or getattr(tracer, "_live", None) is None):
         return None
     if torch.cuda.is_available():

@@ -11,7 +11,6 @@ packing, a call per clock reading: bench/hooks_overhead.py measures both forms (
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Callable
 
@@ -33,7 +32,9 @@ _USABLE = _same_clock()
 
 
 def _switched_on() -> bool:
-    return os.environ.get("MESHSCOPE_NATIVE", "1") != "0"
+    from meshscope.agent.env import ENV_NATIVE, switched_off
+
+    return not switched_off(ENV_NATIVE)
 
 
 def switched_on() -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from meshscope.agent.zerocode.env import (  # noqa: F401  (re-exported: the package's word)
+from meshscope.agent.env import (  # noqa: F401  (re-exported: the package's word)
     DEFAULT_STORE, ENV_ATTEMPT, ENV_DISABLE, ENV_FLOPS, ENV_RUN, ENV_STORE, disabled, flops_mode, launch_attempt,
 )
 

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from meshscope.agent.zerocode.env import launch_attempt
+from meshscope.agent.env import launch_attempt
 
 
 

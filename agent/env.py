@@ -1,9 +1,14 @@
-"""The launcher's word to the bootstrap and the ranks: zero-code's ``MESHSCOPE_*`` environment, read here
-only (the package, the driver's helpers and ``meshscope run`` import it; it imports none of them)."""
+"""Every ``MESHSCOPE_*`` variable meshscope reads, and how, in one place: the launcher's word to the
+bootstrap and the ranks (zero-code's store, run, attempt, FLOPs mode, off switch), the hot path's switches
+(the C forms, the dispatcher kernels) and the cache directory. Imports nothing of meshscope or torch (the
+launcher, the bootstrap's driver and the tracer's first import all read it). The one other reader is the
+bootstrap ``sitecustomize`` (``MESHSCOPE_DISABLE``, the same rule as ``disabled`` below), which must import
+nothing of meshscope when it is set."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Mapping
 
 ENV_STORE = "MESHSCOPE_STORE"  # the run store the ranks' spools go to
@@ -16,6 +21,10 @@ ENV_FLOPS = "MESHSCOPE_FLOPS"
 # torchrun's restarts of the launch count on from it.
 ENV_ATTEMPT = "MESHSCOPE_ATTEMPT"
 DEFAULT_STORE = "meshscope-runs"
+ENV_NATIVE = "MESHSCOPE_NATIVE"  # "0": the tracer's Python forms instead of its C ones (agent/instrument/native.py)
+ENV_FUNCOL_KERNELS = "MESHSCOPE_FUNCOL_KERNELS"  # "0": no dispatcher kernels for functional collectives
+ENV_DDP_KERNEL = "MESHSCOPE_DDP_KERNEL"  # "0": DDP's buckets through a comm hook, not the dispatcher kernel
+ENV_CACHE_DIR = "MESHSCOPE_CACHE_DIR"  # built kernels, the reader's copies of a bucket and its segments
 
 
 def flops_mode(environ: Mapping[str, str] = os.environ) -> str:
@@ -37,3 +46,16 @@ def launch_attempt(environ: Mapping[str, str] = os.environ) -> int:
     """This process's attempt of the run: the launch's first attempt (MESHSCOPE_ATTEMPT, 0 unless ``meshscope
     run --new-attempt`` set it) plus torchrun's restart count (TORCHELASTIC_RESTART_COUNT)."""
     return int(environ.get(ENV_ATTEMPT) or 0) + int(environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
+def switched_off(name: str, environ: Mapping[str, str] = os.environ) -> bool:
+    """An on-by-default switch (``ENV_NATIVE``, ``ENV_FUNCOL_KERNELS``, ``ENV_DDP_KERNEL``) set to ``0``."""
+    return environ.get(name, "1") == "0"
+
+
+def cache_root(environ: Mapping[str, str] = os.environ) -> Path:
+    """meshscope's cache directory, absolute: ``$MESHSCOPE_CACHE_DIR``, else ``$XDG_CACHE_HOME/meshscope``,
+    else ``~/.cache/meshscope``."""
+    root = environ.get(ENV_CACHE_DIR) or os.path.join(
+        environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "meshscope")
+    return Path(root).expanduser().resolve()
