@@ -6,20 +6,13 @@ received is recorded. The real-Prometheus tests are in test_dashboard_live.py.""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from meshscope.dashboard.live import METRICS
-
-
-def free_port() -> int:
-    """A localhost port nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from meshscope.testing.harness import free_port  # noqa: E402,F401
 
 
 def value_for(query: str, rank: int) -> float | None:

@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT / "grafana" / "tools"))  # grafana/tools is scripts,
 
 import dashgen  # noqa: E402
 import rulegen  # noqa: E402
+from meshscope.testing.harness import free_port as _free_port  # noqa: E402,F401
 
 pytestmark = [
     pytest.mark.server,
@@ -182,13 +183,6 @@ def write_gpu_run(store: Path, *, run: str = "gpu-node", world_size: int = 2) ->
                                                           rng=np.random.default_rng(rank))))
             fh.write(encode_data_frame("memory", pa.Table.from_pydict(memory, schema=SCHEMAS["memory"])))
             fh.write(encode_data_frame("event", pa.Table.from_pydict(events, schema=SCHEMAS["event"])))
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -39,7 +38,7 @@ from hypothesis import strategies as st
 from meshscope.agent.collector.cli import agent_main
 from meshscope.agent.security import Credentials, hash_password, promql_label_value, promql_regex_value, verify_password
 from meshscope.testing.harness import (
-    ROOT, AgentProcess, env, parse_metrics, poll_until, private_dir, self_signed,
+    ROOT, AgentProcess, env, free_port, parse_metrics, poll_until, private_dir, self_signed,
 )
 
 USER, PASSWORD = "prometheus", "s3cret:with colon ü"
@@ -62,12 +61,6 @@ def listening_ips(pid: int) -> set[str]:
         except psutil.NoSuchProcess:
             pass
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

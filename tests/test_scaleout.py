@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ from meshscope.agent import stack
 from meshscope.agent.collector.reader import Store
 from meshscope.dashboard import data, views
 from tests.conftest import ROOT, trainer_env
+from meshscope.testing.harness import free_port as _free_port  # noqa: E402,F401
 
 pytestmark = [
     pytest.mark.gloo,
@@ -43,12 +43,6 @@ RUN, STEPS = "two-node", 12
 TRAIN = ("--model", "tiny", "--device", "cpu", "--log-every", "1000", "--steps", str(STEPS), "--run-name", RUN)
 SERVING = re.compile(r"serving http://127\.0\.0\.1:(\d+)/metrics")
 RULES = ROOT / "grafana" / "prometheus" / "rules" / "meshscope.rules.yml"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(fn, *, timeout: float, what, interval: float = 0.3):

@@ -65,6 +65,15 @@ def private_dir(prefix: str = "meshscope-faults-") -> Iterator[Path]:
             shutil.rmtree(d, ignore_errors=True)
 
 
+def free_port() -> int:
+    """A port on 127.0.0.1 nothing listens on right now (the kernel's pick)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def poll_until(predicate: Callable[[], T], *, timeout_s: float, interval_s: float = 0.1,
                what: str | Callable[[], str] = "") -> T:
     """Call ``predicate`` until it returns something truthy (returned), failing after ``timeout_s``

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import statistics
 import tempfile
 import time
 from typing import Any, Callable
+from meshscope.testing.harness import free_port  # noqa: E402,F401
 
 
 def _ab(run: Callable[[], Any], on: Callable[[], None], off: Callable[[], None], *, calls: int,
@@ -420,12 +420,6 @@ def run_isolated(code: str, *, what: str, timeout_s: float, env: dict[str, str] 
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed: {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_gloo(rank: int, world: int, port: int) -> None:

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
+from meshscope.testing.harness import free_port  # noqa: E402,F401
 
 # gloo range name → (issue event names, the tracer op(s) it corresponds to)
 GLOO_TO_ISSUE = {
@@ -45,12 +45,6 @@ OP_TO_GLOO = {"all_reduce": "gloo:all_reduce", "reduce_scatter": "gloo:all_reduc
               "send": "gloo:send", "recv": "gloo:recv"}
 _FUNCOL_NOT_ISSUE = frozenset({"_c10d_functional::wait_tensor", "_c10d_functional::_wrap_tensor_autograd"})
 _DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Byte": 1, "Char": 1}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(fn: Callable, *, world_size: int = 2, args: tuple = ()) -> None:

@@ -15,12 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from meshscope.testing.harness import poll_until, terminate
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from meshscope.testing.harness import free_port  # noqa: E402,F401
 
 
 @dataclass
