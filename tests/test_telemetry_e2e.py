@@ -158,7 +158,7 @@ def _bubble(tmp_path, run: str, *args: str, schedule: str, p: int, m: int, v: in
     contended = [w for w in environment.warnings(device="cpu", shares=shares, n_steady=5)
                  if w.startswith("CPU contention")]
     frac = measured.groupby("rank")[["bubble", "schedule_bubble", "replay_bubble", "schedule_idle", "hop_s",
-                                          "imbalance", "busy_s"]].median()
+                                          "imbalance", "busy_s", "balanced_idle"]].median()
     print(f"\n{schedule}: CPU wait share {shares.round(3).to_dict('records')}\n{frac.round(4).to_string()}")
     return frac, contended
 
@@ -184,20 +184,43 @@ def test_bubble_fraction_matches_theory(tmp_path, schedule):
     for rank, row in frac.iterrows():
         # What the schedule implies for the op and transfer times measured.
         assert abs(row["schedule_bubble"] - row["replay_bubble"]) <= 0.03, (rank, row.to_dict())
-        if not contended:
-            assert abs(row["schedule_idle"] - theory) <= 0.03, (rank, row.to_dict(), theory)
-            assert row["schedule_bubble"] >= row["schedule_idle"] - 1e-9, (rank, row.to_dict())  # hops on top
-    _theory_holds_unless_contended(frac, theory=theory, contended=contended)
+        assert row["schedule_bubble"] >= row["schedule_idle"] - 1e-9, (rank, row.to_dict())  # hops on top
+    _closed_form_holds_where_its_assumptions_did(frac, theory=theory, contended=contended)
 
 
-def _theory_holds_unless_contended(frac, *, theory: float, contended: list[str]) -> None:
-    """The closed form assumes every op of a stage takes the same time. With ranks sharing cores that
-    fails: fill and drain, where one stage runs alone, get a core to themselves and run faster (a busy
-    loop on one of 2 cores: 1F1B's schedule share 14.7 % against 20 %). The product then warns that bubble
-    vs theory describes the machine's load; the replay above still holds the measurement to the schedule."""
+BALANCED = 0.05  # stages whose busy times differ by less than this share of the step count as balanced
+
+
+def _closed_form_holds_where_its_assumptions_did(frac, *, theory: float, contended: list[str]) -> None:
+    """The closed form is the schedule's fill and drain for balanced stages, equal op times and free
+    transfers. The theory the product shows (balanced_idle: the run's own order replayed under exactly
+    those assumptions) must equal it on every run. The measured fill and drain (schedule_idle: the order
+    replayed with the op times measured, transfers left out) and the raw bubble meet it only where the
+    run met the assumptions:
+
+    - stages balanced: on this 2-vCPU machine the two ranks' busy times differ by 0.6 % in one run and
+      by 18-21 % in the next on the same code (2026-11-29, three runs in a row; CI failed on one at 18.5 %).
+      When the first stage is the heavier one it never waits for the last, so its idle share falls far
+      below the theory (fill & drain 2.6 % and 3.9 % against 11.1 % for interleaved p2 m4 v2); the
+      product reports that difference as stage imbalance, and the replay above still holds the measured
+      share to the schedule. A heavier stage only ever shortens the busiest rank's idle: the measured fill
+      and drain never exceed the theory by more than the op times' own spread.
+    - no CPU contention: with ranks sharing cores, fill and drain, where one stage runs alone, get a core
+      to themselves and run faster (a busy loop on one of 2 cores: 1F1B's schedule share 14.7 % against
+      20 %). The product then warns that bubble vs theory describes the machine's load."""
+    assert (frac["balanced_idle"] - theory).abs().max() <= 1e-6, (frac["balanced_idle"].tolist(), theory)
     if contended:
         assert any(w.startswith("CPU contention") for w in contended), contended
         print(f"contended: closed form {theory:.4f} not asserted; replay {frac['replay_bubble'].round(4).tolist()}")
+        return
+    assert (frac["schedule_idle"] <= theory + 0.03).all(), (frac.to_dict("index"), theory)
+    imbalance = float(frac["imbalance"].max())
+    if imbalance > BALANCED:
+        print(f"stages {imbalance:.1%} apart: closed form {theory:.4f} held as an upper bound only")
+        return
+    for rank, row in frac.iterrows():
+        assert abs(row["schedule_idle"] - theory) <= 0.03, (rank, row.to_dict(), theory)
+        assert row["bubble"] >= theory - 0.03, (rank, row.to_dict(), theory)
 
 
 def test_interleaved_bubble_is_reported_against_its_theory(tmp_path):
@@ -209,18 +232,13 @@ def test_interleaved_bubble_is_reported_against_its_theory(tmp_path):
     # cost the theory treats as free, so the schedule's share sits above (p-1)/(v·m+p-1) by what the hops
     # cost on the day (+1.1 to +1.4 pp measured once, +1.8 to +3.7 pp on 2026-11-25, failing a 3 pp check
     # on the unchanged code 3 times in 4), and well below the non-interleaved (p-1)/(m+p-1). The closed
-    # form is the schedule's fill and drain with free transfers: the replay's idle share (schedule_idle,
-    # measured op times, transfers left out), as the zero-bubble test compares it; the hops come on top.
-    # The raw idle of the lighter stage adds the stage imbalance (up to 4 pp seen), as in the
-    # non-interleaved test.
+    # form is the schedule's fill and drain with free transfers and balanced stages: the replay's idle
+    # share (schedule_idle, measured op times, transfers left out) where the stages were balanced.
     for rank, row in both.iterrows():
         assert abs(row["schedule_bubble"] - row["replay_bubble"]) <= 0.03, (rank, row.to_dict())
         assert row["schedule_bubble"] < (p - 1) / (m + p - 1) - 0.03, (rank, row.to_dict())
-        if not contended:
-            assert abs(row["schedule_idle"] - theory) <= 0.03, (rank, row.to_dict(), theory)
-            assert row["schedule_bubble"] >= row["schedule_idle"] - 1e-9, (rank, row.to_dict())  # hops on top
-            assert row["bubble"] >= theory - 0.03, (rank, row.to_dict(), theory)
-    _theory_holds_unless_contended(both, theory=theory, contended=contended)
+        assert row["schedule_bubble"] >= row["schedule_idle"] - 1e-9, (rank, row.to_dict())  # hops on top
+    _closed_form_holds_where_its_assumptions_did(both, theory=theory, contended=contended)
 
 
 def test_zero_bubble_is_reported_against_the_theory_of_its_own_order(tmp_path):
@@ -240,12 +258,10 @@ def test_zero_bubble_is_reported_against_the_theory_of_its_own_order(tmp_path):
     spans = read_table(tmp_path, "span", run="zb")
     assert set(spans["kind"]) == {"forward", "backward", "weight"}  # the weight gradients are split off
     for rank, row in frac.iterrows():
+        # Fill and drain as the theory says; the transfers (4·v hops per microbatch) come on top.
         assert abs(row["schedule_bubble"] - row["replay_bubble"]) <= 0.03, (rank, row.to_dict())
-        if not contended:
-            # Fill and drain as the theory says; the transfers (4·v hops per microbatch) come on top.
-            assert abs(row["schedule_idle"] - view.theory) <= 0.03, (rank, row.to_dict(), view.theory)
-            assert row["schedule_bubble"] < (p - 1) / (m + p - 1) - 0.03, (rank, row.to_dict())
-    _theory_holds_unless_contended(frac, theory=view.theory, contended=contended)
+        assert row["schedule_bubble"] < (p - 1) / (m + p - 1) - 0.03, (rank, row.to_dict())
+    _closed_form_holds_where_its_assumptions_did(frac, theory=view.theory, contended=contended)
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (make install-servers)")
