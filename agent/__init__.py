@@ -8,6 +8,7 @@ from importlib import metadata
 PUBLIC = (
     "meshscope.agent",  # version()
     "meshscope.agent.contract",  # schema, records, clock, run and file names, busbw: what every side agrees on
+    "meshscope.agent.contract.layout",  # the parallel-layout rules and model flavors the trainer runs and the planner predicts
     "meshscope.agent.cliargs",  # the one shape of a command line
     "meshscope.agent.instrument.telemetry",  # Telemetry, TelemetryConfig: the in-process API
     "meshscope.agent.instrument.nulltelemetry",  # NullTelemetry: the same API when telemetry is off

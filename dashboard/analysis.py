@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from meshscope.agent.contract import busbw_factor as contract_busbw_factor
+from meshscope.agent.contract import bubble_theory, normalize_schedule  # noqa: F401 (the pages' names for them)
 
 # ------------------------------------------------------------------------------------------ busbw
 def busbw_factor(op: str, n: int) -> float:
@@ -181,35 +182,6 @@ def gpu_ranks(devices: pd.DataFrame, *, hosts: pd.DataFrame) -> pd.DataFrame:
 
 
 # -------------------------------------------------------------------------------------- pipeline
-_GPIPE_LIKE = {"gpipe", "1f1b"}
-_INTERLEAVED = {"interleaved1f1b", "loopedbfs"}
-
-
-# Names the trainer, torch and users write for the same schedule (the trainer stores "interleaved").
-_SCHEDULE_ALIASES = {"interleaved": "interleaved1f1b", "interleavedzb": "interleavedzerobubble"}
-
-
-def normalize_schedule(name: str | None) -> str:
-    """'Interleaved1F1B', 'interleaved-1f1b', 'interleaved' -> 'interleaved1f1b'."""
-    s = "".join(ch for ch in (name or "").lower() if ch.isalnum())
-    return _SCHEDULE_ALIASES.get(s, s)
-
-
-def bubble_theory(*, schedule: str | None, p: int, m: int, v: int = 1) -> float | None:
-    """Idle fraction of a stage's step (balanced stages, equal F and B cost):
-    GPipe and 1F1B (p-1)/(m+p-1); interleaved 1F1B (p-1)/(v*m+p-1). None when no closed form applies
-    (zero-bubble schedules, unknown names). This is the idle *fraction of the step*, not (p-1)/m (bubble
-    relative to ideal compute)."""
-    s = normalize_schedule(schedule)
-    if p < 1 or m < 1:
-        return None
-    if s in _GPIPE_LIKE:
-        return (p - 1) / (m + p - 1)
-    if s in _INTERLEAVED:
-        return (p - 1) / (max(v, 1) * m + p - 1)
-    return None
-
-
 def measured_bubble(spans: pd.DataFrame, *, windows: pd.DataFrame | None = None) -> pd.DataFrame:
     """Measured bubble per (step, rank): 1 - (sum of the rank's F/B/W span durations) / window.
 

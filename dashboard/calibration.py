@@ -52,7 +52,7 @@ from meshscope.dashboard.environment import MIN_STEADY_STEPS, cpu_wait_share
 from meshscope.dashboard.memory_model import memory_model, spec_from_meta
 from meshscope.dashboard.pipeline_sim import replay
 from meshscope.dashboard.stragglers import first_steady_step
-from meshscope.trainer.layout import MULTI_STAGE
+from meshscope.agent.contract.layout import MULTI_STAGE
 
 SHARED = 1.15  # a run whose sharing φ exceeds this was oversubscribed (a rank alone on a core reads 1.01-1.09)
 # Ranks sharing cores lose more than the run-queue wait: a rank that runs again finds its caches taken

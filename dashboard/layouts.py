@@ -1,5 +1,5 @@
 """The space of parallel layouts the planner predicts: a layout as the trainer resolves it, parsed from
-``meshscope plan --layout``, checked by the trainer's own rules (``trainer/layout.py``), enumerated for a
+``meshscope plan --layout``, checked by the trainer's own rules (``agent/contract/layout.py``), enumerated for a
 world size, and read back from a measured run. No prediction here (``dashboard/planner.py``)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from meshscope.dashboard.calibration import ModelShape
-from meshscope.trainer import layout as rules
+from meshscope.agent.contract import layout as rules
 
 SIMULATED = ("gpipe", "1f1b", "interleaved", "interleaved-zb")
 KEYS = ("dp", "tp", "pp", "fsdp", "schedule", "microbatches", "virtual_stages", "batch", "layers", "width")

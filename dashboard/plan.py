@@ -20,7 +20,7 @@ from meshscope.agent.collector.catchup import catch_up
 from meshscope.agent.collector.reader import Store, StoreError
 from meshscope.dashboard import layouts, planner, views, whatif
 from meshscope.dashboard.config import ConfigError
-from meshscope.trainer.layout import LayoutError
+from meshscope.agent.contract.layout import LayoutError
 
 
 def _parser() -> argparse.ArgumentParser:

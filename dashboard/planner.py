@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from meshscope.dashboard.analysis import bubble_theory, normalize_schedule
+from meshscope.agent.contract import bubble_theory, busbw_factor, normalize_schedule
 from meshscope.dashboard.calibration import SHARED, SHARING_EXPONENT, Calibration, ModelShape, Rate, local_params, nonneg_line
 from meshscope.dashboard.layouts import SIMULATED, Layout, candidates, family, measured_layout
 from meshscope.dashboard.links import NOMINAL_BUS_BW, Links, act_bytes
@@ -404,10 +404,12 @@ def textbook(cal: Calibration, lay: Layout) -> float:
     if lay.dp > 1:
         n = lay.dp
         grads = held * (n if lay.fsdp else 1) * model.bytes_per_param
-        volume += grads * (3 * (n - 1) / n if lay.fsdp else 2 * (n - 1) / n)  # FSDP: 2 gathers + 1 reduce-scatter
+        # FSDP: the parameters gathered twice (forward, backward) and the gradients reduce-scattered once
+        volume += grads * (2 * busbw_factor("all_gather", n) + busbw_factor("reduce_scatter", n) if lay.fsdp
+                           else busbw_factor("all_reduce", n))
     if lay.tp > 1:
         act = tokens / lay.dp * model.d_model * act_bytes(cal)
-        volume += TP_PER_LAYER * model.n_layers / lay.pp * act * 2 * (lay.tp - 1) / lay.tp
+        volume += TP_PER_LAYER * model.n_layers / lay.pp * act * busbw_factor("all_reduce", lay.tp)
     if lay.pp > 1:
         volume += 2 * tokens / lay.dp * model.d_model * act_bytes(cal)  # activations forward, gradients backward
     exposed = (1 - TEXTBOOK_OVERLAP) * volume / bw

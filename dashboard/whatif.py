@@ -14,7 +14,7 @@ from meshscope.dashboard import calibration, figures, layouts, planner
 from meshscope.dashboard.config import ConfigError
 from meshscope.dashboard.memory_model import spec_from_meta
 from meshscope.dashboard.views import Loader, meta_of
-from meshscope.trainer.layout import FLAVORS
+from meshscope.agent.contract.layout import FLAVORS
 
 
 def calibrate_from(load: Loader, *, runs: list[str]) -> calibration.Calibration:

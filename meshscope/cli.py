@@ -15,7 +15,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "agent": ("meshscope.agent.collector.cli", "agent_main", "run the node agent: follow rank spools, serve /metrics, write the store"),
     "ingest": ("meshscope.agent.collector.cli", "ingest_main", "ingest every spool under a store once and exit"),
     "demo": ("meshscope.trainer.demo", "main", "train every strategy instrumented, then serve the dashboard (make demo)"),
-    "sweep": ("meshscope.trainer.sweep", "main", "run one model over a grid of world sizes / strategies (scaling study)"),
+    "sweep": ("meshscope.dashboard.sweep", "main", "run one model over a grid of world sizes / strategies (scaling study)"),
     "export-trace": ("meshscope.agent.trace", "main", "write a Perfetto / Chrome-trace JSON of a step range"),
     "report": ("meshscope.dashboard.report", "main", "a run's verdicts in the terminal (--json for scripts): what the pages say"),
     "plan": ("meshscope.dashboard.plan", "main", "predict step time, MFU and memory of other layouts from measured runs"),

@@ -124,6 +124,15 @@ def test_arrows_follow_the_data_path():
     assert bad == []
 
 
+def test_the_trainer_and_the_dashboard_do_not_import_each_other():
+    """The trainer is a user of the instrumentation, the dashboard a reader of the store: what both need
+    (layout rules, model flavors, formulas) is in the contract, and a job launched by the dashboard's
+    sweep is a command line, not an import."""
+    bad = sorted((a, b) for a, targets in GRAPH.items() for b in targets
+                 if {_layer(a), _layer(b)} == {"meshscope.trainer", "meshscope.dashboard"})
+    assert bad == []
+
+
 @pytest.mark.parametrize("layer", ["meshscope.trainer", "meshscope.dashboard", "meshscope"])
 def test_the_rest_imports_only_the_agents_public_parts(layer):
     public = set(meshscope.agent.PUBLIC)

@@ -18,7 +18,7 @@ from meshscope.dashboard import calibration, layouts, links, planner, views, wha
 from meshscope.dashboard.analysis import busbw_factor
 from meshscope.dashboard.pipeline_sim import makespan_shared, simulate
 from meshscope.trainer import config as trainer_config
-from meshscope.trainer.layout import FLAVORS, LayoutError
+from meshscope.agent.contract.layout import FLAVORS, LayoutError
 from tests.test_telemetry_e2e import run_job
 
 TINY_WIDE = FLAVORS["tiny-wide"]

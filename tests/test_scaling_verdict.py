@@ -11,7 +11,7 @@ from meshscope.agent.collector.reader import Store, read_table
 from meshscope.dashboard import views
 from meshscope.dashboard.scaling import MIN_FIT_SIZES, amdahl_fits, no_family_reason, run_throughput, scaling_table
 from meshscope.testing.store import SyntheticConfig, write_store
-from meshscope.trainer import sweep
+from meshscope.dashboard import sweep
 
 
 def _runs(rows: list[tuple]) -> pd.DataFrame:

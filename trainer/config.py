@@ -20,8 +20,8 @@ from meshscope.agent.contract import strategy_name
 from meshscope.agent.cliargs import ArgParser
 from meshscope.agent.cliargs import UsageError as ConfigError  # one error type for every command line
 from meshscope.agent.instrument.telemetry import TelemetryConfig
-from meshscope.trainer import layout
-from meshscope.trainer.layout import FLAVORS, MULTI_STAGE, SCHEDULES  # noqa: F401 (re-exported)
+from meshscope.agent.contract import layout
+from meshscope.agent.contract.layout import FLAVORS, MULTI_STAGE, SCHEDULES  # noqa: F401 (re-exported)
 DATA_SOURCES = ("synthetic", "corpus")
 _TELEMETRY_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TelemetryConfig)}
 
@@ -34,7 +34,7 @@ def _check(cond: bool, msg: str) -> None:
 
 
 def _layout(rule, **kwargs):
-    """One of ``trainer.layout``'s rules (shared with the planner), its error as the trainer's."""
+    """One of ``agent.contract.layout``'s rules (shared with the planner), its error as the trainer's."""
     try:
         return rule(**kwargs)
     except layout.LayoutError as e:

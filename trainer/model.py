@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 # The flavors and their analytic counts live in a torch-free module (the planner reads them too); re-exported.
-from meshscope.trainer.layout import FLAVORS, Flavor, count_params, flops_per_token  # noqa: F401
+from meshscope.agent.contract.layout import FLAVORS, Flavor, count_params, flops_per_token  # noqa: F401
 
 
 def rotary_tables(seq_len: int, head_dim: int, *, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:

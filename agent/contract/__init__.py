@@ -10,7 +10,10 @@ for them (transport and collector import the contract, never the instrumentation
 - :mod:`.clock`: the time base records are stamped in;
 - :mod:`.names`: run names, spool file names and Parquet part names (and the patterns that parse them);
 - :mod:`.bandwidth`: the nccl-tests algbw / busbw definitions ranks record and the dashboard explains;
-- :mod:`.formulas`: training FLOPs per token and the one spelling of a parallel layout (strategy).
+- :mod:`.formulas`: training FLOPs per token, the one spelling of a parallel layout (strategy) and a
+  pipeline schedule's names and closed-form bubble;
+- :mod:`.layout`: the rules of a parallel layout and the reference model's flavors, which the trainer
+  runs and the planner predicts (neither imports the other).
 
 The store's partition layout (``PARTITION_KEYS``, ``tables_dir``, ``partition_dir``, ``stored_schema``)
 lives in ``agent.collector.store``.
@@ -18,7 +21,9 @@ lives in ``agent.collector.store``.
 
 from meshscope.agent.contract.bandwidth import algbw, busbw, busbw_factor
 from meshscope.agent.contract.clock import AnchoredClock, Clock
-from meshscope.agent.contract.formulas import canonical_strategy, strategy_name, training_flops_per_token
+from meshscope.agent.contract.formulas import (
+    bubble_theory, canonical_strategy, normalize_schedule, strategy_name, training_flops_per_token,
+)
 from meshscope.agent.contract.names import (
     PACK_RE, PART_RE, SPOOL_NAME, check_run_name, is_run_name, pack_name, part_name, spool_path,
 )
@@ -36,5 +41,5 @@ __all__ = [
     "MemoryRecord", "RunRecord", "SpanRecord", "StepRecord", "algbw", "busbw", "busbw_factor", "check_run_name", "is_run_name",
     "pack_name", "part_name", "record_types", "spool_path", "FACTORIES", "TAGS", "collective_record", "event_record", "gpu_record",
     "memory_record", "run_record", "span_record", "step_record", "canonical_strategy", "strategy_name",
-    "training_flops_per_token",
+    "training_flops_per_token", "bubble_theory", "normalize_schedule",
 ]

@@ -1,4 +1,5 @@
-"""Formulas every side computes the same way: training FLOPs per token and the strategy vocabulary.
+"""Formulas every side computes the same way: training FLOPs per token, the strategy vocabulary and a
+pipeline schedule's bubble.
 
 The reference trainer (from its model's shape), the zero-code driver (from a job's module census) and the
 pages (from the run record) all name a layout and count model FLOPs here, so the same layout is one series
@@ -44,3 +45,33 @@ def training_flops_per_token(*, n_matmul_params: float, n_attention_layers: int,
     (QKᵀ) and values (AV) matmuls over a sequence of S, forward and backward, in L layers of width D (heads
     × head dim), the causal mask NOT discounted (torchtitan's convention; Megatron halves it)."""
     return 6.0 * n_matmul_params + 12.0 * n_attention_layers * attention_dim * seq_len
+
+
+# A pipeline schedule's names and closed-form bubble: the pages, the planner, the test store and the docs.
+_GPIPE_LIKE = {"gpipe", "1f1b"}
+_INTERLEAVED = {"interleaved1f1b", "loopedbfs"}
+
+
+# Names the trainer, torch and users write for the same schedule (the trainer stores "interleaved").
+_SCHEDULE_ALIASES = {"interleaved": "interleaved1f1b", "interleavedzb": "interleavedzerobubble"}
+
+
+def normalize_schedule(name: str | None) -> str:
+    """'Interleaved1F1B', 'interleaved-1f1b', 'interleaved' -> 'interleaved1f1b'."""
+    s = "".join(ch for ch in (name or "").lower() if ch.isalnum())
+    return _SCHEDULE_ALIASES.get(s, s)
+
+
+def bubble_theory(*, schedule: str | None, p: int, m: int, v: int = 1) -> float | None:
+    """Idle fraction of a stage's step (balanced stages, equal F and B cost):
+    GPipe and 1F1B (p-1)/(m+p-1); interleaved 1F1B (p-1)/(v*m+p-1). None when no closed form applies
+    (zero-bubble schedules, unknown names). This is the idle *fraction of the step*, not (p-1)/m (bubble
+    relative to ideal compute)."""
+    s = normalize_schedule(schedule)
+    if p < 1 or m < 1:
+        return None
+    if s in _GPIPE_LIKE:
+        return (p - 1) / (m + p - 1)
+    if s in _INTERLEAVED:
+        return (p - 1) / (max(v, 1) * m + p - 1)
+    return None

@@ -39,7 +39,8 @@ from meshscope.agent.collector.store import stored_schema
 from meshscope.agent.contract import DIMS, SCHEMAS
 from meshscope.agent.contract import strategy_name
 from meshscope.dashboard import pipeline_sim
-from meshscope.dashboard.analysis import busbw_factor, normalize_schedule
+from meshscope.agent.contract import normalize_schedule
+from meshscope.dashboard.analysis import busbw_factor
 from meshscope.dashboard.memory_model import ModelSpec, memory_model
 from meshscope.testing.comm import MESH_ORDER, coords_of, rank_ops, transfers
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from meshscope.agent.cliargs import ArgParser
 from meshscope.agent.contract import check_run_name
-from meshscope.trainer.config import ConfigError
-from meshscope.trainer.model import FLAVORS
+from meshscope.agent.contract.layout import FLAVORS
+from meshscope.dashboard.config import ConfigError
 
 STRATEGY_ARGS = {
     "ddp": lambda n: [],

@@ -1,14 +1,14 @@
 """The reference model's flavors and the rules of a parallel layout, without torch: the trainer's config
 checks a layout with these functions and the planner (``dashboard/planner.py``) checks the layouts it
 predicts with the same ones, so a layout the planner offers is one the trainer runs, and a bad one gets
-the trainer's message. Every check raises ``ValueError`` naming the bad value (the trainer's
+the trainer's message. They live in the contract so that neither side imports the other. Every check raises ``ValueError`` naming the bad value (the trainer's
 ``ConfigError`` is one)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshscope.agent.contract import training_flops_per_token
+from meshscope.agent.contract.formulas import training_flops_per_token
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "looped-bfs")
 MULTI_STAGE = ("interleaved", "interleaved-zb", "looped-bfs")  # several stages per rank (virtual_stages)
