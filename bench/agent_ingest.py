@@ -29,6 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from meshscope.agent.contract.storelayout import StoreLayout  # noqa: E402
+
 GOAL_RPS = 1_000_000
 GOAL_RSS_MB = 200
 
@@ -63,7 +65,7 @@ def measure(store: Path) -> dict:
 def count_rows(store: Path) -> int:
     import pyarrow.parquet as pq
 
-    return sum(pq.read_metadata(p).num_rows for p in (store / "tables").rglob("*.parquet"))
+    return sum(pq.read_metadata(p).num_rows for p in Path(StoreLayout.of(store).tables).rglob("*.parquet"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,14 +89,14 @@ def main(argv: list[str] | None = None) -> int:
         counts = write_run(tmp, run="bench", world_size=args.ranks, steps=steps,
                            collectives_per_step=args.collectives_per_step, frame_rows=args.frame_rows)
         generated = sum(counts.values())
-        spool_mb = sum(p.stat().st_size for p in (tmp / "spool").rglob("*.spool")) / 1e6
+        spool_mb = sum(p.stat().st_size for p in Path(StoreLayout.of(tmp).spool).rglob("*.spool")) / 1e6
         print(f"generated {generated:,} records ({counts}) in {args.ranks} spools, {spool_mb:.0f} MB, "
               f"{args.frame_rows} collectives per frame, in {time.perf_counter() - t:.1f} s")
         out = subprocess.run([sys.executable, __file__, "--measure", str(tmp)], check=True, capture_output=True,
                              text=True)
         result = json.loads(out.stdout.strip().splitlines()[-1])
         stored = count_rows(tmp)
-        parquet_mb = sum(p.stat().st_size for p in (tmp / "tables").rglob("*.parquet")) / 1e6
+        parquet_mb = sum(p.stat().st_size for p in Path(StoreLayout.of(tmp).tables).rglob("*.parquet")) / 1e6
         ok_rate = result["records_per_s"] >= GOAL_RPS
         ok_rss = result["peak_rss_mb"] <= GOAL_RSS_MB
         print(f"ingest on cpu {result['cpu']} (pinned): {result['records']:,} records in {result['wall_s']:.2f} s "

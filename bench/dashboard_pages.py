@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 from meshscope.agent.collector.reader import Store  # noqa: E402
 from meshscope.agent.contract import KINDS  # noqa: E402
+from meshscope.agent.contract.storelayout import StoreLayout  # noqa: E402
 from meshscope.dashboard import data, views  # noqa: E402
 from meshscope.testing.store import Straggler, SyntheticConfig, write_store  # noqa: E402
 
@@ -78,8 +79,8 @@ def ensure_run(root: Path, cfg: SyntheticConfig) -> tuple[float | None, int]:
     want = json.dumps({"generator": GENERATOR, "config": repr(cfg)}, sort_keys=True)
     took = None
     if not marker.exists() or marker.read_text() != want:
-        for kind_dir in (root / "tables").glob("*"):
-            shutil.rmtree(kind_dir / f"run={cfg.run}", ignore_errors=True)
+        for kind in KINDS:
+            shutil.rmtree(StoreLayout.of(root).run_dir(kind, cfg.run), ignore_errors=True)
         t = time.perf_counter()
         write_store(root, config=cfg)
         took = time.perf_counter() - t
@@ -90,7 +91,8 @@ def ensure_run(root: Path, cfg: SyntheticConfig) -> tuple[float | None, int]:
 
 
 def run_files(root: Path, run: str) -> list[Path]:
-    return sorted((root / "tables").glob(f"*/run={run}/*/*.parquet"))
+    layout = StoreLayout.of(root)
+    return sorted(p for kind in KINDS for p in Path(layout.run_dir(kind, run)).glob("*/*.parquet"))
 
 
 def upload(root: Path, runs: list[str], *, url) -> tuple[int, int, float]:

@@ -26,6 +26,7 @@ def bucket_totals(url: str) -> dict:
     from pyarrow import fs
 
     from meshscope.agent.collector import objectstore
+    from meshscope.agent.contract.storelayout import TABLE_KEY
 
     u = objectstore.parse_url(url)
     infos = [i for i in objectstore.filesystem().get_file_info(fs.FileSelector(u.path(), recursive=True,
@@ -34,8 +35,9 @@ def bucket_totals(url: str) -> dict:
     by_kind: dict[str, int] = {}
     for i in infos:
         rel = i.path[len(u.path()) + 1:]
-        if rel.startswith("tables/"):
-            by_kind[rel.split("/")[1]] = by_kind.get(rel.split("/")[1], 0) + 1
+        m = TABLE_KEY.match(rel)
+        if m:
+            by_kind[m["kind"]] = by_kind.get(m["kind"], 0) + 1
     return {"objects": len(infos), "bytes": sum(int(i.size or 0) for i in infos), "objects_by_kind": by_kind}
 
 

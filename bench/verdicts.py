@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from meshscope.agent.collector.catchup import catch_up  # noqa: E402
 from meshscope.agent.collector.reader import Store  # noqa: E402
+from meshscope.agent.contract.storelayout import StoreLayout  # noqa: E402
 from meshscope.testing.spools import write_run  # noqa: E402
 from meshscope.dashboard import views  # noqa: E402
 
@@ -122,7 +123,7 @@ def catchup(tmp: Path, *, steps: int) -> None:
           f"({out.stderr.strip()})")
     big = tmp / "big"
     counts = write_run(big, run="big", world_size=8, steps=steps, collectives_per_step=40)
-    size = sum(p.stat().st_size for p in (big / "spool").rglob("*.spool"))
+    size = sum(p.stat().st_size for p in Path(StoreLayout.of(big).spool).rglob("*.spool"))
     t0 = time.perf_counter()
     res = catch_up(big)
     dt = time.perf_counter() - t0

@@ -22,17 +22,15 @@ from meshscope.agent.collector.ingest import Ingestor
 from meshscope.agent.collector.offsets import OffsetStore
 from meshscope.agent.collector.state import MetricsState
 from meshscope.agent.contract import SPOOL_NAME, AnchoredClock
-
-LOCK_NAME = "agent.lock"
-
+from meshscope.agent.contract.storelayout import StoreLayout, spool_key
 
 def lock_store(store: str | Path, *, wait_s: float = 0.0) -> int | None:
     """The store's writer lock as an open file descriptor (close it to let go), or None if another
     process holds it after ``wait_s``. The kernel drops the lock when its holder dies, SIGKILL included.
     Raises OSError when the lock file cannot be created (a read-only store)."""
-    directory = Path(store) / "agent"
-    directory.mkdir(exist_ok=True)
-    fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    layout = StoreLayout.of(store)
+    Path(layout.agent).mkdir(exist_ok=True)
+    fd = os.open(layout.lock, os.O_RDWR | os.O_CREAT, 0o644)
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -48,10 +46,11 @@ def lock_store(store: str | Path, *, wait_s: float = 0.0) -> int | None:
 def pending_bytes(store: str | Path) -> int:
     """Spool bytes beyond the saved offsets: records not yet in the tables (0 when the store has no spools).
     Reads sizes and ``offsets.json`` only; it takes no lock and writes nothing."""
-    spool = Path(store) / "spool"
+    layout = StoreLayout.of(store)
+    spool = Path(layout.spool)
     if not spool.is_dir():
         return 0
-    saved = OffsetStore(Path(store) / "agent" / "offsets.json").load()
+    saved = OffsetStore(Path(layout.offsets)).load()
     total = 0
     for run_dir in spool.iterdir():
         if not run_dir.is_dir():
@@ -62,7 +61,7 @@ def pending_bytes(store: str | Path) -> int:
                     size = path.stat().st_size
                 except OSError:
                     continue
-                done = int(saved.get(f"spool/{run_dir.name}/{path.name}", {}).get("offset", 0))
+                done = int(saved.get(spool_key(run_dir.name, path.name), {}).get("offset", 0))
                 total += size - done if size >= done else size  # smaller: a new generation of the file
     return total
 

@@ -36,6 +36,7 @@ from meshscope.agent.collector.otlp import INTERVAL_S as OTLP_INTERVAL_S, OtlpCo
 from meshscope.agent.collector.server import WebConfig, serve_metrics
 from meshscope.agent.collector.upload import UploadConfig
 from meshscope.agent.contract import AnchoredClock
+from meshscope.agent.contract.storelayout import StoreLayout
 from meshscope.agent.security import Credentials
 
 
@@ -95,8 +96,9 @@ def _check_store(store: Path, *, create: bool) -> None:
     if not store.is_dir():
         raise UsageError(f"store {str(store)!r} is not a directory")
     try:  # a real write: as root os.access() says yes even on a read-only mount
-        (store / "agent").mkdir(exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=store / "agent", prefix=".probe-"):
+        agent_dir = Path(StoreLayout.of(store).agent)
+        agent_dir.mkdir(exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=agent_dir, prefix=".probe-"):
             pass
     except OSError as exc:
         raise UsageError(f"store directory {str(store)!r} is not writable ({exc.strerror or exc})") from None

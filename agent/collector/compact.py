@@ -50,6 +50,7 @@ import pyarrow.parquet as pq
 from meshscope.agent.collector import duckconn, packs
 from meshscope.agent.collector.parts import META_PREFIX
 from meshscope.agent.contract import PACK_RE, SCHEMA_VERSION, pack_name
+from meshscope.agent.contract.storelayout import StoreLayout
 
 MODES = ("off", "use", "background", "now")
 MIN_PACKS = 64  # below this a run's packs are read as they are (1,024 ranks: 128 packs per kind)
@@ -73,7 +74,8 @@ def cache_base() -> Path:
 def segment_dir(roots: Sequence[Path], *, kind: str, run: str) -> Path:
     # A hash of the roots, not their names: a "key=value" component would read as a partition key.
     digest = hashlib.sha256("|".join(sorted(map(str, roots))).encode()).hexdigest()[:16]
-    return cache_base() / "compact" / digest / kind / f"run={run}" / packs.PACKS_DIR
+    # The segments sit in a store layout of their own (tables/<kind>/run=<run>/packs) under the digest.
+    return Path(StoreLayout.of(cache_base() / "compact" / digest).packs(kind, run))
 
 
 def sources(path: Path) -> frozenset[str] | None:

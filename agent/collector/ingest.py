@@ -25,8 +25,8 @@ from meshscope.agent.collector import packs
 from meshscope.agent.collector import parts as partio
 from meshscope.agent.collector.offsets import OffsetStore
 from meshscope.agent.collector.state import MetricsState
-from meshscope.agent.collector.store import partition_dir, tables_dir
 from meshscope.agent.contract import KINDS, SPOOL_NAME, Clock, is_run_name
+from meshscope.agent.contract.storelayout import StoreLayout, rank_of, run_of, spool_key
 from meshscope.agent.transport.backoff import Backoff
 from meshscope.agent.transport.frame import HEADER_KIND, rows_to_batch
 from meshscope.agent.transport.reader import SpoolReader
@@ -99,10 +99,11 @@ class Ingestor:
     def __init__(self, *, store: str | Path, state: MetricsState, clock: Clock, config: IngestConfig | None = None,
                  offsets: OffsetStore | None = None) -> None:
         self.store = Path(store)
+        self.layout = StoreLayout.of(self.store)
         self.state = state
         self.clock = clock
         self.config = config or IngestConfig()
-        self.offsets = offsets or OffsetStore(self.store / "agent" / "offsets.json")
+        self.offsets = offsets or OffsetStore(Path(self.layout.offsets))
         self._saved = self.offsets.load()
         self.cursors: dict[str, Cursor] = {}
         self._bad_run_dirs: set[str] = set()
@@ -169,7 +170,7 @@ class Ingestor:
     # -- discovery and reading -------------------------------------------------------------------------
 
     def _discover(self) -> None:
-        spool = self.store / "spool"
+        spool = self.layout.spool
         seen = set()
         try:
             run_dirs = [e for e in os.scandir(spool) if e.is_dir()]
@@ -187,7 +188,7 @@ class Ingestor:
                 continue
             for entry in entries:
                 if SPOOL_NAME.match(entry.name):
-                    key = f"spool/{run_dir.name}/{entry.name}"
+                    key = spool_key(run_dir.name, entry.name)
                     seen.add(key)
                     if key not in self.cursors:
                         self.cursors[key] = Cursor(
@@ -217,7 +218,7 @@ class Ingestor:
         if saved is not None and saved["stream"] == cursor.stream:
             cursor.committed = cursor.durable = saved["offset"]
         else:  # no saved offset (a new spool, or offsets.json lost): what packs hold was already final
-            run_dirs = [tables_dir(self.store, kind) / f"run={cursor.run}" for kind in KINDS]
+            run_dirs = [Path(self.layout.run_dir(kind, cursor.run)) for kind in KINDS]
             start = packs.covered_end(run_dirs, rank=cursor.rank, stream=cursor.stream, start=first.end)
             cursor.committed, cursor.durable = start, 0
             self._dirty_offsets = True
@@ -230,7 +231,7 @@ class Ingestor:
         its offsets, writing only the parts that are missing."""
         ends: dict[int, int] = {}
         for kind in KINDS:
-            for p in partio.list_parts(partition_dir(self.store, kind, run=cursor.run, rank=cursor.rank)):
+            for p in partio.list_parts(Path(self.layout.partition(kind, run=cursor.run, rank=cursor.rank))):
                 if p.stream == cursor.stream and p.start >= cursor.committed:
                     ends[p.start] = max(ends.get(p.start, 0), p.end)
         while cursor.committed in ends:
@@ -322,7 +323,7 @@ class Ingestor:
         start, end = cursor.committed, cursor.read_pos
         for kind in sorted(cursor.buffers):
             tables = cursor.buffers[kind]
-            directory = partition_dir(self.store, kind, run=cursor.run, rank=cursor.rank)
+            directory = Path(self.layout.partition(kind, run=cursor.run, rank=cursor.rank))
             try:
                 table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
                 written = partio.write_part(directory, table, kind=kind, stream=cursor.stream, start=start,
@@ -361,7 +362,7 @@ class Ingestor:
             return
         table, start, end, runs = self._gpu_pending
         for run in runs:
-            directory = partition_dir(self.store, "gpu", run=run, rank=GPU_RANK)
+            directory = Path(self.layout.partition("gpu", run=run, rank=GPU_RANK))
             try:
                 written = partio.write_part(directory, table, kind="gpu", stream=self._gpu_stream, start=start,
                                             end=end, source="nvml")
@@ -449,9 +450,13 @@ class Ingestor:
 
     def _cleanup(self) -> None:
         for kind in KINDS:
-            base = tables_dir(self.store, kind)
-            for run_dir in base.glob("run=*") if base.is_dir() else ():
+            base = Path(self.layout.table(kind))
+            for run_dir in base.iterdir() if base.is_dir() else ():
+                if run_of(run_dir.name) is None:
+                    continue
                 packs.cleanup_run(run_dir)  # first: a pack's sources must not go into a second pack
-                for directory in run_dir.glob("rank=*"):
+                for directory in run_dir.iterdir():
+                    if rank_of(directory.name) is None:
+                        continue
                     partio.cleanup_partition(directory)
                     self._touched.add((kind, directory))  # compact or pack what earlier runs left

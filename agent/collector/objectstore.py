@@ -1,6 +1,6 @@
 """The run store on S3-compatible object storage: URLs, the client, and the key layout.
 
-The bucket mirrors the local store's tables (``agent.collector.store``) under a prefix::
+The bucket mirrors the local store's tables under a prefix, with the same keys (``agent.contract.storelayout``)::
 
     s3://<bucket>/<prefix>/tables/<kind>/run=<run>/rank=<rank>/part-<stream>-<start>-<end>.parquet
     s3://<bucket>/<prefix>/tables/<kind>/run=<run>/packs/pack-<id>.parquet        (agent.collector.packs)
@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from meshscope.agent.collector.packs import PartRef
 from meshscope.agent.collector.packs import superseded as packs_superseded
 from meshscope.agent.contract import KINDS, PACK_RE, PART_RE, is_run_name
+from meshscope.agent.contract.storelayout import TABLE_KEY, StoreLayout
 
 if TYPE_CHECKING:
     from pyarrow.fs import S3FileSystem
@@ -39,8 +40,7 @@ _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _PREFIX_PART = re.compile(r"^[A-Za-z0-9._=+-]+$")
 # A stored part's key below the prefix: the local layout, nothing else (anything else in the bucket is
 # ignored, so no key can name a path outside a reader's cache).
-_TABLE_KEY = re.compile(r"^tables/(?P<kind>[a-z_]+)/run=(?P<run>[^/]+)/(?:rank=(?P<rank>-?\d+)|(?P<packs>packs))/"
-                        r"(?P<name>[^/]+)$")
+_KEYS = StoreLayout.keys()
 
 
 def is_remote(location: object) -> bool:
@@ -113,10 +113,10 @@ class RemotePart:
 
 def table_part(rel: str, size: int) -> RemotePart | None:
     """The part or pack a key below the prefix names, or None when it is not one of the store's layout."""
-    m = _TABLE_KEY.match(rel)
+    m = TABLE_KEY.match(rel)
     if not m or m["kind"] not in KINDS or not is_run_name(m["run"]):
         return None
-    run_dir = f"tables/{m['kind']}/run={m['run']}"
+    run_dir = str(_KEYS.run_dir(m["kind"], m["run"]))
     if m["packs"]:
         return RemotePart(rel, run_dir, None, "", 0, 0, size) if PACK_RE.match(m["name"]) else None
     name = PART_RE.match(m["name"])
@@ -130,7 +130,7 @@ def list_parts(s3: S3FileSystem, url: S3Url) -> dict[str, RemotePart]:
     """Every part under ``url`` (one flat listing), by key below the prefix. Raises OSError."""
     from pyarrow import fs
 
-    base = url.path("tables")
+    base = url.path(str(_KEYS.tables))
     cut = len(url.path()) + 1
     out: dict[str, RemotePart] = {}
     for info in s3.get_file_info(fs.FileSelector(base, recursive=True, allow_not_found=True)):

@@ -37,8 +37,8 @@ import pyarrow.parquet as pq
 
 from meshscope.agent.collector.parts import META_PREFIX, Part, contained, list_parts
 from meshscope.agent.contract import PACK_RE, SCHEMA_VERSION, pack_name
+from meshscope.agent.contract.storelayout import PACKS, rank_of
 
-PACKS_DIR = "packs"
 STREAM_COLUMN = "_stream"
 ROW_GROUP_ROWS = 64 * 1024  # statistics granularity: a step window reads few row groups of a big pack
 SMALL_BYTES = 16 * 1024 * 1024  # packs below this merge again (the agent's default pack_small_bytes)
@@ -49,7 +49,7 @@ Range = tuple[int, str, int, int]  # (rank, stream, start, end)
 
 def packs_dir(run_dir: Path) -> Path:
     """``run_dir`` is ``tables/<kind>/run=<run>``."""
-    return run_dir / PACKS_DIR
+    return run_dir / PACKS
 
 
 def list_packs(directory: Path) -> list[Path]:
@@ -212,11 +212,8 @@ def rank_parts(run_dir: Path) -> list[tuple[int, Part]]:
     except OSError:
         return []
     for e in entries:
-        if e.name.startswith("rank=") and e.is_dir(follow_symlinks=False):
-            try:
-                rank = int(e.name[len("rank="):])
-            except ValueError:
-                continue
+        rank = rank_of(e.name)
+        if rank is not None and e.is_dir(follow_symlinks=False):
             out.extend((rank, p) for p in list_parts(Path(e.path)))
     return out
 

@@ -51,6 +51,7 @@ from meshscope.agent.collector import compact, duckconn, packs, tableview
 from meshscope.agent.collector.objectstore import is_remote
 from meshscope.agent.collector.store import PARTITION_KEYS, stored_schema
 from meshscope.agent.contract import KINDS, PACK_RE, PART_RE, SCHEMAS, check_run_name, is_run_name
+from meshscope.agent.contract.storelayout import PACKS, StoreLayout, rank_of, run_of
 
 SKIPPED = "skipped_files"  # key in DataFrame.attrs
 
@@ -144,14 +145,15 @@ class Store:
         """run name -> its directories of this kind, one per root that has it."""
         out: dict[str, list[Path]] = {}
         for root in self.roots:
-            tables = root / "tables"
-            base = tables / kind
+            layout = StoreLayout.of(root)
+            tables, base = Path(layout.tables), Path(layout.table(kind))
             # Neither <root>/tables nor <root>/tables/<kind> may be a link: nothing below a root is followed.
             if tables.is_symlink() or not base.is_dir() or base.is_symlink():
                 continue
-            for name, path in _entries(base, prefix="run=", want_dir=True):
-                if is_run_name(name[len("run="):]):  # the one run-name rule: no writer makes others
-                    out.setdefault(name[len("run="):], []).append(path)
+            for name, path in _entries(base, prefix="", want_dir=True):
+                run = run_of(name)
+                if run is not None and is_run_name(run):  # the one run-name rule: no writer makes others
+                    out.setdefault(run, []).append(path)
         return out
 
     def files(self, kind: str, *, runs: Iterable[str]) -> list[Path]:
@@ -171,16 +173,18 @@ class Store:
         parts: list[packs.PartRef] = []
         found: list[Path] = []
         for run_dir in run_dirs:
-            for name, rank_dir in _entries(run_dir, prefix="rank=", want_dir=True):
-                for file, path in _entries(rank_dir, prefix="", want_dir=False):
+            for name, sub in _entries(run_dir, prefix="", want_dir=True):
+                rank = rank_of(name)
+                if rank is None:
+                    continue
+                for file, path in _entries(sub, prefix="", want_dir=False):
                     if file.endswith(".parquet"):
                         out.add(path)
                         m = PART_RE.match(file)
-                        if m and name[len("rank="):].lstrip("-").isdigit():
-                            parts.append(packs.PartRef(path, int(name[len("rank="):]), m["stream"],
-                                                       int(m["start"]), int(m["end"])))
-            for name, pack_dir in _entries(run_dir, prefix=packs.PACKS_DIR, want_dir=True):
-                if name == packs.PACKS_DIR:
+                        if m:
+                            parts.append(packs.PartRef(path, rank, m["stream"], int(m["start"]), int(m["end"])))
+            for name, pack_dir in _entries(run_dir, prefix=PACKS, want_dir=True):
+                if name == PACKS:
                     found += [path for file, path in _entries(pack_dir, prefix="pack-", want_dir=False)
                               if PACK_RE.match(file)]
         if found:  # what a crash or a cleanup in progress left beside the packs is read once

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from meshscope.agent.collector import compact, objectstore, packs
 from meshscope.agent.collector.objectstore import S3Url
+from meshscope.agent.contract.storelayout import StoreLayout
 
 MIN_SYNC_INTERVAL_S = 2.0  # several reads within this share one listing (a dashboard page runs many)
 WORKERS = 16  # concurrent GETs: small objects, latency-bound
@@ -101,7 +102,7 @@ def sync(url: S3Url, *, filesystem=None, min_interval_s: float = MIN_SYNC_INTERV
             return SyncResult(root, 0, 0, 0, 0)
         s3 = filesystem if filesystem is not None else objectstore.filesystem()
         parts = objectstore.list_parts(s3, url)
-        (root / "tables").mkdir(parents=True, exist_ok=True)
+        Path(StoreLayout.of(root).tables).mkdir(parents=True, exist_ok=True)
         have = _cached_files(root)
         with ThreadPoolExecutor(max_workers=WORKERS) as pool:
             # Packs first: their manifests (footers, read from the cache) say which parts and packs are
@@ -151,7 +152,7 @@ def _download(s3, url: S3Url, part: objectstore.RemotePart, root: Path) -> int:
 def _cached_files(root: Path) -> dict[str, int]:
     """Parts in the cache by key below the prefix (temporary files of a download in flight excluded)."""
     out = {}
-    base = root / "tables"
+    base = StoreLayout.of(root).tables
     for dirpath, _dirs, files in os.walk(base):
         rel_dir = os.path.relpath(dirpath, root)
         for name in files:

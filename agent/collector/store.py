@@ -1,10 +1,7 @@
-"""The run store on disk: its layout, and the paths and schemas the agent writes it with.
+"""The run store's Parquet parts: the schema the agent writes each kind with.
 
-Layout (hive partitions; ``run``/``rank`` are not columns of the files, readers add them back)::
-
-    <store>/spool/<run>/rank-<rank>.a<attempt>.spool              rank spools (agent.transport)
-    <store>/tables/<kind>/run=<run>/rank=<rank>/part-*.parquet     ingested records (rank=-1: GPU samples)
-    <store>/agent/offsets.json                                     the agent's durable spool offsets
+Every path of the store (spools, ``tables/<kind>/run=<run>/rank=<rank>``, packs, the agent's offsets),
+local and in an object store, is ``agent.contract.storelayout``'s.
 
 Part files are named ``part-<stream>-<start>-<end>.parquet``: ``stream`` is the spool file generation
 (its header's stream id; ``gpu<agent id>`` for GPU samples) and ``start``/``end`` the byte range of the
@@ -17,21 +14,10 @@ imports it.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pyarrow as pa
 
 from meshscope.agent.contract import SCHEMAS
-
-PARTITION_KEYS = ("run", "rank")
-
-
-def tables_dir(store: str | Path, kind: str) -> Path:
-    return Path(store) / "tables" / kind
-
-
-def partition_dir(store: str | Path, kind: str, *, run: str, rank: int) -> Path:
-    return tables_dir(store, kind) / f"run={run}" / f"rank={int(rank)}"
+from meshscope.agent.contract.storelayout import PARTITION_KEYS
 
 
 def stored_schema(kind: str) -> pa.Schema:

@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 
 from meshscope.agent.collector import packs
 from meshscope.agent.contract import PACK_RE, PART_RE, SCHEMAS
+from meshscope.agent.contract.storelayout import rank_dirname
 from meshscope.agent.collector.store import stored_schema
 
 if TYPE_CHECKING:  # the connection is the caller's; this module never opens one
@@ -46,7 +47,7 @@ def restarted(paths: list[Path], *, kind: str) -> bool:
         if m is not None:
             pairs = [(p.parent.parent.name, p.parent.name, m["stream"])]  # (run=<run>, rank=<rank>), across roots
         elif PACK_RE.match(p.name):  # a pack's manifest lists its ranks' streams
-            pairs = [(p.parent.parent.name, f"rank={r}", stream) for r, stream, _, _ in packs.manifest(p) or ()]
+            pairs = [(p.parent.parent.name, rank_dirname(r), stream) for r, stream, _, _ in packs.manifest(p) or ()]
         else:
             continue
         for run, rank, stream in pairs:

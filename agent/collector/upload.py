@@ -28,8 +28,8 @@ from pathlib import Path
 from meshscope.agent.collector import objectstore, packs
 from meshscope.agent.collector.parts import list_parts
 from meshscope.agent.collector.state import MetricsState
-from meshscope.agent.collector.store import tables_dir
 from meshscope.agent.contract import KINDS, Clock
+from meshscope.agent.contract.storelayout import StoreLayout, rank_of, run_of
 from meshscope.agent.transport.backoff import Backoff
 
 
@@ -207,17 +207,18 @@ class Uploader:
     def _scan(self) -> list[_Local]:
         """The store's sealed parts (temporary files have other names), as keys below the prefix."""
         out = []
+        local, keys = StoreLayout.of(self.store), StoreLayout.keys()
         for kind in KINDS:
-            base = tables_dir(self.store, kind)
+            base = Path(local.table(kind))
             if not base.is_dir():
                 continue
-            for run_dir in _subdirs(base, "run="):
-                for rank_dir in _subdirs(run_dir, "rank="):
-                    rel_dir = f"tables/{kind}/{run_dir.name}/{rank_dir.name}"
+            for run, run_dir in _subdirs(base, run_of):
+                for rank, rank_dir in _subdirs(run_dir, rank_of):
+                    rel_dir = keys.partition(kind, run=run, rank=rank)
                     for p in list_parts(rank_dir):
-                        out.append(_Local(f"{rel_dir}/{p.path.name}", p.path, p.stream, p.end, p.size))
+                        out.append(_Local(str(rel_dir / p.path.name), p.path, p.stream, p.end, p.size))
                 for path in packs.list_packs(packs.packs_dir(run_dir)):
-                    rel = f"tables/{kind}/{run_dir.name}/{packs.PACKS_DIR}/{path.name}"
+                    rel = str(keys.packs(kind, run) / path.name)
                     if rel not in self._manifests:
                         self._manifests[rel] = packs.manifest(path)
                     size = _size(path)
@@ -265,6 +266,8 @@ def _size(path: Path) -> int | None:
         return None  # merged away since the listing
 
 
-def _subdirs(directory: Path, prefix: str) -> list[Path]:
+def _subdirs(directory: Path, parse: Callable[[str], object]) -> list[tuple]:
+    """(what ``parse`` reads from the name, path) of the partition directories below ``directory``."""
     with os.scandir(directory) as it:
-        return [Path(e.path) for e in it if e.name.startswith(prefix) and e.is_dir(follow_symlinks=False)]
+        return [(key, Path(e.path)) for e in it
+                if (key := parse(e.name)) is not None and e.is_dir(follow_symlinks=False)]

@@ -15,8 +15,8 @@ for them (transport and collector import the contract, never the instrumentation
 - :mod:`.layout`: the rules of a parallel layout and the reference model's flavors, which the trainer
   runs and the planner predicts (neither imports the other).
 
-The store's partition layout (``PARTITION_KEYS``, ``tables_dir``, ``partition_dir``, ``stored_schema``)
-lives in ``agent.collector.store``.
+- :mod:`.storelayout`: every path of the run store (spools, partitions, packs, the agent's state), local
+  and in an object store.
 """
 
 from meshscope.agent.contract.bandwidth import algbw, busbw, busbw_factor

@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from meshscope.agent.contract.storelayout import StoreLayout
+
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 
 # ``<store>/spool/<run>/rank-<rank>.a<attempt>.spool``: what spool_path makes and the agent scans for.
@@ -43,7 +45,7 @@ def spool_path(store: str | Path, *, run: str, rank: int, attempt: int) -> Path:
     check_run_name(run)
     if int(rank) < 0 or int(attempt) < 0:
         raise ValueError(f"rank ({rank}) and attempt ({attempt}) must be >= 0")
-    return Path(store) / "spool" / run / f"rank-{int(rank)}.a{int(attempt)}.spool"
+    return Path(StoreLayout.of(store).spool_file(run=run, rank=rank, attempt=attempt))
 
 
 def pack_name(digest: str) -> str:

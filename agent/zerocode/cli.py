@@ -25,6 +25,7 @@ from meshscope.agent.cliargs import ArgParser, UsageError, run_command
 from meshscope.agent.contract import SPOOL_NAME, check_run_name, spool_path
 from meshscope.agent.zerocode import DEFAULT_STORE, flops_mode, ENV_ATTEMPT, ENV_RUN, ENV_STORE, disabled
 from meshscope.agent.zerocode.detect import default_run_name
+from meshscope.agent.contract.storelayout import StoreLayout
 
 BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"
 
@@ -62,7 +63,7 @@ def stored_attempts(store: Path, run: str) -> set[int]:
     a run record."""
     spools = spool_path(store, run=run, rank=0, attempt=0).parent
     found = {int(m[2]) for f in (spools.iterdir() if spools.is_dir() else ()) if (m := SPOOL_NAME.match(f.name))}
-    if not (store / "tables").is_dir():  # nothing ingested: no need to load the reader (DuckDB, pandas)
+    if not Path(StoreLayout.of(store).tables).is_dir():  # nothing ingested: no need to load the reader (DuckDB, pandas)
         return found
     from meshscope.agent.collector.reader import Store, StoreError, read_table
 

@@ -36,6 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from meshscope.agent.collector.reader import read_table
 from meshscope.agent.contract import KINDS, SCHEMAS, SPOOL_NAME
+from meshscope.agent.contract.storelayout import StoreLayout
 from meshscope.agent.transport.reader import SpoolReader
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -239,7 +240,7 @@ class AgentProcess:
 def committed_bytes(store: Path) -> int:
     """Spool bytes the agent has durably committed to the store (sum of its saved offsets)."""
     try:
-        files = json.loads((Path(store) / "agent" / "offsets.json").read_text())["files"]
+        files = json.loads(Path(StoreLayout.of(store).offsets).read_text())["files"]
     except (OSError, ValueError, KeyError):
         return 0
     return sum(entry["offset"] for entry in files.values())
@@ -353,7 +354,7 @@ class Job:
 # ---------------------------------------------------------------------------------------- ground truth
 
 def spool_files(store: Path, run: str) -> list[Path]:
-    d = Path(store) / "spool" / run
+    d = Path(StoreLayout.of(store).spool) / run
     return sorted(p for p in d.iterdir() if SPOOL_NAME.match(p.name)) if d.is_dir() else []
 
 

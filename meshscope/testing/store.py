@@ -40,6 +40,7 @@ from meshscope.agent.contract import DIMS, SCHEMAS
 from meshscope.agent.contract import strategy_name
 from meshscope.dashboard import pipeline_sim
 from meshscope.agent.contract import normalize_schedule
+from meshscope.agent.contract.storelayout import StoreLayout
 from meshscope.dashboard.analysis import busbw_factor
 from meshscope.dashboard.memory_model import ModelSpec, memory_model
 from meshscope.testing.comm import MESH_ORDER, coords_of, rank_ops, transfers
@@ -190,9 +191,8 @@ def write_store(root: str | Path, *, config: SyntheticConfig) -> dict[str, int]:
     mem_static, mem_act = float(mm.drop("activations").sum()), float(mm["activations"])
 
     rows = dict.fromkeys(SCHEMAS, 0)
-    base = root / "tables"
     part = "part-00000.parquet"
-    sink = _Sink(base, run=cfg.run, packs=cfg.layout == "packs")
+    sink = _Sink(StoreLayout.of(root), run=cfg.run, packs=cfg.layout == "packs")
     steps = np.arange(K)
     dp_total = cfg.degree("dp") * cfg.degree("fsdp")
     loss_curve = 2.2 + 8.0 * np.exp(-steps / (0.3 * K + 1))
@@ -253,14 +253,14 @@ class _Sink:
     """Where the generator's tables go: a part file each, or (``packs``) gathered per kind until ``flush``
     writes one pack of them (``agent.collector.packs.write_tables``, the agent's own pack writer)."""
 
-    def __init__(self, base: Path, *, run: str, packs: bool) -> None:
-        self.base, self.run, self.packs = base, run, packs
+    def __init__(self, layout: StoreLayout, *, run: str, packs: bool) -> None:
+        self.layout, self.run, self.packs = layout, run, packs
         self._held: dict[str, list[tuple[int, str, pa.Table]]] = {}
 
     def put(self, kind: str, rank: int, part: str, *, table: dict, stream: str = "") -> int:
         """``stream``: the spool stream the rows came from (default: the rank's own, ``syn<rank>``)."""
         if not self.packs:
-            return _put(self.base, kind, self.run, rank, part, table)
+            return _put(self.layout, kind, self.run, rank, part, table)
         schema = stored_schema(kind)
         t = pa.Table.from_pydict({f.name: table[f.name] for f in schema}, schema=schema)
         self._held.setdefault(kind, []).append((rank, stream or f"syn{rank}", t))
@@ -268,16 +268,16 @@ class _Sink:
 
     def flush(self) -> None:
         for kind, held in self._held.items():
-            packs.write_tables(self.base / kind / f"run={self.run}" / packs.PACKS_DIR, kind=kind,
+            packs.write_tables(Path(self.layout.packs(kind, self.run)), kind=kind,
                                tables=[packs.ranked(t, rank=r, stream=st) for r, st, t in held],
                                ranges=[(r, st, 0, max(len(t), 1)) for r, st, t in held])
         self._held.clear()
 
 
-def _put(base: Path, kind: str, run: str, rank: int, part: str, table: dict) -> int:
+def _put(layout: StoreLayout, kind: str, run: str, rank: int, part: str, table: dict) -> int:
     """Write one part file, rows in step order, one row group. (Row groups of ~100 steps were measured
     too: they let a step window skip data, but the larger footers cost more per file than they saved.)"""
-    path = base / kind / f"run={run}" / f"rank={rank}" / part
+    path = Path(layout.partition(kind, run=run, rank=rank)) / part
     path.parent.mkdir(parents=True, exist_ok=True)
     schema = stored_schema(kind)  # as the agent stores it: partition keys (the run kind's rank) dropped
     # The agent's encodings (agent.collector.parts): dictionaries for strings, byte-stream-split floats,
