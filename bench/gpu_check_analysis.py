@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import pandas as pd
 
+from meshscope.agent.contract import mfu as model_flops_utilisation
 from meshscope.dashboard.stragglers import first_steady_step
 
 MFU_GOAL = 0.45  # the goal for the 1b flavor on one H100
@@ -94,8 +95,8 @@ def train_summary(steps: list[dict], *, peak_flops: float) -> dict:
     series = pd.DataFrame({"step": [s["step"] for s in rows], "step_time_s": [s["wall_s"] for s in rows]})
     first = first_steady_step(series, run_first_step=rows[0]["step"])
     steady = [s for s in rows if s["step"] >= first]
-    mfu = (statistics.median(s["flops"] / s["wall_s"] / peak_flops for s in steady) if peak_flops > 0
-           else float("nan"))
+    mfu = statistics.median(model_flops_utilisation(flops=s["flops"], seconds=s["wall_s"], peak_flops=peak_flops)
+                            for s in steady)
     own = [_num(s.get("mfu")) for s in steady if math.isfinite(_num(s.get("mfu")))]
     cpu = [_num(s.get("cpu_s")) for s in steady if math.isfinite(_num(s.get("cpu_s")))]
     cpu_wait = [_num(s.get("cpu_wait_s")) for s in steady if math.isfinite(_num(s.get("cpu_wait_s")))]

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from meshscope.agent.contract import bubble_theory, busbw_factor, normalize_schedule
+from meshscope.agent.contract import bubble_theory, busbw_factor, normalize_schedule, training_flops_per_token
+from meshscope.agent.contract import mfu as model_flops_utilisation
 from meshscope.dashboard.calibration import SHARED, SHARING_EXPONENT, Calibration, ModelShape, Rate, local_params, nonneg_line
 from meshscope.dashboard.layouts import SIMULATED, Layout, candidates, family, measured_layout
 from meshscope.dashboard.links import NOMINAL_BUS_BW, Links, act_bytes
@@ -93,7 +94,8 @@ def scaled_model(model: ModelShape, lay: Layout) -> ModelShape:
     n = layer * lay.n_layers + emb
     n_ne = n - model.vocab_size * lay.d_model
     return dataclasses.replace(model, n_layers=lay.n_layers, d_model=lay.d_model, n_params=n, n_params_nonembedding=n_ne,
-                               flops_per_token=6 * n_ne + 12 * lay.n_layers * lay.d_model * model.seq_len)
+                               flops_per_token=training_flops_per_token(n_matmul_params=n_ne, n_attention_layers=lay.n_layers,
+                                                                        attention_dim=lay.d_model, seq_len=model.seq_len))
 
 
 def sharing(cal: Calibration, *, k: int, exposed_share: float, residual: float = 1.0) -> float:
@@ -163,7 +165,7 @@ def predict(cal: Calibration, lay: Layout, *, ranks_per_host: int | None = None,
                          shared=phi > 1)
     return Prediction(
         layout=lay, step_time_s=step, tokens_per_s=tokens / step,
-        mfu=flops / step / cal.peak_flops if cal.peak_flops > 0 else math.nan, peak_memory_bytes=peak, memory_fits=fits,
+        mfu=model_flops_utilisation(flops=flops, seconds=step, peak_flops=cal.peak_flops), peak_memory_bytes=peak, memory_fits=fits,
         breakdown={"compute_s": parts["compute_s"], "optimizer_s": parts["optimizer_s"], "bubble_s": parts["bubble_s"],
                    "other_s": parts["other_s"], "exposed_comm_s": parts["comm"], "sharing": phi},
         extrapolated=tuple(notes))

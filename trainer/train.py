@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from meshscope.agent.contract import mfu as model_flops_utilisation
 from meshscope.agent.instrument.flops import device_peak
 from meshscope.agent.instrument.nulltelemetry import NullTelemetry
 from meshscope.agent.instrument.telemetry import Telemetry
@@ -182,7 +183,7 @@ class Trainer:
                     r = self.train_step(step, tel)
                 prof.step(step)
                 dt = time.perf_counter() - t0
-                mfu = r["flops"] / dt / self.peak_flops if self.peak_flops > 0 else float("nan")
+                mfu = model_flops_utilisation(flops=r["flops"], seconds=dt, peak_flops=self.peak_flops)
                 printer.step(step, loss=r["loss"], lr=r["lr"], tokens_per_s=self.tokens_per_step / dt, step_s=dt,
                              mfu=mfu, grad_norm=r["grad_norm"], skipped=r["skipped"])
                 done = step + 1

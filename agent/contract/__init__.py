@@ -22,7 +22,7 @@ for them (transport and collector import the contract, never the instrumentation
 from meshscope.agent.contract.bandwidth import algbw, busbw, busbw_factor
 from meshscope.agent.contract.clock import AnchoredClock, Clock
 from meshscope.agent.contract.formulas import (
-    bubble_theory, canonical_strategy, normalize_schedule, strategy_name, training_flops_per_token,
+    bubble_theory, canonical_strategy, mfu, normalize_schedule, strategy_name, training_flops_per_token,
 )
 from meshscope.agent.contract.names import (
     PACK_RE, PART_RE, SPOOL_NAME, check_run_name, is_run_name, pack_name, part_name, spool_path,
@@ -41,5 +41,5 @@ __all__ = [
     "MemoryRecord", "RunRecord", "SpanRecord", "StepRecord", "algbw", "busbw", "busbw_factor", "check_run_name", "is_run_name",
     "pack_name", "part_name", "record_types", "spool_path", "FACTORIES", "TAGS", "collective_record", "event_record", "gpu_record",
     "memory_record", "run_record", "span_record", "step_record", "canonical_strategy", "strategy_name",
-    "training_flops_per_token", "bubble_theory", "normalize_schedule",
+    "training_flops_per_token", "bubble_theory", "mfu", "normalize_schedule",
 ]

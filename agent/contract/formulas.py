@@ -1,5 +1,5 @@
-"""Formulas every side computes the same way: training FLOPs per token, the strategy vocabulary and a
-pipeline schedule's bubble.
+"""Formulas every side computes the same way: training FLOPs per token, MFU, the strategy vocabulary and
+a pipeline schedule's bubble.
 
 The reference trainer (from its model's shape), the zero-code driver (from a job's module census) and the
 pages (from the run record) all name a layout and count model FLOPs here, so the same layout is one series
@@ -45,6 +45,12 @@ def training_flops_per_token(*, n_matmul_params: float, n_attention_layers: int,
     (QKᵀ) and values (AV) matmuls over a sequence of S, forward and backward, in L layers of width D (heads
     × head dim), the causal mask NOT discounted (torchtitan's convention; Megatron halves it)."""
     return 6.0 * n_matmul_params + 12.0 * n_attention_layers * attention_dim * seq_len
+
+
+def mfu(*, flops: float, seconds: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: the model FLOPs done / the time taken / the device's peak FLOP/s. NaN (not
+    known, never 0) without a positive time or a peak to compare with (an unknown device, none given)."""
+    return flops / seconds / peak_flops if seconds > 0 and peak_flops > 0 else float("nan")
 
 
 # A pipeline schedule's names and closed-form bubble: the pages, the planner, the test store and the docs.

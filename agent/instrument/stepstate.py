@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Any
 
+from meshscope.agent.contract import mfu as model_flops_utilisation
 from meshscope.agent.contract import span_record, step_record
 from meshscope.agent.instrument.cpu import parse as parse_cpu
 from meshscope.agent.instrument.readout import as_float, read_loss
@@ -257,8 +258,7 @@ def step_rows(state: StepState, *, t_end: float, cpu_end: Any, spans: Any, epoch
     given = read_loss(v.get("loss"))
     loss = float("nan") if given is None else given
     flops = as_float(v.get("flops"), 0.0)
-    # no peak to compare with (an unknown device, or none given): MFU is not known, not 0
-    mfu = flops / wall / peak_flops if wall > 0 and peak_flops > 0 else float("nan")
+    mfu = model_flops_utilisation(flops=flops, seconds=wall, peak_flops=peak_flops)
     return span_rows, step_record(
         step=state.step, t_start=state.t_start, t_end=t_end, wall_s=wall, compute_s=compute,
         exposed_comm_s=state.exposed, bubble_s=bubble, other_s=other, data_s=state.phases.get("data", 0.0),

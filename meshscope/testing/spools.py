@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from meshscope.agent.contract import DIMS, OPS, SCHEMAS, spool_path
+from meshscope.agent.contract import DIMS, OPS, SCHEMAS, mfu, spool_path
 from meshscope.agent.transport.frame import encode_data_frame, encode_file_header
 
 # A 3-D parallel layout's collectives: (op, dim) pairs a rank issues every step.
@@ -56,7 +56,7 @@ def step_table(*, steps: np.ndarray, t0: float, rank: int, rng: np.random.Genera
         "step": steps, "t_start": t_start, "t_end": t_start + wall, "wall_s": wall, "compute_s": compute,
         "exposed_comm_s": exposed, "bubble_s": bubble, "other_s": other, "data_s": 0.01 * wall,
         "forward_s": compute / 3, "backward_s": 2 * compute / 3, "optimizer_s": 0.02 * wall,
-        "tokens": np.full(n, 4096), "flops": np.full(n, 4096 * 6e9), "mfu": 4096 * 6e9 / wall / 989e12,
+        "tokens": np.full(n, 4096), "flops": np.full(n, 4096 * 6e9), "mfu": np.array([mfu(flops=4096 * 6e9, seconds=w, peak_flops=989e12) for w in wall]),
         "loss": loss, "loss_nonfinite": np.zeros(n, bool), "grad_norm": np.ones(n), "lr": np.full(n, 3e-4),
         "skipped": np.zeros(n, bool), "n_collectives": np.full(n, 40), "dropped_records_total": np.zeros(n),
         "cpu_s": compute + other, "cpu_wait_s": np.zeros(n),

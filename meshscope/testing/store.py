@@ -39,7 +39,7 @@ from meshscope.agent.collector.store import stored_schema
 from meshscope.agent.contract import DIMS, SCHEMAS
 from meshscope.agent.contract import strategy_name
 from meshscope.dashboard import pipeline_sim
-from meshscope.agent.contract import normalize_schedule
+from meshscope.agent.contract import mfu, normalize_schedule
 from meshscope.agent.contract.storelayout import StoreLayout
 from meshscope.dashboard.analysis import busbw_factor
 from meshscope.dashboard.memory_model import ModelSpec, memory_model
@@ -215,7 +215,7 @@ def write_store(root: str | Path, *, config: SyntheticConfig) -> dict[str, int]:
             "compute_s": compute[r], "exposed_comm_s": exposed, "bubble_s": bubble, "other_s": oth,
             "data_s": data[r], "forward_s": compute[r] / 3, "backward_s": compute[r] * 2 / 3,
             "optimizer_s": optim[r], "tokens": np.full(K, tokens_global // dp_total),
-            "flops": np.full(K, flops_rank), "mfu": flops_rank / wall / PEAK_FLOPS, "loss": loss,
+            "flops": np.full(K, flops_rank), "mfu": np.array([mfu(flops=flops_rank, seconds=w, peak_flops=PEAK_FLOPS) for w in wall]), "loss": loss,
             "loss_nonfinite": np.zeros(K, bool), "grad_norm": 1.0 + 0.2 * np.abs(rr.standard_normal(K)),
             "lr": lr, "skipped": np.zeros(K, bool), "n_collectives": np.full(K, len(ops[r])),
             "dropped_records_total": np.zeros(K, np.int64),
