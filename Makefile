@@ -56,8 +56,9 @@ install-servers:
 demo: install install-servers
 	$(PY) -m meshscope demo
 
+# Every test's duration goes to artifacts/junit.xml (CI keeps it; bench/suite_durations.py reads it).
 test: install install-servers
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --junitxml=artifacts/junit.xml
 
 test-fast: install
 	$(PY) -m pytest tests -m "not gloo and not server and not browser"
