@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(args.measure)))
         return 0
 
-    from meshscope.testing.spools import write_run
+    from tests.support.spools import write_run
 
     tmp = Path(tempfile.mkdtemp(prefix="meshscope-bench-"))
     try:

@@ -58,7 +58,7 @@ from meshscope.agent.collector.reader import Store  # noqa: E402
 from meshscope.agent.contract import KINDS  # noqa: E402
 from meshscope.agent.contract.storelayout import StoreLayout  # noqa: E402
 from meshscope.dashboard import data, views  # noqa: E402
-from meshscope.testing.store import Straggler, SyntheticConfig, write_store  # noqa: E402
+from tests.support.store import Straggler, SyntheticConfig, write_store  # noqa: E402
 
 GENERATOR = "v6"  # bump when the synthetic model changes, to regenerate the cached store
 
@@ -260,7 +260,7 @@ def _main(a: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     os.environ["MESHSCOPE_CACHE_DIR"] = a.cache or str(stack.enter_context(tempfile.TemporaryDirectory()))
     if a.s3:
         from meshscope.agent.collector import objectstore, remote
-        from meshscope.testing.s3 import moto_server, s3_env
+        from tests.support.s3 import moto_server, s3_env
 
         moto = stack.enter_context(moto_server())
         moto.create_bucket("bench")

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from meshscope.agent.collector.reader import read_table  # noqa: E402
 from bench.telemetry_overhead import bootstrap_ci  # noqa: E402
-from meshscope.testing.harness import AgentProcess, Job, poll_until  # noqa: E402
+from tests.support.harness import AgentProcess, Job, poll_until  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,7 @@ Builds a small torch C++ extension (``torch.utils.cpp_extension.load_inline``: a
 headers; ~30 s the first time, cached after) whose boxed kernels for ``_c10d_functional::all_reduce`` and
 ``wait_tensor``, registered at ``--key``, take a CLOCK_MONOTONIC reading, redispatch to torch's kernel, key
 the output by its data pointer and, at the wait, write (t0, t1, wait, bytes) into a ring: what a meshscope
-site records, with no Python. Measured in the funcol loop of ``meshscope.testing.hookcost`` (the ``fake``
+site records, with no Python. Measured in the funcol loop of ``tests.support.hookcost`` (the ``fake``
 backend, ``funcol.all_reduce(t, "sum", group).wait()``), training-thread CPU per op:
 
 - ``record``: in one process with the kernels registered, a global flag on / off in alternating blocks
@@ -100,7 +100,7 @@ def _extension(key: str):
 
 def child(key: str, mode: str, calls: int, blocks: int) -> dict:
     """Training-thread CPU per op, as ``hookcost._ab`` measures it (ABBA blocks, the GC paused)."""
-    from meshscope.testing.hookcost import _ab
+    from tests.support.hookcost import _ab
 
     ext = None if mode == "none" else _extension(key)
     op = _op()

@@ -3,7 +3,7 @@
 bench/hooks_overhead.py measures the per-op cost on CPU tensors (gloo's path, where the C sites run). On a
 GPU every op takes the Python sites and the CUDA-event timing of ``agent/instrument/comm_nccl.py`` instead:
 two or more events recorded per op (``torch.Event``), resolved on the telemetry's flusher thread
-(``drain``). This section measures that path the same way (``meshscope.testing.hookcost``'s A/B:
+(``drain``). This section measures that path the same way (``tests.support.hookcost``'s A/B:
 alternating blocks with and without the tracer attached, the calling thread's CPU time, the garbage
 collector paused in the blocks, the median over blocks of the difference), on NCCL world size 1 with a
 small tensor so that the GPU's own work is negligible. The recorder is the real telemetry core, a step
@@ -44,7 +44,7 @@ def measure(*, device: Any, calls: int = CALLS, blocks: int = BLOCKS) -> dict:
 
     from meshscope.agent.instrument.collectives import CollectiveTracer
     from meshscope.agent.instrument.telemetry import Telemetry, TelemetryConfig
-    from meshscope.testing.hookcost import _ab
+    from tests.support.hookcost import _ab
 
     cuda = device.type == "cuda"
     world = dist.group.WORLD
@@ -167,7 +167,7 @@ def render_opcost(data: dict) -> Rendered:
         f"against the same op untraced (`TORCH_NCCL_ENABLE_TIMING={data.get('nccl_timing_env') or 'unset'}`: "
         "with it, NCCL records its own start event per op, and each op's duration is NCCL's): "
         f"{data.get('blocks')} alternating blocks of {data.get('calls')} ops, the "
-        "training thread's CPU time, the median of the per-block difference (`meshscope.testing.hookcost`). "
+        "training thread's CPU time, the median of the per-block difference (`tests.support.hookcost`). "
         f"The traced arm flushes the tracer every {FLUSH_EVERY} ops, as a step's end does; the events are "
         "resolved where the tracer is drained, on the telemetry's flusher thread.",
         "",

@@ -59,7 +59,7 @@ def world_of_one():
     import torch
     import torch.distributed as dist
 
-    from meshscope.testing.profiler import free_port
+    from tests.support.profiler import free_port
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()))

@@ -12,7 +12,7 @@ agent/instrument/_funcol_kernels.cpp) and reports, as one JSON object:
    ``query`` + ``elapsedTime``, and an event's destruction (medians of ``BLOCKS`` runs of ``CALLS``);
 2. ``python``: the same pieces through torch's Python API, in the same process;
 3. ``per_op``: a blocking 1 KiB NCCL all-reduce (world size 1), the training thread's CPU per op above the
-   untraced op (``meshscope.testing.hookcost``'s ABBA blocks) with two C++ marks around it (a Python call
+   untraced op (``tests.support.hookcost``'s ABBA blocks) with two C++ marks around it (a Python call
    each: a C site would not pay that) and with two ``torch.Event``\\ s, as the tracer records today;
 4. ``agreement``: per op queued behind a matmul, the C++ pair's elapsed time inside the Python pair's.
 
@@ -68,7 +68,7 @@ def per_op(ext: Any, device: Any) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from meshscope.testing.hookcost import _ab
+    from tests.support.hookcost import _ab
 
     t = torch.ones(256, device=device)
     arm = {"form": None}

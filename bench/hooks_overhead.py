@@ -2,7 +2,7 @@
 
     python bench/hooks_overhead.py [--calls 2000] [--blocks 15] [--steps 8] [--step-blocks 12] [--part all|calls|steps]
 
-Per call (``meshscope.testing.hookcost``: the method is in its docstring; each path in a process of its
+Per call (``tests.support.hookcost``: the method is in its docstring; each path in a process of its
 own): each hook path through the real Python API and the real C++ dispatch of torch's ``fake`` backend, the real telemetry core as the
 recorder; training-thread CPU time per op, the median over ABBA blocks of (with − without). Goal: ≤ 2 µs
 per op on every collective / P2P path and DDP bucket, ≤ 0.3 µs per pipeline span. Beside them, the
@@ -16,7 +16,7 @@ where built: ``sites``) and again in the pure-Python form (``per_call_python_us`
 the per-step attribution in that form is the ``*_python`` figures). The functional collectives are traced by
 kernels in torch's dispatcher where those are built (``funcol``: agent/instrument/funcol_kernels.py), and
 measured again with the sites those replace (``per_call_funcol_sites_us``, ``MESHSCOPE_FUNCOL_KERNELS=0``).
-The per-call blocks pause the garbage collector, so ``sustained`` (``meshscope.testing.gccost``) adds what
+The per-call blocks pause the garbage collector, so ``sustained`` (``tests.support.gccost``) adds what
 they cannot see: 100,000 traced all-reduces in one loop with the GC on, a step every 10 ops, against the
 same loop untraced, with the time the GC ran on the training thread per generation.
 
@@ -55,8 +55,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from meshscope.agent.instrument import funcol_kernels, native  # noqa: E402
-from meshscope.testing.gccost import sustained_isolated  # noqa: E402
-from meshscope.testing.hookcost import _ab, free_port, init_gloo, light_profiler, per_call_isolated  # noqa: E402
+from tests.support.gccost import sustained_isolated  # noqa: E402
+from tests.support.hookcost import _ab, free_port, init_gloo, light_profiler, per_call_isolated  # noqa: E402
 
 
 def ddp_hook_per_call(calls: int, blocks: int) -> dict[str, Any]:
@@ -348,7 +348,7 @@ BATCHED_P2P_ARMS = frozenset({"pp_1f1b"})
 
 
 def _path(source_op: str, *, batched: bool = False, ddp: str = "ddp_comm_hook") -> str:
-    """The per-call path that times an op of this ``source/op`` (see ``meshscope.testing.hookcost``);
+    """The per-call path that times an op of this ``source/op`` (see ``tests.support.hookcost``);
     ``batched``: P2P ops come through ``batch_isend_irecv``; ``ddp``: the path of DDP's buckets (their
     kernel in the dispatcher, ``ddp_kernel_bucket``, where the arms ran it; else the comm hook)."""
     source, op = source_op.split("/")

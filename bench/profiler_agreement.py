@@ -3,7 +3,7 @@
 Method: the trainer profiles steps A:B (``--profile-dir``/``--profile-steps``, a Chrome trace per rank)
 with telemetry on; the agent's ``ingest`` writes the store. Per rank, step, gloo op and path, the
 telemetry's Σ(t_end − t_start) is compared with the profiler's Σ(issue → observed completion),
-``profiler_op_refs`` in ``meshscope/testing/profiler.py`` (the same one ``tests/test_telemetry_e2e.py``
+``profiler_op_refs`` in ``tests/support/profiler.py`` (the same one ``tests/test_telemetry_e2e.py``
 asserts on): c10d issue event start → ``gloo:*`` range end, and for functional collectives (TP)
 ``_c10d_functional::<op>`` start → ``wait_tensor`` end.
 
@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from meshscope.agent.collector.reader import read_table  # noqa: E402
 from bench.telemetry_overhead import STRATEGIES  # noqa: E402  (the same jobs as the overhead A/B)
 from meshscope.trainer.model import FLAVORS  # noqa: E402
-from meshscope.testing.profiler import (  # noqa: E402  (the profiler mapping lives with the tests)
+from tests.support.profiler import (  # noqa: E402  (the profiler mapping lives with the tests)
     OP_TO_GLOO, chrome_trace_events, init, profiler_op_refs, profiler_step_totals, spawn, tracer_op_refs,
 )
 

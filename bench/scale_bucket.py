@@ -6,17 +6,17 @@ uploading to one S3 bucket; freshness, agent CPU, uploads, and the dashboard and
                                  [--read-interval 2] [--writers 1] [--cold-sync] [--endpoint URL --bucket NAME]
 
 Method
-1. A moto S3 server on 127.0.0.1 (``meshscope.testing.s3``; or ``--endpoint``, credentials from the
+1. A moto S3 server on 127.0.0.1 (``tests.support.s3``; or ``--endpoint``, credentials from the
    AWS_* variables) and one bucket; every agent uploads to the same prefix ``s3://BUCKET/scale/<run>-<time>``.
 2. One run of world size N x 8: node k's store holds the spools of ranks 8k..8k+7. The records are
-   ``meshscope.testing.spoolgen``'s live job (``testing.store``'s Llama-8B pp=4 x fsdp model, the one
+   ``tests.support.spoolgen``'s live job (``testing.store``'s Llama-8B pp=4 x fsdp model, the one
    ``bench/dashboard_pages.py`` reads: per rank and step 1 step record, 20 collectives, 8 pipeline spans,
    1 memory record, plus the run record and start/end events), replayed on the wall clock at ``--step-s``
    per step: a collective reaches its rank's spool writer when its t_end has passed, a step's step, span
    and memory records when it has ended, and every ``--flush-s`` each rank's ``SpoolWriter`` (the
    transport's writer) encodes and appends what it got, as a real rank's writer thread does.
 3. One ``meshscope agent --store NODE --upload s3://... --part-age S --poll-interval S --gpu-interval 0``
-   process per node (``meshscope.testing.harness.AgentProcess``), started before the job.
+   process per node (``tests.support.harness.AgentProcess``), started before the job.
 4. After ``--warmup`` seconds the window of ``--duration`` seconds starts. Throughout, a thread of this
    process reads the bucket like ``report`` does, every ``--read-interval`` s (back to back when a read
    takes longer): a sync of the bucket into the local cache
@@ -89,7 +89,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from meshscope.testing.spoolgen import LiveJob, Schedule, make_template  # noqa: E402
+from tests.support.spoolgen import LiveJob, Schedule, make_template  # noqa: E402
 from scale_bucket_figures import (  # noqa: E402
     GOAL_FRESH_P95_S, Freshness, bucket_totals, print_table, process_cpu_s, snapshot, summary, window_figures)
 
@@ -187,7 +187,7 @@ class Writers:
 def endpoint(args) -> Iterator[tuple[str, psutil.Process | None]]:
     """(endpoint URL, moto's process or None), the bucket created, the AWS variables set for the agents
     (which inherit this environment) and for this process's readers."""
-    from meshscope.testing.s3 import moto_server, s3_env
+    from tests.support.s3 import moto_server, s3_env
 
     if args.endpoint:  # the caller's credentials and region where set, moto's test ones otherwise
         for k, v in s3_env(args.endpoint).items():
@@ -296,7 +296,7 @@ class Agents:
 
     def start(self, nodes: int, *, root: Path, extra: tuple[str, ...], poll_interval: float,
               pool: ThreadPoolExecutor) -> None:
-        from meshscope.testing.harness import AgentProcess
+        from tests.support.harness import AgentProcess
 
         def one(node: int) -> None:
             self.by_node[node] = AgentProcess(node_store(root, node), *extra, poll_interval=poll_interval)

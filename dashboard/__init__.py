@@ -5,5 +5,5 @@ confined, fault-tolerant DuckDB over the Parquet) -> ``data`` (SQL aggregates pe
 DataFrame out) -> ``figures`` (pure Plotly) -> ``views`` (what a page shows, without Streamlit) ->
 ``app_pages`` (layout only) under ``app.py``; ``ui`` holds the Streamlit glue and caches,
 ``cli`` the ``meshscope dashboard`` command. The synthetic stores of the tests and benchmarks are in
-``meshscope.testing``.
+``tests/support`` (not installed).
 """

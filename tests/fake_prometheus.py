@@ -12,7 +12,7 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from meshscope.dashboard.live import METRICS
-from meshscope.testing.harness import free_port  # noqa: E402,F401
+from tests.support.harness import free_port  # noqa: E402,F401
 
 
 def value_for(query: str, rank: int) -> float | None:

@@ -31,14 +31,14 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from meshscope.testing.harness import agent_thread, poll_until, terminate
+from tests.support.harness import agent_thread, poll_until, terminate
 import yaml
 
 from meshscope.agent import stack
 from meshscope.agent.collector.agent import Agent, AgentConfig
 from meshscope.agent.contract import SCHEMAS, AnchoredClock, spool_path
 from meshscope.agent.transport.frame import encode_data_frame, encode_file_header
-from meshscope.testing.spools import run_table, step_table
+from tests.support.spools import run_table, step_table
 from tests.conftest import trainer_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT / "grafana" / "tools"))  # grafana/tools is scripts,
 
 import dashgen  # noqa: E402
 import rulegen  # noqa: E402
-from meshscope.testing.harness import free_port as _free_port  # noqa: E402,F401
+from tests.support.harness import free_port as _free_port  # noqa: E402,F401
 
 pytestmark = [
     pytest.mark.server,

@@ -8,7 +8,7 @@ import os
 
 from meshscope.agent.collector.catchup import catch_up, lock_store, pending_bytes
 from meshscope.agent.collector.reader import read_table
-from meshscope.testing.spools import write_run
+from tests.support.spools import write_run
 
 
 def test_spools_reach_the_tables_once(tmp_path):

@@ -60,7 +60,7 @@ def test_port_in_use_is_a_clear_error(tmp_path):
 
 
 def test_once_ingests_and_exits(tmp_path, capsys):
-    from meshscope.testing.spools import write_run
+    from tests.support.spools import write_run
 
     counts = write_run(tmp_path, run="r", world_size=2, steps=3, collectives_per_step=4, frame_rows=4)
     assert agent_main(["--store", str(tmp_path), "--once", "--gpu-interval", "0"]) == 0

@@ -311,7 +311,7 @@ def test_the_ingest_path_does_not_load_the_store_reader(tmp_path):
     ingest`` in a fresh interpreter, over a real spool: importing the command loads neither, and running
     it never loads DuckDB or the reader. (pandas does load while ingesting: pyarrow's ``to_numpy`` of a
     chunked column, in the metric state, imports it.)"""
-    from meshscope.testing.spools import write_run
+    from tests.support.spools import write_run
 
     write_run(tmp_path, run="r1", world_size=2, steps=4, collectives_per_step=3)
     reader = ("duckdb", "meshscope.agent.collector.reader")

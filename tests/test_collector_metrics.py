@@ -18,7 +18,7 @@ from meshscope.agent.collector.exposition import MeshscopeCollector
 from meshscope.agent.collector.state import MetricsState
 from meshscope.agent.contract import CollectiveRecord, EventRecord, GpuRecord, MemoryRecord, StepRecord
 from meshscope.agent.transport.frame import rows_to_batch
-from meshscope.testing.spools import ALL_OPS_DIMS, collective_table, run_table
+from tests.support.spools import ALL_OPS_DIMS, collective_table, run_table
 
 
 def table(kind: str, rows: list[tuple]) -> pa.Table:

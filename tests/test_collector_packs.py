@@ -210,7 +210,7 @@ def test_the_report_reads_a_store_of_packs_as_the_same_store_of_parts(tmp_path):
     # parts and as one pack per host and kind.
     from meshscope.agent.collector.reader import Store
     from meshscope.dashboard import report, views
-    from meshscope.testing.store import Straggler, SyntheticConfig, write_store
+    from tests.support.store import Straggler, SyntheticConfig, write_store
 
     reports = {}
     for layout in ("parts", "packs"):

@@ -13,7 +13,7 @@ import pytest
 from meshscope.agent.collector import compact, packs
 from meshscope.agent.collector.reader import SKIPPED, Store
 from meshscope.agent.contract import KINDS, StepRecord
-from meshscope.testing.store import Straggler, SyntheticConfig, write_store
+from tests.support.store import Straggler, SyntheticConfig, write_store
 from test_collector_ingest import Clock, step_rows, writer
 from test_collector_packs import RANKS, _close, feed, ingestor
 

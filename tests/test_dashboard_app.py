@@ -11,7 +11,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from meshscope.dashboard import live
-from meshscope.testing.store import Straggler, SyntheticConfig, write_store
+from tests.support.store import Straggler, SyntheticConfig, write_store
 from fake_prometheus import FakePrometheus
 
 APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
@@ -77,7 +77,7 @@ def test_every_page_on_a_store_written_by_the_agent(monkeypatch, tmp_path):
     # The agent's own path: rank spools -> `meshscope ingest` -> Parquet parts (its naming, encodings,
     # the run kind without its rank column, nullable columns for CPU memory).
     from meshscope.agent.collector.cli import ingest_main
-    from meshscope.testing.spools import write_run
+    from tests.support.spools import write_run
 
     write_run(tmp_path, run="agent-run", world_size=8, steps=20, slow_rank=3)
     assert ingest_main(["--store", str(tmp_path)]) == 0

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from meshscope.testing.harness import terminate
-from meshscope.testing.store import Straggler, SyntheticConfig, write_store
+from tests.support.harness import terminate
+from tests.support.store import Straggler, SyntheticConfig, write_store
 from fake_prometheus import FakePrometheus, free_port
 
 pytestmark = pytest.mark.browser
@@ -131,7 +131,7 @@ def test_sigterm_while_the_dashboard_builds_a_segment_exits_cleanly(tmp_path):
     import pyarrow.parquet as pq
 
     from meshscope.agent.collector import packs
-    from meshscope.testing.store import SyntheticConfig, write_store
+    from tests.support.store import SyntheticConfig, write_store
 
     if not (os.path.exists(CHROMIUM) and shutil.which(CHROMIUM)):
         pytest.skip(f"Debian chromium not installed at {CHROMIUM} (apt-get install -y chromium)")

@@ -12,7 +12,7 @@ import pytest
 
 from meshscope.agent.collector.reader import Store
 from meshscope.dashboard import analysis, data, views
-from meshscope.testing.store import Straggler, SyntheticConfig, write_store
+from tests.support.store import Straggler, SyntheticConfig, write_store
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from meshscope.dashboard import live
-from meshscope.testing.harness import terminate
+from tests.support.harness import terminate
 from fake_prometheus import FakePrometheus, free_port
 
 

@@ -16,7 +16,7 @@ import pytest
 from meshscope.agent.collector.reader import SKIPPED, Store, StoreError, read_table
 from meshscope.agent.contract import SCHEMAS
 from meshscope.dashboard import analysis, data
-from meshscope.testing.store import Straggler, SyntheticConfig, write_store
+from tests.support.store import Straggler, SyntheticConfig, write_store
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from meshscope.agent.collector.store import stored_schema
 from meshscope.agent.contract import SCHEMAS
 from meshscope.dashboard import analysis
 from meshscope.dashboard.pipeline_sim import simulate
-from meshscope.testing.store import Straggler, SyntheticConfig, main, write_store
+from tests.support.store import Straggler, SyntheticConfig, main, write_store
 
 
 # --------------------------------------------------------------------------------- pipeline_sim

@@ -8,7 +8,7 @@ import pytest
 
 from meshscope.agent.collector.reader import Store
 from meshscope.dashboard import data, views
-from meshscope.testing.store import Straggler, SyntheticConfig, write_store
+from tests.support.store import Straggler, SyntheticConfig, write_store
 
 
 def _load(root, **runs) -> tuple[Store, views.Loader]:

@@ -30,7 +30,7 @@ import psutil
 import pytest
 
 from meshscope.agent.collector.reader import read_table
-from meshscope.testing.harness import (
+from tests.support.harness import (
     AgentProcess, Job, compare_store_to_truth, poll_until, private_dir, spool_sizes_of, spool_truth,
 )
 

@@ -42,7 +42,7 @@ import pytest
 from meshscope.agent.collector.reader import read_table
 from meshscope.agent.transport.frame import REJECT_REASONS
 from meshscope.agent.transport.writer import DEFAULT_MAX_HOLD_BYTES, SpoolWriter
-from meshscope.testing.harness import (
+from tests.support.harness import (
     AgentProcess, Job, compare_store_to_truth, poll_until, private_dir, spool_sizes_of, spool_truth,
 )
 

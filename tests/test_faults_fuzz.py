@@ -48,7 +48,7 @@ from meshscope.agent.transport.frame import (
     encode_data_frame, encode_file_header, encode_frame, rows_to_batch,
 )
 from meshscope.agent.transport.reader import SpoolReader
-from meshscope.testing.harness import AgentProcess, poll_until, private_dir
+from tests.support.harness import AgentProcess, poll_until, private_dir
 
 RUN = "fz"
 FAST = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 
 from meshscope.agent.collector.reader import read_table
-from meshscope.testing.harness import (
+from tests.support.harness import (
     AgentProcess, Job, Metrics, compare_store_to_truth, newest_attempt, poll_until, private_dir, spool_files,
     spool_truth,
 )

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from meshscope.agent.collector.reader import read_table
-from meshscope.testing.harness import AgentProcess, Job, poll_until, private_dir
+from tests.support.harness import AgentProcess, Job, poll_until, private_dir
 
 pytestmark = pytest.mark.gloo
 

@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 
 from meshscope.agent.collector.cli import agent_main
 from meshscope.agent.security import Credentials, hash_password, promql_label_value, promql_regex_value, verify_password
-from meshscope.testing.harness import (
+from tests.support.harness import (
     ROOT, AgentProcess, env, free_port, parse_metrics, poll_until, private_dir, self_signed,
 )
 

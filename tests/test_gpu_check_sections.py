@@ -18,13 +18,13 @@ if str(ROOT) not in sys.path:  # bench/ is a folder of scripts, not an installed
 def on_cpu(module: str, kwargs: str) -> dict:
     """``bench.<module>.measure(device=cpu, <kwargs>)`` in a fresh process, on a gloo world of one: the
     device-agnostic sections run here as on a GPU, with CPU tensors."""
-    from meshscope.testing.hookcost import run_isolated
+    from tests.support.hookcost import run_isolated
 
     code = textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {str(ROOT)!r})
         import torch, torch.distributed as dist
-        from meshscope.testing.profiler import free_port
+        from tests.support.profiler import free_port
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         dist.init_process_group("gloo")
         from bench.{module} import measure

@@ -3,7 +3,7 @@ the untraced op, must stay under twice the goal's ratio (bench/hooks_overhead.py
 
 A ratio, not microseconds, so the check follows the machine's speed: the goal is ≤ 2 µs of training-
 thread CPU per collective / P2P op (≤ 0.3 µs per pipeline span) on the 2-core dev VM, where the untraced
-ops below cost ``UNTRACED_US`` (``meshscope.testing.hookcost.per_call``, median of 15 ABBA blocks, load
+ops below cost ``UNTRACED_US`` (``tests.support.hookcost.per_call``, median of 15 ABBA blocks, load
 average < 1, torch 2.13 CPU). With the C sites (agent/instrument/_hot.c) the paths measure 0.9-2.1 µs
 there, the span 0.1-0.4 µs; the Python form of the sites (``MESHSCOPE_NATIVE=0``) 1.8-4.5 µs.
 
@@ -27,7 +27,7 @@ import math
 
 import pytest
 
-from meshscope.testing.hookcost import per_call_isolated
+from tests.support.hookcost import per_call_isolated
 
 GOAL_US = {"pipeline_span": 0.3}  # every other path: 2 µs
 # Paths above their goal, guarded against their floor in the same run instead (see the module docstring).

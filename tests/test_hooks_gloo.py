@@ -2,7 +2,7 @@
 
 Each worker (``tests/workers/hooks_*.py``) runs a small model under one strategy with the tracers attached,
 then writes per-rank JSON: the tracer's records, the gloo flight recorder's entries for the same steps,
-per-step totals from a ``torch.profiler`` trace of the same steps (mapping in ``meshscope.testing.profiler``), and
+per-step totals from a ``torch.profiler`` trace of the same steps (mapping in ``tests.support.profiler``), and
 what ``detach`` left behind. The tests compare:
 
 (a) coverage: the tracer's count and bytes per op equal the flight recorder's (gloo records every
@@ -183,7 +183,7 @@ def test_tp_sees_every_funcol_all_reduce(tp: list[dict]) -> None:
 
 
 def test_tp_time_matches_profiler(tp: list[dict]) -> None:
-    # Observed completion of a functional collective is the return of its wait_tensor (see meshscope.testing.profiler).
+    # Observed completion of a functional collective is the return of its wait_tensor (see tests.support.profiler).
     assert_profiler_agrees(tp, reference="funcol_issue_to_wait_s")
 
 

@@ -16,7 +16,7 @@ import meshscope.agent
 ROOT = Path(__file__).resolve().parents[1]
 # checkout folder -> installed package (pyproject's package-dir)
 FOLDERS = {"agent": "meshscope.agent", "trainer": "meshscope.trainer", "dashboard": "meshscope.dashboard",
-           "grafana": "meshscope.grafana", "meshscope": "meshscope"}
+           "grafana": "meshscope.grafana", "meshscope": "meshscope", "tests/support": "tests.support"}
 GENERIC = {"agent", "trainer", "dashboard", "streamlit_app", "meshscope_cli"}
 
 
@@ -108,7 +108,7 @@ def test_no_import_circles():
 
 
 def _layer(name: str) -> str:
-    for prefix in ("meshscope.testing", "meshscope.agent", "meshscope.trainer", "meshscope.dashboard",
+    for prefix in ("tests.support", "meshscope.agent", "meshscope.trainer", "meshscope.dashboard",
                    "meshscope.grafana"):
         if name == prefix or name.startswith(prefix + "."):
             return prefix
@@ -120,7 +120,7 @@ def test_arrows_follow_the_data_path():
     helpers."""
     bad = sorted((a, b) for a, targets in GRAPH.items() for b in targets
                  if (_layer(a) == "meshscope.agent" and _layer(b) in ("meshscope.trainer", "meshscope.dashboard"))
-                 or (_layer(a) != "meshscope.testing" and _layer(b) == "meshscope.testing"))
+                 or (_layer(a) != "tests.support" and _layer(b) == "tests.support"))
     assert bad == []
 
 

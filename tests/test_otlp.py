@@ -31,7 +31,7 @@ from meshscope.agent.collector.exposition import MeshscopeCollector
 from meshscope.agent.collector.otlp import UNITS, OtlpConfig, OtlpPusher, StartTimes, endpoint_url
 from meshscope.agent.collector.state import MetricsState
 from meshscope.agent.contract import AnchoredClock, GpuRecord
-from meshscope.testing.spools import run_table, write_run
+from tests.support.spools import run_table, write_run
 from tests.test_collector_metrics import coll, ev, mem, step, table
 from tests.test_collector_process import fetch, poll_until
 

@@ -35,7 +35,7 @@ import yaml
 from meshscope.agent import catalog
 from meshscope.agent.collector.agent import Agent, AgentConfig
 from meshscope.agent.contract import AnchoredClock
-from meshscope.testing.harness import AgentProcess, Job, agent_thread, parse_metrics, poll_until, private_dir
+from tests.support.harness import AgentProcess, Job, agent_thread, parse_metrics, poll_until, private_dir
 from tests.conftest import ROOT
 from tests.test_alerting_e2e import RATE_INTERVAL, Prometheus, Webhook, _free_port, fake_nvml, write_gpu_run
 

@@ -11,7 +11,7 @@ import pytest
 
 from meshscope.agent.collector.reader import Store
 from meshscope.dashboard import report, views
-from meshscope.testing.store import Straggler, SyntheticConfig, write_store
+from tests.support.store import Straggler, SyntheticConfig, write_store
 from tests.conftest import ROOT
 
 

@@ -24,10 +24,10 @@ from meshscope.agent.collector.state import MetricsState
 from meshscope.agent.collector.upload import Uploader, UploadConfig
 from meshscope.agent.collector.reader import Store, StoreError, read_table
 from meshscope.agent.contract import pack_name, part_name
-from meshscope.testing.harness import (
+from tests.support.harness import (
     ROOT, AgentProcess, Job, compare_store_to_truth, poll_until, private_dir, spool_truth,
 )
-from meshscope.testing.s3 import Proxy, moto_server, s3_env
+from tests.support.s3 import Proxy, moto_server, s3_env
 
 pytestmark = [pytest.mark.server, pytest.mark.gloo]
 

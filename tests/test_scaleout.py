@@ -23,14 +23,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from meshscope.testing.harness import poll_until, terminate
+from tests.support.harness import poll_until, terminate
 import yaml
 
 from meshscope.agent import stack
 from meshscope.agent.collector.reader import Store
 from meshscope.dashboard import data, views
 from tests.conftest import ROOT, trainer_env
-from meshscope.testing.harness import free_port as _free_port  # noqa: E402,F401
+from tests.support.harness import free_port as _free_port  # noqa: E402,F401
 
 pytestmark = [
     pytest.mark.gloo,

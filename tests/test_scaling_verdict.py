@@ -10,7 +10,7 @@ import pytest
 from meshscope.agent.collector.reader import Store, read_table
 from meshscope.dashboard import views
 from meshscope.dashboard.scaling import MIN_FIT_SIZES, amdahl_fits, no_family_reason, run_throughput, scaling_table
-from meshscope.testing.store import SyntheticConfig, write_store
+from tests.support.store import SyntheticConfig, write_store
 from meshscope.dashboard import sweep
 
 

@@ -367,7 +367,7 @@ def test_collective_time_per_op_agrees_with_the_profiler(profiled_run):
     the telemetry's Σ(issue → observed completion) against the profiler's: c10d issue event start → gloo
     range end for hooks, FSDP comms and ``torch.distributed`` calls, ``_c10d_functional::<op>`` start →
     ``wait_tensor`` end for TP's functional collectives (``profiler_op_refs`` in
-    meshscope/testing/profiler.py says why). The median of the 8 profiled steps must agree within 10 %.
+    tests/support/profiler.py says why). The median of the 8 profiled steps must agree within 10 %.
 
     The median, not every step: the profiler's gloo range ends on gloo's worker thread after it has woken
     the waiting training thread, and on a 2-core machine running 2 ranks the OS often runs the woken thread
@@ -379,7 +379,7 @@ def test_collective_time_per_op_agrees_with_the_profiler(profiled_run):
     call's completion is the return of its wait, so the waiting thread's wake-up is in it. That costs
     12-62 us per op on a quiet 2-core machine (PP's ~1.4 ms all-reduces: ratio 1.03-1.05), and ~0.15 ms
     in a fresh-clone `make test` run (1.10, the strict 10 % failed there)."""
-    from meshscope.testing.profiler import OP_TO_GLOO, chrome_trace_events, profiler_op_refs, tracer_op_refs
+    from tests.support.profiler import OP_TO_GLOO, chrome_trace_events, profiler_op_refs, tracer_op_refs
 
     from meshscope.agent.collector.reader import Store
     from meshscope.dashboard import views

@@ -13,7 +13,7 @@ from meshscope.agent.collector.state import MetricsState
 from meshscope.agent.contract import CollectiveRecord, EventRecord, RunRecord, SpanRecord, StepRecord, spool_path
 from meshscope.agent.trace import main, parse_steps
 from meshscope.agent.transport.writer import SpoolWriter
-from meshscope.testing.spools import write_run
+from tests.support.spools import write_run
 
 
 class Clock:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from meshscope.agent.contract import SCHEMAS
 from meshscope.agent.transport.columns import column
-from meshscope.testing.hookcost import free_port
+from tests.support.hookcost import free_port
 
 TYPES = sorted({field.type for schema in SCHEMAS.values() for field in schema}, key=str)
 

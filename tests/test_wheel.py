@@ -33,8 +33,8 @@ def _third_party_imports() -> set[str]:
     names = set()
     for folder in PRODUCT:
         for path in (ROOT / folder).rglob("*.py"):
-            if "testing" in path.parts or "tools" in path.parts:
-                continue  # test helpers and the generators of shipped files run from a checkout
+            if "tools" in path.parts:
+                continue  # the generators of shipped files run from a checkout
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Import):
                     names.update(a.name.split(".")[0] for a in node.names)
@@ -59,9 +59,9 @@ def test_the_wheel_in_a_fresh_venv_trains_ingests_reports_and_runs_the_stack(tmp
     (wheel,) = dist.glob("meshscope-*.whl")
     import zipfile
 
-    # the product only: the test fixtures (meshscope/testing: moto, torch.testing._internal) stay in the checkout
+    # the product only: the test fixtures (tests/support: moto, torch.testing._internal) stay in the checkout
     names = zipfile.ZipFile(wheel).namelist()
-    assert not [n for n in names if n.startswith("meshscope/testing/") or n.startswith("tests/")], names
+    assert not [n for n in names if n.startswith(("tests/", "meshscope/testing/"))], names
     assert "meshscope/agent/zerocode/bootstrap/sitecustomize.py" in names
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=False).create(env_dir)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from meshscope.testing import profiler as hc
+from tests.support import profiler as hc
 
 
 class BrokenRecorder:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from meshscope.testing import profiler as hc
+from tests.support import profiler as hc
 
 WARMUP, STEPS, DELAY_S = 3, 4, 0.4
 

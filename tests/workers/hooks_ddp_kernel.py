@@ -9,7 +9,7 @@ import sys
 import tempfile
 import time
 
-from meshscope.testing import profiler as hc
+from tests.support import profiler as hc
 
 STEPS, DELAYED, DELAY_S = 4, 2, 0.4
 KEEP = ("op", "source", "bytes", "seq", "t_start", "t_end", "wait_s", "step")
@@ -22,7 +22,7 @@ def run(rank: int, world_size: int, port: int, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from meshscope.agent.instrument.telemetry import Telemetry, TelemetryConfig
-    from meshscope.testing.records import capture_records
+    from tests.support.records import capture_records
 
     hc.init(rank, world_size, port)
     torch.manual_seed(0)

@@ -16,7 +16,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from meshscope.agent.instrument.telemetry import Telemetry, TelemetryConfig
-from meshscope.testing.records import capture_records
+from tests.support.records import capture_records
 
 KEEP = ("op", "dim", "group", "group_size", "nbytes", "peer", "source", "seq", "t_start", "t_end", "wait_s")
 

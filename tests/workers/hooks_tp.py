@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from meshscope.testing import profiler as hc
+from tests.support import profiler as hc
 
 WARMUP, STEPS, BATCH, DIM, HIDDEN = 2, 4, 256, 512, 2048
 

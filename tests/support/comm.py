@@ -1,5 +1,5 @@
 """The collective model of the synthetic store: which collectives one rank issues per step, with what
-sizes, on which groups and links, and how long they take. See ``meshscope.testing.store`` for the whole model.
+sizes, on which groups and links, and how long they take. See ``tests.support.store`` for the whole model.
 
 Sizes follow docs/formulas.md: DDP all-reduces the bf16 gradients in 25 MiB buckets; FSDP all-gathers
 each unit's bf16 parameters (forward, and again in backward unless pipelined) and reduce-scatters its fp32
@@ -25,7 +25,7 @@ from meshscope.dashboard.analysis import busbw_factor
 if TYPE_CHECKING:
     import pandas as pd
 
-    from meshscope.testing.store import SyntheticConfig
+    from tests.support.store import SyntheticConfig
 
 MESH_ORDER = ("pp", "dp", "fsdp", "tp")  # outermost to innermost: tp stays within a host
 BUSBW = {"intra": 200e9, "inter": 45e9, "p2p_inter": 22e9}  # bytes/s, nominal

@@ -98,7 +98,7 @@ def sustained(*, ops: int = 100_000, rounds: int = 3, ops_per_step: int = 10) ->
 
 def sustained_isolated(*, ops: int = 100_000, rounds: int = 3, timeout_s: float = 300.0) -> dict[str, Any]:
     """``sustained`` in a fresh interpreter."""
-    from meshscope.testing.hookcost import run_isolated
+    from tests.support.hookcost import run_isolated
 
-    return run_isolated("from meshscope.testing.gccost import sustained; "
+    return run_isolated("from tests.support.gccost import sustained; "
                         f"result = sustained(ops={ops}, rounds={rounds})", what="sustained cost", timeout_s=timeout_s)

@@ -43,7 +43,7 @@ from meshscope.agent.contract import mfu, normalize_schedule
 from meshscope.agent.contract.storelayout import StoreLayout
 from meshscope.dashboard.analysis import busbw_factor
 from meshscope.dashboard.memory_model import ModelSpec, memory_model
-from meshscope.testing.comm import MESH_ORDER, coords_of, rank_ops, transfers
+from tests.support.comm import MESH_ORDER, coords_of, rank_ops, transfers
 
 MODELS: dict[str, dict] = {  # Llama-3-shaped presets (parameters with and without embeddings)
     "llama-1b": dict(n_params=1.24e9, n_params_nonembedding=0.97e9, n_layers=16, d_model=2048, seq_len=2048),
@@ -391,8 +391,8 @@ def _gpu_samples(cfg: SyntheticConfig, sink: _Sink, *, t0: float, t1: float, bus
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m meshscope.testing.store --out DIR [--mesh pp=2,fsdp=4] ...``"""
-    ap = argparse.ArgumentParser(prog="python -m meshscope.testing.store", description=__doc__.split("\n")[0])
+    """``python -m tests.support.store --out DIR [--mesh pp=2,fsdp=4] ...``"""
+    ap = argparse.ArgumentParser(prog="python -m tests.support.store", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--run", default="synthetic")
     ap.add_argument("--mesh", default="dp=8", help="comma-separated dim=degree, dims among pp,dp,fsdp,tp")

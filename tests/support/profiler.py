@@ -28,7 +28,7 @@ import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
-from meshscope.testing.harness import free_port  # noqa: E402,F401
+from tests.support.harness import free_port  # noqa: E402,F401
 
 # gloo range name → (issue event names, the tracer op(s) it corresponds to)
 GLOO_TO_ISSUE = {

@@ -27,7 +27,7 @@ import statistics
 import tempfile
 import time
 from typing import Any, Callable
-from meshscope.testing.harness import free_port  # noqa: E402,F401
+from tests.support.harness import free_port  # noqa: E402,F401
 
 
 def _ab(run: Callable[[], Any], on: Callable[[], None], off: Callable[[], None], *, calls: int,
@@ -179,7 +179,7 @@ def per_call(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] | No
         if profiling["p"] is not None:
             profiling["p"].__exit__(None, None, None)
             profiling["p"] = None
-    from meshscope.testing.hookcost_ddp import DDP_KERNEL_BUCKETS, ddp_hook_path, ddp_kernel_path
+    from tests.support.hookcost_ddp import DDP_KERNEL_BUCKETS, ddp_hook_path, ddp_kernel_path
 
     funcol_floor_on, funcol_floor_off = _floor_funcol(tel)
     ddp_hook, ddp_on, ddp_off = ddp_hook_path(tracer, world, t)
@@ -391,7 +391,7 @@ def per_call_isolated(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, 
     for path in paths:
         measured = (path, "profiler_aten_op") if yardstick and path != "profiler_aten_op" else (path,)
         under_profiler = (path,) if profiled and path not in UNPROFILED else ()
-        got = run_isolated("from meshscope.testing.hookcost import per_call; "
+        got = run_isolated("from tests.support.hookcost import per_call; "
                            f"result = per_call(calls={calls}, blocks={blocks}, paths={measured!r}, "
                            f"profiled={under_profiler!r})",
                            what=f"hook cost of {path}", timeout_s=timeout_s, env=env)
@@ -415,7 +415,8 @@ def run_isolated(code: str, *, what: str, timeout_s: float, env: dict[str, str] 
     import sys
 
     program = f"import json\n{code}\nprint(json.dumps(result))"
-    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=timeout_s,
+    root = str(Path(__file__).resolve().parents[2])  # ``tests.support`` is importable from the checkout's root
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=timeout_s, cwd=root,
                           env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed: {proc.stderr[-2000:]}")

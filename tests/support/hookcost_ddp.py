@@ -1,4 +1,4 @@
-"""The per-call paths of DDP's buckets for ``meshscope.testing.hookcost.per_call`` (the method is in its
+"""The per-call paths of DDP's buckets for ``tests.support.hookcost.per_call`` (the method is in its
 docstring): through the traced comm hook (``ddp_comm_hook``) and through the bucket kernel in torch's
 dispatcher (``ddp_kernel_bucket``; agent/instrument/_ddp_kernel.h)."""
 

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from meshscope.testing.harness import poll_until, terminate
-from meshscope.testing.harness import free_port  # noqa: E402,F401
+from tests.support.harness import poll_until, terminate
+from tests.support.harness import free_port  # noqa: E402,F401
 
 
 @dataclass

@@ -2,7 +2,7 @@
 transport's own writer (``agent.transport.writer.SpoolWriter``). For benchmarks of the live path
 (``bench/scale_bucket.py``): ``make_template`` once, then ``LiveJob(...).tick(now)`` in a loop.
 
-Records. ``meshscope.testing.store``'s model (what ``bench/dashboard_pages.py`` uses): a Llama-8B-shaped
+Records. ``tests.support.store``'s model (what ``bench/dashboard_pages.py`` uses): a Llama-8B-shaped
 job, pp=4 x fsdp=world/4, 1F1B with 4 microbatches, FSDP units merged to 4 per step and direction, so per
 rank and step 1 step record, 20 collectives (FSDP all-gathers and reduce-scatters, PP send/recv), 8 pipeline
 spans and 1 memory record, with arrival skew, a slower straggler rank and per-step noise. It is written for
@@ -29,7 +29,7 @@ from pathlib import Path
 from meshscope.agent.collector.reader import Store, read_table
 from meshscope.agent.contract import SCHEMAS, TAGS, event_record, spool_path
 from meshscope.agent.transport.writer import SpoolWriter
-from meshscope.testing.store import Straggler, SyntheticConfig, write_store
+from tests.support.store import Straggler, SyntheticConfig, write_store
 
 TIMES = ("t_start", "t_end", "t")
 RATES = ("algbw", "busbw", "mfu")
