@@ -13,7 +13,7 @@ PUBLIC = (
     "meshscope.agent.instrument.telemetry",  # Telemetry, TelemetryConfig: the in-process API
     "meshscope.agent.instrument.nulltelemetry",  # NullTelemetry: the same API when telemetry is off
     "meshscope.agent.instrument.flops",  # device peak FLOP/s, MFU's denominator
-    "meshscope.agent.collector.reader",  # the one reader of the run store
+    "meshscope.agent.store.reader",  # the one reader of the run store
     "meshscope.agent.collector.catchup",  # readers take in what the spools hold beyond the store
     "meshscope.agent.zerocode",  # observe(): zero-code observation of an unmodified loop
     "meshscope.agent.zerocode.frameworks",  # the Hugging Face and Lightning callbacks

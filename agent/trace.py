@@ -1,5 +1,5 @@
 """``meshscope export-trace``: a Perfetto / Chrome-trace JSON of a step range, from the run store (read
-with ``agent.collector.reader``, so a restarted run shows each rank's re-executed steps once: the newest
+with ``agent.store.reader``, so a restarted run shows each rank's re-executed steps once: the newest
 attempt's).
 
     meshscope export-trace --store DIR --run NAME [--steps A:B] --out FILE
@@ -30,8 +30,8 @@ from pathlib import Path
 
 from meshscope.agent.cliargs import ArgParser
 from meshscope.agent.cliargs import UsageError as TraceError  # a user's mistake: unknown run, empty range
-from meshscope.agent.collector.objectstore import is_remote
-from meshscope.agent.collector.reader import Store, StoreError, read_table
+from meshscope.agent.store.objectstore import is_remote
+from meshscope.agent.store.reader import Store, StoreError, read_table
 from meshscope.agent.contract import DIMS
 
 TID_EVENTS, TID_STEPS, TID_PHASES, TID_STAGE0, TID_COMM0 = 0, 1, 2, 10, 1000
@@ -73,7 +73,7 @@ def build_trace(store: Store | str | os.PathLike, *, run: str,
                 steps: tuple[int | None, int | None] = (None, None)) -> dict:
     """The trace as a dict (``traceEvents`` + ``metadata``); raises TraceError for user mistakes.
 
-    Read through the store reader (``agent.collector.reader``): a restarted run's re-executed steps appear
+    Read through the store reader (``agent.store.reader``): a restarted run's re-executed steps appear
     once per rank, from the newest attempt, with that attempt's collectives and spans; ``store`` may be a
     ``Store`` over several nodes' stores."""
     if not isinstance(store, Store):

@@ -21,7 +21,7 @@ Method
   memory included, which tracemalloc would miss).
 
 - ``--layout packs`` (default): the store as packing agents leave it, one pack per host (8 ranks) and kind
-  (``agent.collector.packs``); ``--layout parts``: one file per rank and kind (the agent with packing off).
+  (``agent.store.packs``); ``--layout parts``: one file per rank and kind (the agent with packing off).
 - ``--s3``: the generated runs are uploaded to a bucket on a moto S3 server on 127.0.0.1 and every page
   reads ``Store.open("s3://...")``; each page call starts as a dashboard page load does, with
   ``Store.open(url, background_sync=True)`` (the cache as last synced, and a listing on a thread when
@@ -54,7 +54,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from meshscope.agent.collector.reader import Store  # noqa: E402
+from meshscope.agent.store.reader import Store  # noqa: E402
 from meshscope.agent.contract import KINDS  # noqa: E402
 from meshscope.agent.contract.storelayout import StoreLayout  # noqa: E402
 from meshscope.dashboard import data, views  # noqa: E402
@@ -99,7 +99,7 @@ def upload(root: Path, runs: list[str], *, url) -> tuple[int, int, float]:
     """PUT every file of ``runs`` to the bucket under the same keys. Returns (objects, bytes, seconds)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from meshscope.agent.collector import objectstore
+    from meshscope.agent.store import objectstore
 
     s3 = objectstore.filesystem()
     files = [p for run in runs for p in run_files(root, run)]
@@ -208,7 +208,7 @@ def bench_page(store: Store, fn, *, repeat: int, shared: dict, before=None) -> d
 
 
 def compacted(store: Store, runs: list[str]) -> Store:
-    """Build every kind's segments of ``runs`` (``agent.collector.compact``), timed; the store that reads
+    """Build every kind's segments of ``runs`` (``agent.store.compact``), timed; the store that reads
     them and builds nothing more."""
     build = dataclasses.replace(store, compaction="now")
     for run in runs:
@@ -259,7 +259,7 @@ def _main(a: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     before = None
     os.environ["MESHSCOPE_CACHE_DIR"] = a.cache or str(stack.enter_context(tempfile.TemporaryDirectory()))
     if a.s3:
-        from meshscope.agent.collector import objectstore, remote
+        from meshscope.agent.store import objectstore, remote
         from tests.support.s3 import moto_server, s3_env
 
         moto = stack.enter_context(moto_server())

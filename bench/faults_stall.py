@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from meshscope.agent.collector.reader import read_table  # noqa: E402
+from meshscope.agent.store.reader import read_table  # noqa: E402
 from bench.telemetry_overhead import bootstrap_ci  # noqa: E402
 from tests.support.harness import AgentProcess, Job, poll_until  # noqa: E402
 

@@ -160,7 +160,7 @@ def render_train(data: dict) -> Rendered:
         "",
         "MFU = step FLOPs (6·N_nonembedding + 12·L·D·S per token) / step wall time / the device's dense bf16 "
         "peak (`agent/instrument/flops.py`), median over the steps after warm-up; records read back from the "
-        "run store with `agent/collector/reader.py`.",
+        "run store with `agent/store/reader.py`.",
         "",
         f"**{s['verdict']}**: {line}; the goal is set for one H100.",
     ]

@@ -79,7 +79,7 @@ def train(*, workdir: Path, steps: int) -> dict:
     """The trainer's 1b flavor for ``steps`` steps with telemetry on, then its step and run records read
     back from the store through the one reader (after ingesting the spools, as ``meshscope report``)."""
     from meshscope.agent.collector.catchup import catch_up
-    from meshscope.agent.collector.reader import read_table
+    from meshscope.agent.store.reader import read_table
     from meshscope.trainer import train as trainer
 
     store = workdir / "store"

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from meshscope.agent.collector.reader import Store
+from meshscope.agent.store.reader import Store
 from meshscope.dashboard import calibration, planner, report, views, whatif
 
 # name -> (ranks, trainer arguments)

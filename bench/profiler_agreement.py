@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from meshscope.agent.collector.reader import read_table  # noqa: E402
+from meshscope.agent.store.reader import read_table  # noqa: E402
 from bench.telemetry_overhead import STRATEGIES  # noqa: E402  (the same jobs as the overhead A/B)
 from meshscope.trainer.model import FLAVORS  # noqa: E402
 from tests.support.profiler import (  # noqa: E402  (the profiler mapping lives with the tests)

@@ -20,7 +20,7 @@ Method
 4. After ``--warmup`` seconds the window of ``--duration`` seconds starts. Throughout, a thread of this
    process reads the bucket like ``report`` does, every ``--read-interval`` s (back to back when a read
    takes longer): a sync of the bucket into the local cache
-   (``agent.collector.remote.sync``: one listing, then GETs of the new parts) and
+   (``agent.store.remote.sync``: one listing, then GETs of the new parts) and
    ``read_table(Store.open("s3://..."), "step", run=...)``. A (rank, step) is visible when that read returns
    it; its freshness is that moment minus the step's t_end (the rank's own clock: the same machine). Every
    step that ends inside the window on every rank is counted (p50/p95/max); after the window the reads go
@@ -205,7 +205,7 @@ def endpoint(args) -> Iterator[tuple[str, psutil.Process | None]]:
 def _create_bucket(bucket: str) -> None:
     from pyarrow import fs
 
-    from meshscope.agent.collector.objectstore import endpoint_from_env
+    from meshscope.agent.store.objectstore import endpoint_from_env
 
     s3 = fs.S3FileSystem(endpoint_override=endpoint_from_env(), allow_bucket_creation=True)
     if s3.get_file_info(bucket).type == fs.FileType.NotFound:
@@ -220,8 +220,8 @@ def dashboard_over_bucket(url: str, *, run: str, repeat: int, cold_cache: Path |
     sys.path.insert(0, str(ROOT / "bench"))
     from dashboard_pages import bench_page, pages  # the page benchmark's own functions
 
-    from meshscope.agent.collector import objectstore, remote
-    from meshscope.agent.collector.reader import Store
+    from meshscope.agent.store import objectstore, remote
+    from meshscope.agent.store.reader import Store
     from meshscope.dashboard import data, report, views
 
     if cold_cache is not None:

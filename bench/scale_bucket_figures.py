@@ -25,7 +25,7 @@ AGENT_METRICS = {  # /metrics sample -> short name
 def bucket_totals(url: str) -> dict:
     from pyarrow import fs
 
-    from meshscope.agent.collector import objectstore
+    from meshscope.agent.store import objectstore
     from meshscope.agent.contract.storelayout import TABLE_KEY
 
     u = objectstore.parse_url(url)
@@ -47,7 +47,7 @@ class Freshness:
     """Polls the bucket through the reader; records when each (rank, step) first shows."""
 
     def __init__(self, url: str, *, run: str, ranks: int) -> None:
-        from meshscope.agent.collector import objectstore
+        from meshscope.agent.store import objectstore
 
         self.url, self.parsed, self.run = url, objectstore.parse_url(url), run
         self.seen: dict[tuple[int, int], float] = {}  # (rank, step) -> freshness (visible - t_end)
@@ -59,8 +59,8 @@ class Freshness:
         self._thread: threading.Thread | None = None
 
     def poll(self) -> dict:
-        from meshscope.agent.collector import remote
-        from meshscope.agent.collector.reader import Store, StoreError, read_table
+        from meshscope.agent.store import remote
+        from meshscope.agent.store.reader import Store, StoreError, read_table
 
         t0 = time.time()
         try:

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from meshscope.agent.collector.catchup import catch_up  # noqa: E402
-from meshscope.agent.collector.reader import Store  # noqa: E402
+from meshscope.agent.store.reader import Store  # noqa: E402
 from meshscope.agent.contract.storelayout import StoreLayout  # noqa: E402
 from tests.support.spools import write_run  # noqa: E402
 from meshscope.dashboard import views  # noqa: E402

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from meshscope.agent.cliargs import ArgParser, run_command
-from meshscope.agent.collector.reader import Store, StoreError
+from meshscope.agent.store.reader import Store, StoreError
 from meshscope.dashboard.config import ConfigError, check_prometheus_url
 
 # Streamlit's entry file, beside the pages it names by relative path (app_pages/...).

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from meshscope.agent.collector.reader import SKIPPED, Store
+from meshscope.agent.store.reader import SKIPPED, Store
 from meshscope.agent.contract import SCHEMAS
 from meshscope.dashboard.analysis import THROTTLE_MASK
 

@@ -17,7 +17,7 @@ import sys
 
 from meshscope.agent.cliargs import ArgParser, run_command
 from meshscope.agent.collector.catchup import catch_up
-from meshscope.agent.collector.reader import Store, StoreError
+from meshscope.agent.store.reader import Store, StoreError
 from meshscope.dashboard import layouts, planner, views, whatif
 from meshscope.dashboard.config import ConfigError
 from meshscope.agent.contract.layout import LayoutError

@@ -18,7 +18,7 @@ from typing import Any
 
 from meshscope.agent.cliargs import ArgParser, run_command
 from meshscope.agent.collector.catchup import catch_up
-from meshscope.agent.collector.reader import Store, StoreError
+from meshscope.agent.store.reader import Store, StoreError
 from meshscope.dashboard import analysis, environment, stragglers, views
 from meshscope.dashboard.config import ConfigError
 

@@ -154,7 +154,7 @@ def report(store: Path, runs: list[str]) -> dict:
     family: the Amdahl verdict or why there is none) and ``note`` (why there is no family, if none)."""
     # The store reader (DuckDB) and the dashboard's analysis, imported late: only this last step of the
     # sweep needs them.
-    from meshscope.agent.collector.reader import Store
+    from meshscope.agent.store.reader import Store
     from meshscope.dashboard import scaling, views
 
     per_run, _ = views.scaling_runs(views.direct_loader(Store.open(store)), runs=runs)

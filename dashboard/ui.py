@@ -15,7 +15,7 @@ import streamlit as st
 from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ctx
 
 from meshscope.agent.collector.catchup import catch_up
-from meshscope.agent.collector.reader import SKIPPED, Store, StoreError
+from meshscope.agent.store.reader import SKIPPED, Store, StoreError
 from meshscope.dashboard import data, views
 from meshscope.dashboard.config import AppConfig, ConfigError, parse_app_args
 from meshscope.dashboard.live import LiveError, PrometheusClient
@@ -49,7 +49,7 @@ class Context:
 def _cached(name: str, roots: tuple[str, ...], kwargs: tuple):
     # Keyed by every root: the same run read over another set of stores is another result.
     # In the background: a bucket's listing, and a large run's packs becoming segments; the page reads
-    # the cache as last synced and the packs as they are meanwhile (agent.collector.remote, .compact).
+    # the cache as last synced and the packs as they are meanwhile (agent.store.remote, .compact).
     return LOADERS[name](Store.open_many(roots, compaction="background", background_sync=True), **dict(kwargs))
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from meshscope.agent.collector.reader import Store
+from meshscope.agent.store.reader import Store
 from meshscope.dashboard import analysis, data, environment, figures, stragglers
 from meshscope.dashboard.memory_model import memory_model, spec_from_meta, states_vs_tensors
 from meshscope.dashboard.pipeline_sim import replay

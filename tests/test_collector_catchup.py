@@ -7,7 +7,7 @@ import fcntl
 import os
 
 from meshscope.agent.collector.catchup import catch_up, lock_store, pending_bytes
-from meshscope.agent.collector.reader import read_table
+from meshscope.agent.store.reader import read_table
 from tests.support.spools import write_run
 
 

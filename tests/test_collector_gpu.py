@@ -9,7 +9,7 @@ from prometheus_client import generate_latest
 
 from meshscope.agent.collector.agent import Agent, AgentConfig
 from meshscope.agent.collector.gpu import GpuSampler, load_nvml
-from meshscope.agent.collector.reader import read_table
+from meshscope.agent.store.reader import read_table
 from meshscope.agent.contract import GpuRecord
 
 

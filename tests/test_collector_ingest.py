@@ -10,9 +10,9 @@ import sys
 import pandas as pd
 import pytest
 
-from meshscope.agent.collector import parts as partio
+from meshscope.agent.store import parts as partio
 from meshscope.agent.collector.ingest import IngestConfig, Ingestor
-from meshscope.agent.collector.reader import list_runs, read_table
+from meshscope.agent.store.reader import list_runs, read_table
 from meshscope.agent.collector.state import MetricsState
 from meshscope.agent.contract import (
     SCHEMAS, CollectiveRecord, EventRecord, GpuRecord, SpanRecord, StepRecord, spool_path,
@@ -306,7 +306,7 @@ def test_null_values_from_a_rank_do_not_stop_the_agent(tmp_path):
 
 
 def test_the_ingest_path_does_not_load_the_store_reader(tmp_path):
-    """The store's one reader (``agent.collector.reader``) loads DuckDB and pandas; the agent's ingest path
+    """The store's one reader (``agent.store.reader``) loads DuckDB and pandas; the agent's ingest path
     writes the same store and must not pay for them (memory on every node, start-up time). ``meshscope
     ingest`` in a fresh interpreter, over a real spool: importing the command loads neither, and running
     it never loads DuckDB or the reader. (pandas does load while ingesting: pyarrow's ``to_numpy`` of a
@@ -314,7 +314,7 @@ def test_the_ingest_path_does_not_load_the_store_reader(tmp_path):
     from tests.support.spools import write_run
 
     write_run(tmp_path, run="r1", world_size=2, steps=4, collectives_per_step=3)
-    reader = ("duckdb", "meshscope.agent.collector.reader")
+    reader = ("duckdb", "meshscope.agent.store.reader")
     code = ("import sys; from meshscope.agent.collector import cli; "
             f"print(sorted(m for m in {(*reader, 'pandas')!r} if m in sys.modules)); "
             "rc = cli.ingest_main(['--store', sys.argv[1]]); "

@@ -1,4 +1,4 @@
-"""Node packs (``agent.collector.packs``): a run's final parts merged across ranks into one file per kind,
+"""Node packs (``agent.store.packs``): a run's final parts merged across ranks into one file per kind,
 exactly once across crashes at every point of a pass, read back as the parts were."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from meshscope.agent.collector import packs, parts
+from meshscope.agent.store import packs, parts
 from meshscope.agent.collector.ingest import IngestConfig, Ingestor
-from meshscope.agent.collector.reader import read_table
+from meshscope.agent.store.reader import read_table
 from meshscope.agent.collector.state import MetricsState
 from meshscope.agent.contract import StepRecord
 from meshscope.agent.contract import part_name as parts_name
@@ -208,7 +208,7 @@ def test_the_report_reads_a_store_of_packs_as_the_same_store_of_parts(tmp_path):
     # What the user reads (``meshscope report``: straggler, bubble, breakdown, MFU) must not depend on the
     # layout: the same synthetic job (a throttled straggler, pp=2 x fsdp=8, 2 hosts) written as per-rank
     # parts and as one pack per host and kind.
-    from meshscope.agent.collector.reader import Store
+    from meshscope.agent.store.reader import Store
     from meshscope.dashboard import report, views
     from tests.support.store import Straggler, SyntheticConfig, write_store
 

@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshscope.agent import catalog
-from meshscope.agent.collector.reader import read_table
+from meshscope.agent.store.reader import read_table
 from meshscope.agent.contract import CollectiveRecord, spool_path
 from tests.support.spools import ALL_OPS_DIMS, write_run
 from meshscope.agent.transport.writer import SpoolWriter

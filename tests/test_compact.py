@@ -1,4 +1,4 @@
-"""Reader-side compaction (``agent.collector.compact``): a segment in the reader's cache stands in for a
+"""Reader-side compaction (``agent.store.compact``): a segment in the reader's cache stands in for a
 run's packs and reads exactly as they do — what ``meshscope report`` says included — while an agent keeps
 adding and merging packs, across a restart, with a damaged pack, and under the dashboard."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from meshscope.agent.collector import compact, packs
-from meshscope.agent.collector.reader import SKIPPED, Store
+from meshscope.agent.store import compact, packs
+from meshscope.agent.store.reader import SKIPPED, Store
 from meshscope.agent.contract import KINDS, StepRecord
 from tests.support.store import Straggler, SyntheticConfig, write_store
 from test_collector_ingest import Clock, step_rows, writer
@@ -85,7 +85,7 @@ def test_use_builds_nothing_and_background_builds_once_packs_settle(tmp_path, ca
 
 def test_while_the_agent_adds_and_merges_packs_every_row_is_read_once(tmp_path, cache, monkeypatch):
     # A store whose own path has a "key=value" component, which the segments' paths lack: packs and
-    # segments then read as two groups (agent.collector.tableview).
+    # segments then read as two groups (agent.store.tableview).
     store = tmp_path / "job=5" / "store"
     clock = Clock()
     ing = ingestor(store, clock)

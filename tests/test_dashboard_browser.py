@@ -121,16 +121,16 @@ def test_every_page_draws_a_chart_without_exceptions(served):
 
 
 def test_sigterm_while_the_dashboard_builds_a_segment_exits_cleanly(tmp_path):
-    # The dashboard merges a large run's packs into a segment on a worker thread (agent.collector.compact).
+    # The dashboard merges a large run's packs into a segment on a worker thread (agent.store.compact).
     # SIGTERM during that build used to abort the process (exit -6, "terminate called ... exception not
     # rethrown": the thread was unwound by force inside DuckDB at interpreter exit), as could a page's
     # load thread inside DuckDB. Now every DuckDB connection is interrupted at exit and waited for
-    # (agent.collector.duckconn; tests/test_duckconn.py reproduces the abort): exit 0, nothing half-written
+    # (agent.store.duckconn; tests/test_duckconn.py reproduces the abort): exit 0, nothing half-written
     # left in the cache.
     import numpy as np
     import pyarrow.parquet as pq
 
-    from meshscope.agent.collector import packs
+    from meshscope.agent.store import packs
     from tests.support.store import SyntheticConfig, write_store
 
     if not (os.path.exists(CHROMIUM) and shutil.which(CHROMIUM)):

@@ -10,7 +10,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from meshscope.agent.collector.reader import Store
+from meshscope.agent.store.reader import Store
 from meshscope.dashboard import analysis, data, views
 from tests.support.store import Straggler, SyntheticConfig, write_store
 

@@ -200,7 +200,7 @@ def test_live_page_over_a_real_job_shows_series_then_its_end(tmp_path, monkeypat
             assert sorted(part["rank"].unique()) == [0, 1], (series, hist)
         steps = hist[hist["series"] == "steps_per_s"]
         # While the job ran, the step rate is what its step records say: 1 / the median step time.
-        from meshscope.agent.collector.reader import read_table
+        from meshscope.agent.store.reader import read_table
 
         truth = 1 / float(read_table(store, "step", run="live-job")["wall_s"].median())
         running = steps[steps["value"] > 0].groupby("rank")["value"].median()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from meshscope.agent.collector.reader import Store, read_table
+from meshscope.agent.store.reader import Store, read_table
 from meshscope.dashboard import analysis, report, views
 from tests.test_telemetry_e2e import run_job
 

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from meshscope.agent.collector.reader import SKIPPED, Store, StoreError, read_table
+from meshscope.agent.store.reader import SKIPPED, Store, StoreError, read_table
 from meshscope.agent.contract import SCHEMAS
 from meshscope.dashboard import analysis, data
 from tests.support.store import Straggler, SyntheticConfig, write_store

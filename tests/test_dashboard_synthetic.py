@@ -9,7 +9,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from meshscope.agent.collector.store import stored_schema
+from meshscope.agent.store.schema import stored_schema
 from meshscope.agent.contract import SCHEMAS
 from meshscope.dashboard import analysis
 from meshscope.dashboard.pipeline_sim import simulate

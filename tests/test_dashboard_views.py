@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from meshscope.agent.collector.reader import Store
+from meshscope.agent.store.reader import Store
 from meshscope.dashboard import data, views
 from tests.support.store import Straggler, SyntheticConfig, write_store
 
@@ -147,7 +147,7 @@ def test_gpu_page_with_tied_clocks_draws_the_gpus_it_loaded(tmp_path, monkeypatc
     # host and GPU) must be the ones whose series were loaded, with data in every default line.
     import pyarrow as pa
 
-    from meshscope.agent.collector import parts
+    from meshscope.agent.store import parts
     from meshscope.agent.contract import SCHEMAS
 
     n, slow = 12, 7

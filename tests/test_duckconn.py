@@ -1,4 +1,4 @@
-"""Exit while threads are inside DuckDB: the process ends cleanly (agent.collector.duckconn).
+"""Exit while threads are inside DuckDB: the process ends cleanly (agent.store.duckconn).
 
 A daemon thread inside DuckDB when the interpreter finalizes is unwound by force when it next takes the
 GIL, and the process aborts ("FATAL: exception not rethrown", exit -6). Dashboard page loads run on such
@@ -17,7 +17,7 @@ import pytest
 SCRIPT = textwrap.dedent("""
     import sys, threading, time
     import duckdb
-    from meshscope.agent.collector import duckconn
+    from meshscope.agent.store import duckconn
 
     plain, delay = sys.argv[1] == "plain", float(sys.argv[2])
     started = threading.Event()
@@ -69,7 +69,7 @@ def test_registered_connections_are_interrupted_and_the_process_exits_cleanly(de
 # failed load's: its traceback holds the frame, and with it the closed connection).
 SLOW_LOAD = textwrap.dedent("""
     import threading, time
-    from meshscope.agent.collector import duckconn
+    from meshscope.agent.store import duckconn
     inside, kept = threading.Event(), []
     def load():
         try:

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from meshscope.agent.collector.reader import read_table
+from meshscope.agent.store.reader import read_table
 from tests.support.harness import (
     AgentProcess, Job, committed_bytes, compare_store_to_truth, poll_until, private_dir, spool_truth,
 )

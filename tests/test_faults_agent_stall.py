@@ -29,7 +29,7 @@ import pandas as pd
 import psutil
 import pytest
 
-from meshscope.agent.collector.reader import read_table
+from meshscope.agent.store.reader import read_table
 from tests.support.harness import (
     AgentProcess, Job, compare_store_to_truth, poll_until, private_dir, spool_sizes_of, spool_truth,
 )

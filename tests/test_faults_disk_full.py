@@ -39,7 +39,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from meshscope.agent.collector.reader import read_table
+from meshscope.agent.store.reader import read_table
 from meshscope.agent.transport.frame import REJECT_REASONS
 from meshscope.agent.transport.writer import DEFAULT_MAX_HOLD_BYTES, SpoolWriter
 from tests.support.harness import (

@@ -41,7 +41,7 @@ from prometheus_client.registry import CollectorRegistry
 from meshscope.agent.collector.exposition import MeshscopeCollector
 from meshscope.agent.collector.ingest import Ingestor
 from meshscope.agent.collector.state import MetricsState
-from meshscope.agent.collector.reader import read_table
+from meshscope.agent.store.reader import read_table
 from meshscope.agent.contract import RECORDS, SCHEMAS, AnchoredClock, CollectiveRecord, EventRecord, StepRecord
 from meshscope.agent.transport.frame import (
     FORMAT_VERSION, FRAME_HEADER_SIZE, HEADER, KIND_CODES, MAGIC, MAX_PAYLOAD, REJECT_REASONS, encode_batch,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from meshscope.agent.collector.reader import read_table
+from meshscope.agent.store.reader import read_table
 from tests.support.harness import (
     AgentProcess, Job, Metrics, compare_store_to_truth, newest_attempt, poll_until, private_dir, spool_files,
     spool_truth,
@@ -258,7 +258,7 @@ def test_restart_export_trace_has_each_rank_step_once_from_the_newest_attempt(re
 
 
 def test_restart_dashboard_does_not_double_count_reexecuted_steps(restarted):
-    from meshscope.agent.collector.reader import Store
+    from meshscope.agent.store.reader import Store
     from meshscope.dashboard import data
 
     o = restarted

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from meshscope.agent.collector.reader import read_table
+from meshscope.agent.store.reader import read_table
 from tests.support.harness import AgentProcess, Job, poll_until, private_dir
 
 pytestmark = pytest.mark.gloo

@@ -30,7 +30,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import CollectorRegistry
 
 from meshscope.agent.collector.server import WebConfig, serve_metrics
-from meshscope.agent.collector.reader import read_table
+from meshscope.agent.store.reader import read_table
 from tests.support.harness import (
     AgentProcess, Job, compare_store_to_truth, poll_until, private_dir, self_signed, spool_truth,
 )

@@ -274,7 +274,7 @@ def test_hash_password_cli_and_verification(tmp_path):
 # --------------------------------------------------------------------------- dashboard file confinement
 
 def _part(directory: Path, step: int) -> Path:
-    from meshscope.agent.collector.store import stored_schema
+    from meshscope.agent.store.schema import stored_schema
 
     directory.mkdir(parents=True, exist_ok=True)
     schema = stored_schema("step")
@@ -301,7 +301,7 @@ def planted(tmp_path):
 
 
 def test_dashboard_store_access_stays_under_the_root(planted):
-    from meshscope.agent.collector.reader import Store, read_table
+    from meshscope.agent.store.reader import Store, read_table
     from meshscope.dashboard import data
 
     root, outside, real = planted
@@ -324,7 +324,7 @@ def test_dashboard_store_access_stays_under_the_root(planted):
 
 
 def test_dashboard_ignores_a_symlinked_tables_directory(tmp_path):
-    from meshscope.agent.collector.reader import Store
+    from meshscope.agent.store.reader import Store
 
     root, outside = tmp_path / "store", tmp_path / "outside"
     _part(outside / "tables" / "step" / "run=secret" / "rank=0", 666)

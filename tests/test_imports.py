@@ -133,6 +133,15 @@ def test_the_trainer_and_the_dashboard_do_not_import_each_other():
     assert bad == []
 
 
+def test_the_store_imports_only_the_contract():
+    """The run store is read by the dashboard, the CLI and the agent's catch-up alike: it depends on the
+    contract (schema, names, paths) and on nothing that runs in a rank or in the node agent."""
+    bad = sorted((a, b) for a, targets in GRAPH.items() if a.startswith("meshscope.agent.store") for b in targets
+                 if b.startswith("meshscope.agent.") and not b.startswith(("meshscope.agent.store", "meshscope.agent.contract",
+                                                                            "meshscope.agent.env")))
+    assert bad == []
+
+
 @pytest.mark.parametrize("layer", ["meshscope.trainer", "meshscope.dashboard", "meshscope"])
 def test_the_rest_imports_only_the_agents_public_parts(layer):
     public = set(meshscope.agent.PUBLIC)

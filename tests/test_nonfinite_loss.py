@@ -17,7 +17,7 @@ import yaml
 from prometheus_client.registry import CollectorRegistry
 
 from meshscope.agent.collector.exposition import MeshscopeCollector
-from meshscope.agent.collector.reader import Store, read_table
+from meshscope.agent.store.reader import Store, read_table
 from meshscope.agent.collector.state import MetricsState
 from meshscope.agent.contract import SCHEMAS
 from meshscope.dashboard import views

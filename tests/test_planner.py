@@ -226,7 +226,7 @@ def planner_store(tmp_path_factory):
 def _self_errors(store, runs: list[str]) -> dict[str, tuple[float, float, object]]:
     """Calibrated from ``runs`` together, each run's own layout: (predicted, measured: report's slowest rank,
     median over the steps after warm-up, the prediction)."""
-    from meshscope.agent.collector.reader import Store
+    from meshscope.agent.store.reader import Store
     from meshscope.dashboard import report
 
     load = views.direct_loader(Store.open(store))

@@ -142,7 +142,7 @@ def test_losses_are_identical_with_and_without_meshscope(layout, runs):
 
 @pytest.mark.parametrize("layout", LAYOUT_PARAMS)
 def test_collectives_recorded_are_c10ds_own_count_per_group_and_labelled_with_the_jobs_dims(layout, runs, report):
-    from meshscope.agent.collector.reader import read_table
+    from meshscope.agent.store.reader import read_table
 
     plain, observed = runs
     counted, plain_counted = titan.c10d_counts(observed.workdir), titan.c10d_counts(plain.workdir)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from meshscope.agent.collector.reader import Store
+from meshscope.agent.store.reader import Store
 from meshscope.dashboard import report, views
 from tests.support.store import Straggler, SyntheticConfig, write_store
 from tests.conftest import ROOT

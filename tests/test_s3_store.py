@@ -19,10 +19,10 @@ from streamlit.testing.v1 import AppTest
 
 import pyarrow as pa
 
-from meshscope.agent.collector import objectstore, parts
+from meshscope.agent.store import objectstore, parts
 from meshscope.agent.collector.state import MetricsState
 from meshscope.agent.collector.upload import Uploader, UploadConfig
-from meshscope.agent.collector.reader import Store, StoreError, read_table
+from meshscope.agent.store.reader import Store, StoreError, read_table
 from meshscope.agent.contract import pack_name, part_name
 from tests.support.harness import (
     ROOT, AgentProcess, Job, compare_store_to_truth, poll_until, private_dir, spool_truth,
@@ -128,7 +128,7 @@ def test_keys_outside_the_layout_are_ignored_and_superseded_parts_found():
     parts = [objectstore.table_part(f"tables/step/run=r1/rank=0/{part_name(s, a, b)}", 1)
              for s, a, b in (("s1", 0, 10), ("s1", 10, 20), ("s1", 0, 20), ("s1", 20, 30), ("s2", 0, 10))]
     assert objectstore.superseded(parts, {}) == {parts[0].rel, parts[1].rel}
-    # a pack (agent.collector.packs) supersedes the parts its manifest holds; unknown manifests nothing
+    # a pack (agent.store.packs) supersedes the parts its manifest holds; unknown manifests nothing
     pack = objectstore.table_part(f"tables/step/run=r1/packs/{pack_name('a' * 24)}", 7)
     assert pack.pack and pack.run_dir == "tables/step/run=r1" and pack.size == 7
     assert objectstore.table_part("tables/step/run=r1/packs/part-s1-0-1.parquet", 1) is None
@@ -342,10 +342,10 @@ def test_uploader_compaction_retention_and_restart(s3, work):
 
 
 def test_uploader_and_reader_cache_with_packs(s3, work):
-    """Packs (agent.collector.packs) in the bucket: a pack replaces the parts it holds, a merged pack the
+    """Packs (agent.store.packs) in the bucket: a pack replaces the parts it holds, a merged pack the
     packs it merged (their objects deleted once it is up); the reader's cache holds each row once; an
     object deleted between a reader's listing and its GET (a merge's source) is skipped, not an error."""
-    from meshscope.agent.collector import packs, remote
+    from meshscope.agent.store import packs, remote
 
     url = f"s3://{BUCKET}/packed"
     run_dir = work / "tables" / "step" / "run=p1"
@@ -382,7 +382,7 @@ def test_dashboard_sync_reads_the_cache_and_lists_in_the_background_and_says_a_f
     """A page over a bucket (``Store.open(url, background_sync=True)``, the dashboard) waits for the first
     sync only; later it reads the cache while a listing runs on a thread, and an endpoint that went
     away is said at the next page load, not hidden behind the cache."""
-    from meshscope.agent.collector import remote
+    from meshscope.agent.store import remote
 
     _, proxy = s3
     url = f"s3://{BUCKET}/bg"

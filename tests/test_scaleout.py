@@ -27,7 +27,7 @@ from tests.support.harness import poll_until, terminate
 import yaml
 
 from meshscope.agent import stack
-from meshscope.agent.collector.reader import Store
+from meshscope.agent.store.reader import Store
 from meshscope.dashboard import data, views
 from tests.conftest import ROOT, trainer_env
 from tests.support.harness import free_port as _free_port  # noqa: E402,F401

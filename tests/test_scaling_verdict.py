@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from meshscope.agent.collector.reader import Store, read_table
+from meshscope.agent.store.reader import Store, read_table
 from meshscope.dashboard import views
 from meshscope.dashboard.scaling import MIN_FIT_SIZES, amdahl_fits, no_family_reason, run_throughput, scaling_table
 from tests.support.store import SyntheticConfig, write_store

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from meshscope.agent.collector.reader import read_table
+from meshscope.agent.store.reader import read_table
 from tests.conftest import ROOT, trainer_env
 
 pytestmark = pytest.mark.gloo
@@ -32,7 +32,7 @@ def test_smallest_sweep_records_strong_and_weak_scaling(tmp_path):
     assert len(step) == sum(5 * w for w, _ in names.values())
 
     # The Scaling page's view over this store.
-    from meshscope.agent.collector.reader import Store
+    from meshscope.agent.store.reader import Store
     from meshscope.dashboard import views
 
     view = views.scaling(views.direct_loader(Store.open(tmp_path)), selected=list(names), focus=None)

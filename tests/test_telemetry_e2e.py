@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshscope.agent import catalog
-from meshscope.agent.collector.reader import read_table
+from meshscope.agent.store.reader import read_table
 from tests.conftest import ROOT, torchrun, trainer_env
 
 pytestmark = pytest.mark.gloo
@@ -246,7 +246,7 @@ def test_zero_bubble_is_reported_against_the_theory_of_its_own_order(tmp_path):
     spans) replayed with balanced stages, F = I = W and free transfers. The page and report show that
     number, it is below interleaved 1F1B's closed form (the split weight gradients fill the drain), and the
     measured schedule share is what the replay of the measured op times implies."""
-    from meshscope.agent.collector.reader import Store
+    from meshscope.agent.store.reader import Store
     from meshscope.dashboard import views
 
     p, m, v = 2, 4, 2
@@ -322,7 +322,7 @@ CONTENDED_WAKEUP_S = 1e-3  # the same when ranks wait for a CPU (the page warns 
 def test_clean_runs_flag_no_straggler(profiled_run):
     """No injected delay, every strategy: the Overview's verdict names nobody (PP ranks are each alone in
     their stage: no peers, no verdict; the rule must not mistake the last stage's head for a straggler)."""
-    from meshscope.agent.collector.reader import Store
+    from meshscope.agent.store.reader import Store
     from meshscope.dashboard import views
 
     strategy, store, _, _ = profiled_run
@@ -342,7 +342,7 @@ def test_memory_model_states_match_the_tensors(profiled_run):
     """The Memory page's comparison, every strategy: the analytic parameters, gradients and optimizer state
     per device against the bytes of each rank's own tensors (AdamW in fp32: 4 + 4 + 8 B per parameter,
     divided as the strategy shards them) agree within 1 %, and the page draws it."""
-    from meshscope.agent.collector.reader import Store
+    from meshscope.agent.store.reader import Store
     from meshscope.dashboard import views
 
     strategy, store, _, _ = profiled_run
@@ -381,7 +381,7 @@ def test_collective_time_per_op_agrees_with_the_profiler(profiled_run):
     in a fresh-clone `make test` run (1.10, the strict 10 % failed there)."""
     from tests.support.profiler import OP_TO_GLOO, chrome_trace_events, profiler_op_refs, tracer_op_refs
 
-    from meshscope.agent.collector.reader import Store
+    from meshscope.agent.store.reader import Store
     from meshscope.dashboard import views
 
     strategy, tmp_path, _, _ = profiled_run

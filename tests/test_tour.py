@@ -44,7 +44,7 @@ def test_the_tour_ends_on_charts(tmp_path):
     assert rep["breakdown"]["mean_over_ranks"]["compute_s"] > 0 and rep["tokens_per_s"] > 0
     assert rep["warmup_steps_excluded"] >= 1  # the run's first step at least
 
-    from meshscope.agent.collector.reader import Store
+    from meshscope.agent.store.reader import Store
     from meshscope.dashboard import views
 
     ov = views.overview(views.direct_loader(Store.open(tmp_path / "runs")), run=run, runs=[run], steps=None)

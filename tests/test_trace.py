@@ -8,7 +8,7 @@ from collections import Counter, defaultdict
 import pytest
 
 from meshscope.agent.collector.ingest import Ingestor
-from meshscope.agent.collector.reader import read_table
+from meshscope.agent.store.reader import read_table
 from meshscope.agent.collector.state import MetricsState
 from meshscope.agent.contract import CollectiveRecord, EventRecord, RunRecord, SpanRecord, StepRecord, spool_path
 from meshscope.agent.trace import main, parse_steps

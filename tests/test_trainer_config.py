@@ -101,7 +101,7 @@ def test_cli_error_is_one_line_without_traceback(cmd, message):
 
 def test_one_run_name_rule_everywhere():
     """Telemetry, the spool writer's path, the trainer's config and the store reader refuse the same names."""
-    from meshscope.agent.collector.reader import read_table
+    from meshscope.agent.store.reader import read_table
     from meshscope.agent.instrument.telemetry import TelemetryConfig
     from meshscope.agent.contract import spool_path
     from meshscope.trainer.config import TelemetrySection as TrainerTelemetry

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from meshscope.agent.collector.reader import Store
+from meshscope.agent.store.reader import Store
 from meshscope.dashboard import views
 from tests.conftest import ROOT, trainer_env
 from tests.test_telemetry_e2e import run_job

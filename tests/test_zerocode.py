@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from meshscope.agent.collector.reader import read_table
+from meshscope.agent.store.reader import read_table
 from tests.test_dashboard_real_run import every_page_renders
 
 JOBS = Path(__file__).resolve().parent / "jobs"

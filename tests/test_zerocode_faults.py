@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from meshscope.agent.collector.reader import read_table
+from meshscope.agent.store.reader import read_table
 from tests.test_zerocode import ingest, meshscope_run, torchrun
 
 FAULTS = ("step_boundary", "collective_site", "loss_capture", "memory_census", "flop_count")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from meshscope.agent.collector.reader import read_table
+from meshscope.agent.store.reader import read_table
 from tests.test_dashboard_real_run import every_page_renders
 from tests.test_zerocode import assert_breakdown_sums_to_wall, ingest, meshscope_run, report, torchrun
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from meshscope.agent.collector.reader import read_table
+from meshscope.agent.store.reader import read_table
 from meshscope.agent.contract import spool_path
 from meshscope.agent.zerocode import cli
 from tests.test_zerocode import ingest, meshscope_run, report, torchrun

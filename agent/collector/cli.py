@@ -62,7 +62,7 @@ def _build_parser(prog: str, *, agent: bool) -> argparse.ArgumentParser:
                        help="spool bytes per Parquet part")
         p.add_argument("--no-pack", action="store_true",
                        help="keep one part file per rank instead of merging a run's final parts into one pack per "
-                            "kind (agent/collector/packs.py)")
+                            "kind (agent/store/packs.py)")
         p.add_argument("--upload", default=None, metavar="s3://BUCKET/PREFIX",
                        help="also upload every sealed part to this S3-compatible bucket, exactly once (endpoint and "
                             "credentials: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws)")

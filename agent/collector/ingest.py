@@ -4,7 +4,7 @@ One ``Cursor`` per spool file. Each poll reads at most ``read_chunk_bytes`` per 
 record batches into :class:`MetricsState` at once (metrics are live) and buffers them; a file's buffer is
 written as one part per kind covering the byte range ``[committed, read_pos)`` when it reaches
 ``part_target_bytes``, gets older than ``max_part_age_s``, or memory runs short (``max_buffer_bytes``
-across files). Then the durable offsets are saved. See :mod:`agent.collector.parts` for why this is
+across files). Then the durable offsets are saved. See :mod:`agent.store.parts` for why this is
 exactly once across crashes.
 
 Store failures (disk full, read-only) are counted and retried: a file whose flush failed is not read
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from meshscope.agent.collector import packs
-from meshscope.agent.collector import parts as partio
+from meshscope.agent.store import packs
+from meshscope.agent.store import parts as partio
 from meshscope.agent.collector.offsets import OffsetStore
 from meshscope.agent.collector.state import MetricsState
 from meshscope.agent.contract import KINDS, SPOOL_NAME, Clock, is_run_name
@@ -46,7 +46,7 @@ class IngestConfig:
     compact_interval_s: float = 60.0
     compact_min_parts: int = 16
     compact_small_bytes: int = 4 * 1024 * 1024
-    # Node packs (agent.collector.packs): final parts of a run go into one file per kind, small packs are
+    # Node packs (agent.store.packs): final parts of a run go into one file per kind, small packs are
     # merged once pack_merge_min of them gather. Off: the parts stay (and are compacted per rank).
     pack: bool = True
     pack_merge_min: int = 8
@@ -227,7 +227,7 @@ class Ingestor:
         return True
 
     def _recover(self, cursor: Cursor) -> None:
-        """Rule 3 of agent.collector.parts: replay ranges written by a process that died before saving
+        """Rule 3 of agent.store.parts: replay ranges written by a process that died before saving
         its offsets, writing only the parts that are missing."""
         ends: dict[int, int] = {}
         for kind in KINDS:

@@ -1,5 +1,5 @@
 """``meshscope agent --upload s3://bucket/prefix``: every sealed Parquet part of the store, exactly once, in
-an S3-compatible bucket (layout: ``agent.collector.objectstore``).
+an S3-compatible bucket (layout: ``agent.store.objectstore``).
 
 - **Exactly once.** Parts are final when they appear (written to a temporary name and renamed) and their
   names are idempotent, so an upload is a PUT of the part to its own key: repeating it after a crash
@@ -11,7 +11,7 @@ an S3-compatible bucket (layout: ``agent.collector.objectstore``).
   said once on stderr per kind of failure, and retried with backoff (``agent.transport.backoff``).
 - **Local parts are kept until acknowledged**, then for ``keep_local_s`` more, and only below the
   durable spool offset (``retain``, called on the ingest thread: the crash-recovery rule of
-  ``agent.collector.parts`` looks for parts at the durable offset, and compaction works on the same
+  ``agent.store.parts`` looks for parts at the durable offset, and compaction works on the same
   files).
 """
 
@@ -25,8 +25,8 @@ from concurrent.futures import CancelledError, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshscope.agent.collector import objectstore, packs
-from meshscope.agent.collector.parts import list_parts
+from meshscope.agent.store import objectstore, packs
+from meshscope.agent.store.parts import list_parts
 from meshscope.agent.collector.state import MetricsState
 from meshscope.agent.contract import KINDS, Clock
 from meshscope.agent.contract.storelayout import StoreLayout, rank_of, run_of

@@ -20,7 +20,7 @@ SPOOL_NAME = re.compile(r"^rank-(\d+)\.a(\d+)\.spool$")
 # ``part-<stream>-<start>-<end>.parquet``: a spool stream's byte range [start, end), zero-padded so names
 # sort in range order. Group names are part of the contract (the dashboard extracts ``stream`` in SQL).
 PART_RE = re.compile(r"^part-(?P<stream>[0-9a-z]+)-(?P<start>\d{16})-(?P<end>\d{16})\.parquet$")
-# A node pack (agent.collector.packs): many ranks' parts of one run and kind, named by a digest of its
+# A node pack (agent.store.packs): many ranks' parts of one run and kind, named by a digest of its
 # manifest (the spool ranges it holds).
 PACK_RE = re.compile(r"^pack-(?P<id>[0-9a-f]{24})\.parquet$")
 

@@ -6,7 +6,7 @@ Layout (hive partitions; ``run``/``rank`` are not columns of the files, readers 
 
     <store>/spool/<run>/rank-<rank>.a<attempt>.spool              rank spools (agent.transport)
     <store>/tables/<kind>/run=<run>/rank=<rank>/part-*.parquet     ingested records (rank=-1: GPU samples)
-    <store>/tables/<kind>/run=<run>/packs/pack-<id>.parquet        many parts packed into one (collector.packs)
+    <store>/tables/<kind>/run=<run>/packs/pack-<id>.parquet        many parts packed into one (agent.store.packs)
     <store>/agent/offsets.json                                     the agent's durable spool offsets
 
 An object store holds ``tables/...`` under its prefix with the same keys (``StoreLayout.keys()``), so a

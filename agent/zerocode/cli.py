@@ -65,7 +65,7 @@ def stored_attempts(store: Path, run: str) -> set[int]:
     found = {int(m[2]) for f in (spools.iterdir() if spools.is_dir() else ()) if (m := SPOOL_NAME.match(f.name))}
     if not Path(StoreLayout.of(store).tables).is_dir():  # nothing ingested: no need to load the reader (DuckDB, pandas)
         return found
-    from meshscope.agent.collector.reader import Store, StoreError, read_table
+    from meshscope.agent.store.reader import Store, StoreError, read_table
 
     try:
         opened = Store.open(store)

@@ -34,7 +34,7 @@ import psutil
 import pyarrow as pa
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshscope.agent.collector.reader import read_table
+from meshscope.agent.store.reader import read_table
 from meshscope.agent.contract import KINDS, SCHEMAS, SPOOL_NAME
 from meshscope.agent.contract.storelayout import StoreLayout
 from meshscope.agent.transport.reader import SpoolReader

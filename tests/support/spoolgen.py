@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshscope.agent.collector.reader import Store, read_table
+from meshscope.agent.store.reader import Store, read_table
 from meshscope.agent.contract import SCHEMAS, TAGS, event_record, spool_path
 from meshscope.agent.transport.writer import SpoolWriter
 from tests.support.store import Straggler, SyntheticConfig, write_store

@@ -34,8 +34,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from meshscope.agent.collector import packs
-from meshscope.agent.collector.store import stored_schema
+from meshscope.agent.store import packs
+from meshscope.agent.store.schema import stored_schema
 from meshscope.agent.contract import DIMS, SCHEMAS
 from meshscope.agent.contract import strategy_name
 from meshscope.dashboard import pipeline_sim
@@ -87,7 +87,7 @@ class SyntheticConfig:
     seed: int = 0
     warmup: float = 1.0  # step 0 takes about this many steady steps (host time: allocations, first calls)
     # "parts": one file per (kind, rank), as the agent writes before packing; "packs": one pack per (kind,
-    # host) of gpus_per_host ranks (agent.collector.packs), as packing agents on each host leave it.
+    # host) of gpus_per_host ranks (agent.store.packs), as packing agents on each host leave it.
     layout: str = "parts"
 
     def __post_init__(self) -> None:
@@ -251,7 +251,7 @@ def write_store(root: str | Path, *, config: SyntheticConfig) -> dict[str, int]:
 
 class _Sink:
     """Where the generator's tables go: a part file each, or (``packs``) gathered per kind until ``flush``
-    writes one pack of them (``agent.collector.packs.write_tables``, the agent's own pack writer)."""
+    writes one pack of them (``agent.store.packs.write_tables``, the agent's own pack writer)."""
 
     def __init__(self, layout: StoreLayout, *, run: str, packs: bool) -> None:
         self.layout, self.run, self.packs = layout, run, packs
@@ -280,7 +280,7 @@ def _put(layout: StoreLayout, kind: str, run: str, rank: int, part: str, table: 
     path = Path(layout.partition(kind, run=run, rank=rank)) / part
     path.parent.mkdir(parents=True, exist_ok=True)
     schema = stored_schema(kind)  # as the agent stores it: partition keys (the run kind's rank) dropped
-    # The agent's encodings (agent.collector.parts): dictionaries for strings, byte-stream-split floats,
+    # The agent's encodings (agent.store.parts): dictionaries for strings, byte-stream-split floats,
     # statistics only for the step and time columns (which also keeps the footers small).
     strings = [f.name for f in schema if pa.types.is_string(f.type)]
     floats = [f.name for f in schema if pa.types.is_floating(f.type)]

@@ -5,9 +5,9 @@ local and in an object store, is ``agent.contract.storelayout``'s.
 
 Part files are named ``part-<stream>-<start>-<end>.parquet``: ``stream`` is the spool file generation
 (its header's stream id; ``gpu<agent id>`` for GPU samples) and ``start``/``end`` the byte range of the
-spool the part holds (a sample sequence range for GPU parts); see ``agent.collector.parts``.
+spool the part holds (a sample sequence range for GPU parts); see ``agent.store.parts``.
 
-Reading is ``agent.collector.reader`` (``Store``, ``read_table``): the one reader, which keeps the newest
+Reading is ``agent.store.reader`` (``Store``, ``read_table``): the one reader, which keeps the newest
 attempt of re-executed steps. This module stays free of DuckDB and pandas because the ingest path
 imports it.
 """

@@ -29,7 +29,7 @@ from typing import Callable, TypeVar
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from meshscope.agent.collector.store import PARTITION_KEYS
+from meshscope.agent.store.schema import PARTITION_KEYS
 from meshscope.agent.contract import PART_RE, SCHEMA_VERSION, part_name
 
 META_PREFIX = "meshscope."
@@ -126,7 +126,7 @@ def cleanup_partition(directory: Path) -> int:
 def contained(ranges: Iterable[tuple[K, Hashable, int, int]]) -> set[K]:
     """Keys of the ``(key, stream, start, end)`` ranges contained in another range of the same stream:
     the sources of a compaction whose merged part exists. The one rule for the local store's cleanup and
-    for the bucket's readers and uploader (``agent.collector.objectstore``)."""
+    for the bucket's readers and uploader (``agent.store.objectstore``)."""
     by_stream: dict[Hashable, list[tuple[int, int, K]]] = {}
     for key, stream, start, end in ranges:
         by_stream.setdefault(stream, []).append((start, -end, key))

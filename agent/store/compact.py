@@ -1,6 +1,6 @@
 """Reader-side compaction: one sorted **segment** in the reader's cache stands in for many packs.
 
-Node packs (``agent.collector.packs``) bound the files per run and kind to about one per node, but the
+Node packs (``agent.store.packs``) bound the files per run and kind to about one per node, but the
 largest jobs have thousands of nodes: at 16,384 ranks a page reads 2,048 packs per kind, and opening them
 costs more than the rows (one step of collectives from 2,048 packs 0.8 s, from one file sorted by step
 0.05 s; bench/dashboard_pages.py). No agent sees more than its node, so the reader merges what it reads:
@@ -47,8 +47,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from meshscope.agent.collector import duckconn, packs
-from meshscope.agent.collector.parts import META_PREFIX
+from meshscope.agent.store import duckconn, packs
+from meshscope.agent.store.parts import META_PREFIX
 from meshscope.agent.contract import PACK_RE, SCHEMA_VERSION, pack_name
 from meshscope.agent.contract.storelayout import StoreLayout
 

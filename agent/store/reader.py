@@ -2,7 +2,7 @@
 as a DataFrame) for everything that reads it: the dashboard, ``meshscope export-trace``, ``meshscope
 sweep`` and the tests.
 
-Layout (written by the node agent, see ``agent.collector.store``)::
+Layout (written by the node agent, see ``agent.store.schema``)::
 
     <root>/tables/<kind>/run=<run>/rank=<rank>/part-*.parquet
 
@@ -13,14 +13,14 @@ several stores is one run with the ranks of all of them.
 Restarts: a torchrun restart resumes from the last checkpoint, so the steps after it run again and a
 rank's records of those steps exist once per attempt (one spool stream per attempt, in the part names).
 The step-indexed kinds (step, collective, span, memory) then keep, per (run, rank, step), the newest
-attempt's rows only (``agent.collector.tableview.select_sql``), in one store or across several (a rank
+attempt's rows only (``agent.store.tableview.select_sql``), in one store or across several (a rank
 moved to another node). ``all_attempts=True`` reads every stored row instead (what the exactly-once
 checks compare with the spools).
 
 Confinement, per root: each root is resolved once; run names come only from listing ``run=*``
 directories; kinds come only from ``agent.schema.KINDS``; below a root no symlink is followed (a link
 that could lead out is ignored), so every file handed to DuckDB lies under one of the roots, or is a
-segment the reader wrote into its own cache (``agent.collector.compact``). User input
+segment the reader wrote into its own cache (``agent.store.compact``). User input
 never becomes a path or SQL text: it only selects among listed names, and values go to DuckDB as bound
 parameters.
 
@@ -47,9 +47,9 @@ from pathlib import Path
 import duckdb
 import pandas as pd
 
-from meshscope.agent.collector import compact, duckconn, packs, tableview
-from meshscope.agent.collector.objectstore import is_remote
-from meshscope.agent.collector.store import PARTITION_KEYS, stored_schema
+from meshscope.agent.store import compact, duckconn, packs, tableview
+from meshscope.agent.store.objectstore import is_remote
+from meshscope.agent.store.schema import PARTITION_KEYS, stored_schema
 from meshscope.agent.contract import KINDS, PACK_RE, PART_RE, SCHEMAS, check_run_name, is_run_name
 from meshscope.agent.contract.storelayout import PACKS, StoreLayout, rank_of, run_of
 
@@ -75,9 +75,9 @@ class Store:
 
     roots: tuple[Path, ...]
     # What each root was opened as: its directory, or the s3:// URL whose local cache it is. Re-opening a
-    # Store from its sources syncs the caches again (``agent.collector.remote``).
+    # Store from its sources syncs the caches again (``agent.store.remote``).
     sources: tuple[str, ...] = ()
-    # Segments in the reader's cache in place of many packs (``agent.collector.compact``): one of MODES.
+    # Segments in the reader's cache in place of many packs (``agent.store.compact``): one of MODES.
     compaction: str = "use"
 
     def __post_init__(self) -> None:
@@ -94,8 +94,8 @@ class Store:
         """The union of the stores at ``paths`` (order kept; the same directory twice counts once). A path
         may be an ``s3://bucket/prefix`` URL: its parts are synced into a local cache first, or, with
         ``background_sync``, on a thread while the cache as last synced is read
-        (``agent.collector.remote.sync_in_background``: the dashboard). ``compaction``: see
-        ``agent.collector.compact``."""
+        (``agent.store.remote.sync_in_background``: the dashboard). ``compaction``: see
+        ``agent.store.compact``."""
         roots: list[Path] = []
         sources: list[str] = []
         seen: set[tuple[int, int]] = set()
@@ -209,7 +209,7 @@ class Store:
     def _display(self, path: Path) -> str:
         """A file for messages: relative to its root, prefixed with the root when there are several."""
         root = next((r for r in self.roots if path.is_relative_to(r)), None)
-        if root is None:  # a segment in the reader's cache (agent.collector.compact)
+        if root is None:  # a segment in the reader's cache (agent.store.compact)
             return str(path)
         rel = str(path.relative_to(root))
         return rel if len(self.roots) == 1 else f"{root}/{rel}"
@@ -294,7 +294,7 @@ class Store:
                     cond, params, columns = materialize[kind]
                     cols = ", ".join(f'"{c}"' for c in columns)
                     if len(paths) <= VIEW_MAX_FILES and all(type(v) is int for v in params or ()):
-                        # A few files (a segment, agent.collector.compact): scanning them again per statement,
+                        # A few files (a segment, agent.store.compact): scanning them again per statement,
                         # each for its own columns and row groups, is cheaper than one table of every column
                         # (16,384-rank Overview: 0.46 s against 0.70 s). The integer bounds become literals:
                         # a view takes no parameters.
@@ -394,7 +394,7 @@ def _empty(kind: str, *, select: str) -> pd.DataFrame:
 def _synced(url: str, *, background: bool) -> Path:
     """The local cache of a bucket's store, synced now (at most every few seconds per process), or in
     the background (see ``Store.open_many``)."""
-    from meshscope.agent.collector import objectstore, remote
+    from meshscope.agent.store import objectstore, remote
 
     try:
         parsed = objectstore.parse_url(url)

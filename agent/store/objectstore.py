@@ -3,9 +3,9 @@
 The bucket mirrors the local store's tables under a prefix, with the same keys (``agent.contract.storelayout``)::
 
     s3://<bucket>/<prefix>/tables/<kind>/run=<run>/rank=<rank>/part-<stream>-<start>-<end>.parquet
-    s3://<bucket>/<prefix>/tables/<kind>/run=<run>/packs/pack-<id>.parquet        (agent.collector.packs)
+    s3://<bucket>/<prefix>/tables/<kind>/run=<run>/packs/pack-<id>.parquet        (agent.store.packs)
 
-Part names are idempotent (a part is one byte range of one spool stream, ``agent.collector.parts``), so an
+Part names are idempotent (a part is one byte range of one spool stream, ``agent.store.parts``), so an
 upload repeated after a crash writes the same object again, and "exactly once" in the bucket is the same
 rule as on disk: one object per (stream, range), and what a compaction or a pack replaced (a part inside
 another part of its stream or inside a pack's ranges, a pack inside another pack) is ignored by readers
@@ -26,8 +26,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from meshscope.agent.collector.packs import PartRef
-from meshscope.agent.collector.packs import superseded as packs_superseded
+from meshscope.agent.store.packs import PartRef
+from meshscope.agent.store.packs import superseded as packs_superseded
 from meshscope.agent.contract import KINDS, PACK_RE, PART_RE, is_run_name
 from meshscope.agent.contract.storelayout import TABLE_KEY, StoreLayout
 
@@ -96,7 +96,7 @@ def filesystem(*, connect_timeout_s: float = 3.0, request_timeout_s: float = 30.
 @dataclass(frozen=True, slots=True)
 class RemotePart:
     """A part (``tables/<kind>/run=<run>/rank=<rank>/part-*``) or a pack (``.../run=<run>/packs/pack-*``,
-    ``rank`` None: its ranges are in its manifest, ``agent.collector.packs``)."""
+    ``rank`` None: its ranges are in its manifest, ``agent.store.packs``)."""
 
     rel: str  # key below the prefix
     run_dir: str  # tables/<kind>/run=<run>
@@ -157,7 +157,7 @@ def _bucket_exists(s3: S3FileSystem, url: S3Url) -> None:
 
 
 def superseded(parts: Iterable[RemotePart], manifests: Mapping[str, tuple | None]) -> set[str]:
-    """Keys of what a compaction or a packing replaced (``agent.collector.packs.superseded``, per run
+    """Keys of what a compaction or a packing replaced (``agent.store.packs.superseded``, per run
     directory): readers ignore them, the uploader deletes them. ``manifests``: pack key -> its manifest."""
     by_run: dict[str, list[RemotePart]] = {}
     for p in parts:

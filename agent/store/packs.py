@@ -1,6 +1,6 @@
 """Node packs: the run store's layout for large jobs.
 
-A part holds one rank's records of one spool byte range (``agent.collector.parts``): the unit of the
+A part holds one rank's records of one spool byte range (``agent.store.parts``): the unit of the
 agent's exactly-once ingest. At 16,384 ranks that is ~100,000 small files per flush, and every page read
 opens all of them (~0.15 ms each with DuckDB, before reading a row). So once parts are final (below their
 stream's durable offset), the agent merges all of a run's parts of one kind on its node into one **pack**::
@@ -8,7 +8,7 @@ stream's durable offset), the agent merges all of a run's parts of one kind on i
     <store>/tables/<kind>/run=<run>/packs/pack-<id>.parquet
 
 A pack has the kind's stored columns plus ``rank`` and ``_stream`` (the spool stream each row came from:
-the newest-attempt rule of ``agent.collector.tableview`` needs it), rows sorted by step then rank (pages
+the newest-attempt rule of ``agent.store.tableview`` needs it), rows sorted by step then rank (pages
 read step windows: row-group statistics let DuckDB skip the rest), and a **manifest** in its key-value
 metadata: the ``(rank, stream, start, end)`` spool ranges it holds, adjacent ranges merged. Small packs of
 a run are merged again the same way once enough have gathered, so a node keeps a few packs per run and kind
@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from meshscope.agent.collector.parts import META_PREFIX, Part, contained, list_parts
+from meshscope.agent.store.parts import META_PREFIX, Part, contained, list_parts
 from meshscope.agent.contract import PACK_RE, SCHEMA_VERSION, pack_name
 from meshscope.agent.contract.storelayout import PACKS, rank_of
 
@@ -193,7 +193,7 @@ def write_tables(directory: Path, *, kind: str, tables: Sequence[pa.Table], rang
     strings = [f.name for f in table.schema if pa.types.is_string(f.type)]
     floats = [f.name for f in table.schema if pa.types.is_floating(f.type)]
     try:
-        # As parts are written (agent.collector.parts.write_part), plus statistics on rank: a page that
+        # As parts are written (agent.store.parts.write_part), plus statistics on rank: a page that
         # looks at some ranks skips the row groups of the others.
         pq.write_table(table, tmp, compression="zstd", use_dictionary=strings, use_byte_stream_split=floats,
                        write_statistics=keys, row_group_size=ROW_GROUP_ROWS)

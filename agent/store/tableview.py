@@ -1,6 +1,6 @@
-"""One kind's part files as one table: the SELECT that ``agent.collector.reader.Store`` gives DuckDB.
+"""One kind's part files as one table: the SELECT that ``agent.store.reader.Store`` gives DuckDB.
 
-The table has exactly the columns of the kind's part files (``agent.collector.store.stored_schema``) in
+The table has exactly the columns of the kind's part files (``agent.store.schema.stored_schema``) in
 schema order, then ``run`` and ``rank`` from the path. Files that lack newer columns read as NULL of the
 schema type. A restarted rank's re-executed steps keep only the newest attempt's rows (``select_sql``).
 This module builds SQL text and checks footers; running it is the reader's.
@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from meshscope.agent.collector import packs
+from meshscope.agent.store import packs
 from meshscope.agent.contract import PACK_RE, PART_RE, SCHEMAS
 from meshscope.agent.contract.storelayout import rank_dirname
-from meshscope.agent.collector.store import stored_schema
+from meshscope.agent.store.schema import stored_schema
 
 if TYPE_CHECKING:  # the connection is the caller's; this module never opens one
     import duckdb
@@ -26,7 +26,7 @@ DUCK_TYPES = {pa.int64(): "BIGINT", pa.int32(): "INTEGER", pa.float64(): "DOUBLE
               pa.bool_(): "BOOLEAN"}
 # Partition keys come from the path; fixing their types stops DuckDB from turning run "0042" into 42.
 HIVE_TYPES = "{'run': VARCHAR, 'rank': INTEGER}"
-PACK_HIVE_TYPES = "{'run': VARCHAR}"  # packs (agent.collector.packs) hold many ranks: rank is a column
+PACK_HIVE_TYPES = "{'run': VARCHAR}"  # packs (agent.store.packs) hold many ranks: rank is a column
 # Kinds whose rows belong to a step, and the column that orders a rank's records in time.
 STEP_KINDS = {"step": "t_start", "collective": "t_start", "span": "t_start", "memory": "t"}
 # The stream of a row's part file, from the agent's own part-name pattern (DuckDB's RE2 reads the same
@@ -37,7 +37,7 @@ _STREAM_SQL = (f"regexp_extract(filename, '(?:^|/){PART_RE.pattern.removeprefix(
 
 def restarted(paths: list[Path], *, kind: str) -> bool:
     """Whether some rank of these files wrote more than one spool stream (a torchrun restart: one spool,
-    hence one stream, per attempt). Part names carry the stream (``agent.collector.parts``), so this costs
+    hence one stream, per attempt). Part names carry the stream (``agent.store.parts``), so this costs
     a regex per file name, and runs that never restarted pay nothing more."""
     if kind not in STEP_KINDS:
         return False

@@ -1,10 +1,10 @@
 """Readers over a bucket: ``--store s3://bucket/prefix`` reads through a local cache of the bucket's parts.
 
-Parts are immutable under their names (``agent.collector.objectstore``), so a cache never goes stale: a
+Parts are immutable under their names (``agent.store.objectstore``), so a cache never goes stale: a
 sync lists the prefix once (one flat listing), downloads the parts the cache lacks, and removes those the
 bucket no longer has or that a compacted part or a pack supersedes (packs are fetched first: their
 manifests say which). The cache is then an ordinary local store root,
-read by the one reader (``agent.collector.reader.Store``) with DuckDB's own Parquet scan. So the first read
+read by the one reader (``agent.store.reader.Store``) with DuckDB's own Parquet scan. So the first read
 of a run costs its download, and every later read one listing plus what is new: cheaper than fetching
 every file from the bucket on every page load (DuckDB's httpfs extension cannot be installed here, and
 an Arrow dataset over S3 would re-read each part each time).
@@ -23,8 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshscope.agent.collector import compact, objectstore, packs
-from meshscope.agent.collector.objectstore import S3Url
+from meshscope.agent.store import compact, objectstore, packs
+from meshscope.agent.store.objectstore import S3Url
 from meshscope.agent.contract.storelayout import StoreLayout
 
 MIN_SYNC_INTERVAL_S = 2.0  # several reads within this share one listing (a dashboard page runs many)
