@@ -1,7 +1,7 @@
 """The what-if planner against real runs: a grid of gloo jobs of one model on this machine (DDP, FSDP2,
 TP, PP GPipe / 1F1B / interleaved at 2 ranks; DDP, FSDP2, TP, PP 1F1B, FSDP2+TP, PP+FSDP2 at 4), a
 calibration from one or two of them, and every other run's measured step time against the calibrated
-prediction and the uncalibrated textbook model (``dashboard.planner.textbook``), with peak memory.
+prediction and the uncalibrated textbook model (``dashboard.planner.predict.textbook``), with peak memory.
 
     python bench/planner_grid.py [--store DIR] [--reuse] [--calibrate ddp2,fsdptp4] [--repeats 3] [--json]
 
@@ -29,7 +29,9 @@ from pathlib import Path
 import pandas as pd
 
 from meshscope.agent.store.reader import Store
-from meshscope.dashboard import calibration, planner, report, views, whatif
+from meshscope.dashboard import report, views
+from meshscope.dashboard.planner import calibration, whatif
+from meshscope.dashboard.planner import predict as planner
 
 # name -> (ranks, trainer arguments)
 GRID: dict[str, tuple[int, list[str]]] = {
@@ -176,7 +178,7 @@ def main() -> int:
          "grid_seconds": grid_s, "jobs_run": len(took),
          "load_average_before": load0[0], "load_average_after": os.getloadavg()[0]}
     if a.json:
-        from meshscope.dashboard.plan import clean_json
+        from meshscope.dashboard.planner.cli import clean_json
 
         print(json.dumps(clean_json({"summary": s, "runs": comp.to_dict("records")}), indent=2, default=float))
         return 0

@@ -421,7 +421,7 @@ _PLANNER_STEP_COLS = ("rank", "step", "wall_s", "compute_s", "exposed_comm_s", "
 
 
 def planner_data(store: Store, *, run: str, last_steps: int = PLANNER_STEPS) -> dict[str, pd.DataFrame]:
-    """What the planner calibrates from (``dashboard.calibration``), over the run's latest ``last_steps``
+    """What the planner calibrates from (``dashboard.planner.calibration``), over the run's latest ``last_steps``
     steps (the calibration leaves the warm-up out itself):
 
     - ``steps``: per rank and step, the step record's times, ``flops`` and ``tokens``;

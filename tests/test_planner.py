@@ -14,7 +14,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from meshscope.dashboard import calibration, layouts, links, planner, views, whatif
+from meshscope.dashboard import views
+from meshscope.dashboard.planner import calibration, layouts, links, whatif
+from meshscope.dashboard.planner import predict as planner
 from meshscope.dashboard.analysis import busbw_factor
 from meshscope.dashboard.pipeline_sim import makespan_shared, simulate
 from meshscope.trainer import config as trainer_config

@@ -1,5 +1,5 @@
 """The reference model's flavors and the rules of a parallel layout, without torch: the trainer's config
-checks a layout with these functions and the planner (``dashboard/planner.py``) checks the layouts it
+checks a layout with these functions and the planner (``dashboard/planner/predict.py``) checks the layouts it
 predicts with the same ones, so a layout the planner offers is one the trainer runs, and a bad one gets
 the trainer's message. They live in the contract so that neither side imports the other. Every check raises ``ValueError`` naming the bad value (the trainer's
 ``ConfigError`` is one)."""

@@ -1,10 +1,11 @@
 """What-if: the layouts of a world size predicted from the selected runs (one model; calibration and
-model in ``dashboard/calibration.py`` and ``dashboard/planner.py``), fastest first, with the measured runs
+model in ``dashboard/planner/calibration.py`` and ``dashboard/planner/predict.py``), fastest first, with the measured runs
 of that world size on the same chart. One computation with ``meshscope plan``."""
 
 import streamlit as st
 
-from meshscope.dashboard import ui, whatif
+from meshscope.dashboard import ui
+from meshscope.dashboard.planner import whatif
 from meshscope.dashboard.config import ConfigError
 
 MAX_RUNS = 8  # runs calibrated from when the user selected fewer than two

@@ -1,6 +1,6 @@
 """The what-if planner's calibration: what one or more measured runs of a model say about the machine it
 ran on (docs/formulas.md, "What-if planner"). DataFrame in, dataclass out; no I/O (the frames come from
-``data.planner_data``), no plotting. ``dashboard.planner`` predicts other layouts from the result.
+``data.planner_data``), no plotting. ``dashboard.planner.predict`` predicts other layouts from the result.
 
 Per run, over its steps after warm-up (``stragglers.first_steady_step``), each rank's medians, then their
 mean over ranks (every rank's wall is the step's, so the means add up to the measured step time):

@@ -1,5 +1,5 @@
 """The planner over a store: calibrate from named runs (through the injected loader, like every view),
-and what the What-if page shows. ``meshscope plan`` (``dashboard/plan.py``) and the page call these."""
+and what the What-if page shows. ``meshscope plan`` (``dashboard/planner/cli.py``) and the page call these."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from dataclasses import dataclass
 import pandas as pd
 import plotly.graph_objects as go
 
-from meshscope.dashboard import calibration, figures, layouts, planner
+from meshscope.dashboard import figures
+from meshscope.dashboard.planner import calibration, layouts
+from meshscope.dashboard.planner import predict as planner
 from meshscope.dashboard.config import ConfigError
 from meshscope.dashboard.memory_model import spec_from_meta
 from meshscope.dashboard.views import Loader, meta_of

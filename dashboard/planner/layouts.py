@@ -1,13 +1,13 @@
 """The space of parallel layouts the planner predicts: a layout as the trainer resolves it, parsed from
 ``meshscope plan --layout``, checked by the trainer's own rules (``agent/contract/layout.py``), enumerated for a
-world size, and read back from a measured run. No prediction here (``dashboard/planner.py``)."""
+world size, and read back from a measured run. No prediction here (``dashboard/planner/predict.py``)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-from meshscope.dashboard.calibration import ModelShape
+from meshscope.dashboard.planner.calibration import ModelShape
 from meshscope.agent.contract import layout as rules
 
 SIMULATED = ("gpipe", "1f1b", "interleaved", "interleaved-zb")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from meshscope.dashboard.analysis import busbw_factor
-from meshscope.dashboard.calibration import Calibration
+from meshscope.dashboard.planner.calibration import Calibration
 
 # Nominal bus bandwidths of the textbook model (bytes/s): NVLink 4 per direction on an H100 SXM; on CPU a
 # loopback figure for gloo's TCP transport. Nothing here is measured: that is the point of the comparison.

@@ -1,7 +1,7 @@
 """``meshscope plan``: from measured runs of a model, the predicted step time, its breakdown, tokens/s,
 MFU and peak memory of another layout or world size (``--layout``), or every layout of a world size
 ranked by predicted tokens/s (``--rank-layouts``). One computation with the What-if page
-(``dashboard.whatif``, ``dashboard.planner``); ``--json`` for scripts.
+(``dashboard.planner.whatif``, ``dashboard.planner.predict``); ``--json`` for scripts.
 
     meshscope plan --store DIR --run NAME [--run NAME ...] --layout dp=2,tp=1,pp=1,fsdp=0,schedule=1f1b,microbatches=4
                    [--world-size N] [--json]
@@ -18,7 +18,9 @@ import sys
 from meshscope.agent.cliargs import ArgParser, run_command
 from meshscope.agent.collector.catchup import catch_up
 from meshscope.agent.store.reader import Store, StoreError
-from meshscope.dashboard import layouts, planner, views, whatif
+from meshscope.dashboard import views
+from meshscope.dashboard.planner import layouts, whatif
+from meshscope.dashboard.planner import predict as planner
 from meshscope.dashboard.config import ConfigError
 from meshscope.agent.contract.layout import LayoutError
 

@@ -1,4 +1,4 @@
-"""The what-if planner: a measured calibration (``dashboard.calibration``) turned into predictions for
+"""The what-if planner: a measured calibration (``dashboard.planner.calibration``) turned into predictions for
 layouts not yet run (docs/formulas.md, "What-if planner"). Pure functions; ``meshscope plan``, the
 What-if page and ``bench/planner_grid.py`` call them.
 
@@ -42,10 +42,10 @@ import pandas as pd
 
 from meshscope.agent.contract import bubble_theory, busbw_factor, normalize_schedule, training_flops_per_token
 from meshscope.agent.contract import mfu as model_flops_utilisation
-from meshscope.dashboard.calibration import SHARED, SHARING_EXPONENT, Calibration, ModelShape, Rate, local_params, nonneg_line
-from meshscope.dashboard.layouts import SIMULATED, Layout, candidates, family, measured_layout
-from meshscope.dashboard.links import NOMINAL_BUS_BW, Links, act_bytes
-from meshscope.dashboard.links import note as _note
+from meshscope.dashboard.planner.calibration import SHARED, SHARING_EXPONENT, Calibration, ModelShape, Rate, local_params, nonneg_line
+from meshscope.dashboard.planner.layouts import SIMULATED, Layout, candidates, family, measured_layout
+from meshscope.dashboard.planner.links import NOMINAL_BUS_BW, Links, act_bytes
+from meshscope.dashboard.planner.links import note as _note
 from meshscope.dashboard.memory_model import ModelSpec, memory_model
 from meshscope.dashboard.pipeline_sim import ORDERED, makespan_shared, simulate
 
