@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import os
+from pathlib import Path
 import statistics
 import tempfile
 import time
