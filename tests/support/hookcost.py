@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import gc
 import os
-from pathlib import Path
 import statistics
 import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable
 from tests.support.harness import free_port  # noqa: E402,F401
 
