@@ -56,11 +56,6 @@ RATE_INTERVAL = "10s"  # what $__rate_interval would be at a 1 s scrape interval
 TRAIN = ("--model", "tiny", "--device", "cpu", "--log-every", "1000")
 
 
-def wait_until(fn, *, timeout: float, what, interval: float = 0.5):
-    """Poll ``fn`` until it returns something truthy; fail after ``timeout`` seconds."""
-    return poll_until(fn, timeout_s=timeout, interval_s=interval, what=what)
-
-
 class Prometheus:
     def __init__(self, port: int) -> None:
         self.base = f"http://127.0.0.1:{port}"
@@ -212,10 +207,10 @@ def e2e(tmp_path_factory):
     ctx = SimpleNamespace(tmp=tmp, store=store, stack=proc, stack_lines=lines, ports=ports, webhook=webhook,
                           prom=Prometheus(ports.prometheus), trainers=[])
     try:
-        wait_until(lambda: any("Ctrl-C stops everything" in line for line in lines) or proc.poll() is not None,
-                   timeout=60, what="meshscope stack to be ready")
+        poll_until(lambda: any("Ctrl-C stops everything" in line for line in lines) or proc.poll() is not None,
+                   timeout_s=60, what="meshscope stack to be ready")
         assert proc.poll() is None, "".join(lines)
-        wait_until(ctx.prom.targets_up, timeout=30, what="both agents scraped (file_sd discovery)")
+        poll_until(ctx.prom.targets_up, timeout_s=30, what="both agents scraped (file_sd discovery)")
         yield ctx
     finally:
         for trainer in ctx.trainers:
@@ -258,7 +253,7 @@ def test_clean_run_raises_no_alert_and_every_panel_has_data(e2e):
     # Pipeline parallel, so the pipeline panels (bubble, send/recv) have real data as well.
     proc = launch(e2e, 2, run, "--pp", "2", "--microbatches", "4", "--steps", "200")
     prom = e2e.prom
-    wait_until(lambda: (prom.value(f'min(meshscope_rank_last_step{{run="{run}"}})') or 0) >= 10, timeout=150,
+    poll_until(lambda: (prom.value(f'min(meshscope_rank_last_step{{run="{run}"}})') or 0) >= 10, timeout_s=150,
                what=f"steps of {run}\n{_log(e2e, run)}")
     queries = {dashgen.substitute(expr, RATE_INTERVAL): (uid, title)
                for uid, title, expr in dashgen.panel_queries()}
@@ -271,8 +266,8 @@ def test_clean_run_raises_no_alert_and_every_panel_has_data(e2e):
         time.sleep(0.5)
     assert not empty, "panels without data: " + "; ".join(f"{queries[q]}: {q}" for q in sorted(empty))
     assert proc.wait(timeout=180) == 0, _log(e2e, run)
-    wait_until(lambda: prom.value(f'sum(meshscope_run_events_total{{run="{run}", kind="end"}})') == 2,
-               timeout=30, what="the end events")
+    poll_until(lambda: prom.value(f'sum(meshscope_run_events_total{{run="{run}", kind="end"}})') == 2,
+               timeout_s=30, what="the end events")
     # Nothing may fire after the end either (no-progress must know the run ended): watch until the last
     # step is older than the e2e staleness limit plus the longest e2e `for:`, an evaluation and group_wait.
     last_step_t = prom.value(f'max(meshscope_rank_last_step_timestamp_seconds{{run="{run}"}})')
@@ -292,7 +287,7 @@ def test_straggler_then_hang_are_delivered(e2e):
     proc = launch(e2e, 3, run, "--batch-size", "6", "--steps", "100000", "--straggler-ranks", "1",
                   "--straggler-seconds", "0.5", "--hang-rank", "2", "--hang-step", "40")
     try:
-        alert = wait_until(lambda: e2e.webhook.find("MeshscopeStragglerRank", run=run), timeout=150,
+        alert = poll_until(lambda: e2e.webhook.find("MeshscopeStragglerRank", run=run), timeout_s=150,
                            what=f"the straggler notification\n{_log(e2e, run)}")
         assert alert["labels"]["rank"] == "1" and alert["labels"]["severity"] == "warning"
         assert "rank 1" in alert["annotations"]["summary"]
@@ -306,7 +301,7 @@ def test_straggler_then_hang_are_delivered(e2e):
         assert [(r["metric"]["run"], r["metric"]["rank"], r["value"][1]) for r in result
                 if r["metric"]["run"] == run] == [(run, "1", "1")]
 
-        alert = wait_until(lambda: e2e.webhook.find("MeshscopeRunNoProgress", run=run), timeout=120,
+        alert = poll_until(lambda: e2e.webhook.find("MeshscopeRunNoProgress", run=run), timeout_s=120,
                            what=f"the no-progress notification\n{_log(e2e, run)}")
         assert alert["labels"]["severity"] == "critical"
         assert e2e.prom.value(f'max(meshscope_rank_last_step{{run="{run}"}})') == 39  # stuck before step 40
@@ -322,7 +317,7 @@ def test_crashed_rank_raises_ranks_missing(e2e):
     run = "e2e-crash"
     proc = launch(e2e, 2, run, "--steps", "100000", "--crash-rank", "1", "--crash-step", "8")
     try:
-        alert = wait_until(lambda: e2e.webhook.find("MeshscopeRanksMissing", run=run), timeout=150,
+        alert = poll_until(lambda: e2e.webhook.find("MeshscopeRanksMissing", run=run), timeout_s=150,
                            what=f"the ranks-missing notification\n{_log(e2e, run)}")
         assert alert["labels"]["reason"] == "crashed" and alert["labels"]["severity"] == "critical"
         assert proc.wait(timeout=60) != 0  # torchrun reports the failed rank

@@ -3,7 +3,6 @@ across SIGKILLs."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -22,8 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from meshscope.agent import catalog
 from meshscope.agent.store.reader import read_table
 from meshscope.agent.contract import CollectiveRecord, spool_path
-from tests.support.spools import ALL_OPS_DIMS, write_run
 from meshscope.agent.transport.writer import SpoolWriter
+from tests.support.harness import committed_bytes, poll_until
+from tests.support.spools import ALL_OPS_DIMS, write_run
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -49,16 +49,6 @@ def stop(proc: subprocess.Popen, sig=signal.SIGTERM) -> int:
             proc.kill()
 
 
-def poll_until(predicate, *, timeout_s=20.0, interval_s=0.05):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(interval_s)
-
-
 def fetch(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         return resp.read().decode()
@@ -79,7 +69,7 @@ def test_metrics_endpoint_passes_promtool_and_stays_in_budget(tmp_path):
             last = [f'meshscope_rank_last_step{{rank="{r}",run="multi"}} 29.0' for r in range(world)]
             return text if all(line in text for line in last) else None
 
-        text = poll_until(all_ranks_in)
+        text = poll_until(all_ranks_in, timeout_s=20, interval_s=0.05, what="every rank's series")
         check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
         assert check.returncode == 0, check.stdout + check.stderr
         samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
@@ -119,14 +109,6 @@ def _feed(store: Path, stop_event: threading.Event, counts: dict) -> None:
         assert w.close() and w.dropped_records == 0
 
 
-def committed_bytes(store: Path) -> int:
-    try:
-        files = json.loads((store / "agent" / "offsets.json").read_text())["files"]
-    except (OSError, ValueError):
-        return 0
-    return sum(entry["offset"] for entry in files.values())
-
-
 def test_exactly_once_across_sigkill(tmp_path):
     rnd = random.Random(7)
     counts: dict[int, int] = {}
@@ -137,7 +119,8 @@ def test_exactly_once_across_sigkill(tmp_path):
         for _ in range(3):
             proc, _ = start_agent(tmp_path, "--part-age", "0", "--part-bytes", "20000")
             before = committed_bytes(tmp_path)
-            poll_until(lambda: committed_bytes(tmp_path) > before + 50_000)  # it ingests and commits
+            poll_until(lambda: committed_bytes(tmp_path) > before + 50_000, timeout_s=20, interval_s=0.05,
+                       what="the agent to commit 50 kB more")  # it ingests and commits
             time.sleep(rnd.uniform(0.0, 0.1))  # land somewhere in a write/rename/offset-save cycle
             proc.kill()
             proc.wait(timeout=10)

@@ -45,11 +45,6 @@ SERVING = re.compile(r"serving http://127\.0\.0\.1:(\d+)/metrics")
 RULES = ROOT / "grafana" / "prometheus" / "rules" / "meshscope.rules.yml"
 
 
-def wait_until(fn, *, timeout: float, what, interval: float = 0.3):
-    """Poll ``fn`` until it returns something truthy; fail after ``timeout`` seconds."""
-    return poll_until(fn, timeout_s=timeout, interval_s=interval, what=what)
-
-
 class Lines:
     """A child's merged stdout/stderr, drained by a thread (a full pipe would block the child)."""
 
@@ -110,8 +105,8 @@ def job(tmp_path_factory):
         agents = [_start_agent(s) for s in stores]
         ports = []
         for proc, lines in agents:
-            line = wait_until(lambda: next((m for m in map(SERVING.search, lines.lines) if m), None)
-                              or proc.poll() is not None, timeout=30, what=lambda: "an agent to serve\n" + logs())
+            line = poll_until(lambda: next((m for m in map(SERVING.search, lines.lines) if m), None)
+                              or proc.poll() is not None, timeout_s=30, what=lambda: "an agent to serve\n" + logs())
             assert proc.poll() is None, logs()
             ports.append(int(line.group(1)))
         prom_port = _free_port()
@@ -121,10 +116,10 @@ def job(tmp_path_factory):
                              "--dir", str(tmp / "stack"), "--interval", "1s"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         stack_lines = Lines(stack_proc)
-        wait_until(lambda: "Ctrl-C stops everything" in stack_lines.text() or stack_proc.poll() is not None,
-                   timeout=30, what=lambda: "meshscope stack to be ready\n" + logs())
+        poll_until(lambda: "Ctrl-C stops everything" in stack_lines.text() or stack_proc.poll() is not None,
+                   timeout_s=30, what=lambda: "meshscope stack to be ready\n" + logs())
         assert stack_proc.poll() is None, logs()
-        wait_until(lambda: all(n.poll() is not None for n in nodes), timeout=150,
+        poll_until(lambda: all(n.poll() is not None for n in nodes), timeout_s=150,
                    what=lambda: f"the two nodes to finish {STEPS} steps\n{logs()}")
         assert [n.returncode for n in nodes] == [0, 0], logs()
         # The agents ingest the last steps and Prometheus scrapes them (first scrape ~5 s after start).
@@ -132,8 +127,8 @@ def job(tmp_path_factory):
         # step), so it can reach Prometheus a scrape later than the last step: wait for both.
         done = f'meshscope_rank_last_step{{run="{RUN}"}} == {STEPS - 1}'
         ended = f'meshscope_run_events_total{{run="{RUN}", kind="end"}}'
-        wait_until(lambda: len(query(prom_port, done)) == 2
-                   and sum(float(s["value"][1]) for s in query(prom_port, ended)) == 2, timeout=30,
+        poll_until(lambda: len(query(prom_port, done)) == 2
+                   and sum(float(s["value"][1]) for s in query(prom_port, ended)) == 2, timeout_s=30,
                    what=lambda: f"both ranks' last step and end in Prometheus\n{logs()}")
         both = Store.open_many(stores)
 
@@ -141,7 +136,7 @@ def job(tmp_path_factory):
             t = data.runs_table(both)
             return len(t) == 1 and t.loc[0, "ranks_stepping"] == 2 and t.loc[0, "steps"] == STEPS
 
-        wait_until(stored, timeout=30, what=lambda: f"both stores to hold every step\n{logs()}")
+        poll_until(stored, timeout_s=30, what=lambda: f"both stores to hold every step\n{logs()}")
         yield SimpleNamespace(stores=stores, agent_ports=ports, prom_port=prom_port, setup_s=time.monotonic() - t0)
     finally:
         for node in nodes:
@@ -154,9 +149,9 @@ def job(tmp_path_factory):
 
 def test_prometheus_sees_both_ranks_from_two_agents(job):
     port = job.prom_port
-    series = wait_until(lambda: len(query(port, 'up{job="meshscope"} == 1')) == 2
+    series = poll_until(lambda: len(query(port, 'up{job="meshscope"} == 1')) == 2
                         and len(s := query(port, f'meshscope_rank_last_step{{run="{RUN}"}}')) == 2 and s,
-                        timeout=30, what="both agents up and both ranks' series")
+                        timeout_s=30, what="both agents up and both ranks' series")
     by_rank = {s["metric"]["rank"]: s["metric"]["instance"] for s in series}
     assert by_rank == {"0": f"127.0.0.1:{job.agent_ports[0]}", "1": f"127.0.0.1:{job.agent_ports[1]}"}
     assert {float(s["value"][1]) for s in series} == {STEPS - 1}

@@ -11,6 +11,7 @@ from meshscope.agent.contract import SCHEMAS
 from meshscope.agent.instrument.nulltelemetry import NullTelemetry
 from meshscope.agent.instrument.telemetry import Telemetry, TelemetryConfig
 from meshscope.agent.transport.frame import rows_to_batch
+from tests.support.harness import poll_until
 
 
 class MemoryWriter:
@@ -357,12 +358,6 @@ def test_cuda_ops_resolved_on_the_flusher_are_accounted_to_the_step_they_were_qu
         tracer.cuda_timer().queue(p)
         return p
 
-    def wait_for(what):
-        deadline = time.monotonic() + 10
-        while not what() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return what()
-
     tel, w = make(flush_interval_s=0.02)
     tracer = CollectiveTracer(tel, mesh_info=FixedMesh())
     tel._tracers.append(tracer)
@@ -374,11 +369,11 @@ def test_cuda_ops_resolved_on_the_flusher_are_accounted_to_the_step_they_were_qu
     time.sleep(0.15)  # several drains: step 0 waits for its op
     assert not w.rows["step"]
     late.cuda.end.done = True
-    assert wait_for(lambda: w.rows["step"]), "step 0 was not built"
+    poll_until(lambda: w.rows["step"], timeout_s=10, interval_s=0.01, what="step 0 to be built")
     with tel.step(1):
         with tel.phase("forward"):
             blocking_op(10.0, 11.0, done=False)  # never completes
-    assert wait_for(lambda: len(w.rows["step"]) == 2), "step 1 was not built after its hold"
+    poll_until(lambda: len(w.rows["step"]) == 2, timeout_s=10, interval_s=0.01, what="step 1 to be built after its hold")
     tel.close()
     steps = {s["step"]: s for s in w.table("step")}
     assert steps[0]["exposed_comm_s"] == pytest.approx(0.005) and steps[0]["n_collectives"] == 2

@@ -10,6 +10,7 @@ import pytest
 from meshscope.agent.contract import EventRecord, spool_path
 from meshscope.agent.transport.reader import SpoolReader
 from meshscope.agent.transport.writer import SpoolWriter
+from tests.support.harness import poll_until
 
 
 class FakeClock:
@@ -35,13 +36,6 @@ def read_events(path) -> list[int]:
         offset = res.offset
 
 
-def wait_for(predicate, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
-
-
 def make(tmp_path, **kw) -> SpoolWriter:
     return SpoolWriter(path=spool_path(tmp_path, run="r", rank=0, attempt=0), run="r", rank=0, attempt=0,
                        host="h", **kw)
@@ -50,7 +44,7 @@ def make(tmp_path, **kw) -> SpoolWriter:
 def test_background_thread_writes_frames(tmp_path):
     w = make(tmp_path, flush_interval_s=0.01)
     assert w.submit("event", [ev(1), ev(2)]) and w.submit("event", [ev(3)])
-    wait_for(lambda: w.written_records == 3)
+    poll_until(lambda: w.written_records == 3, timeout_s=5, interval_s=0.01, what="3 records written")
     assert w.close(timeout_s=5) and read_events(w.path) == [1, 2, 3]
     assert w.spool_bytes == w.path.stat().st_size and w.dropped_records == 0 and w.write_errors == 0
     res = SpoolReader(w.path).read(0)
@@ -179,7 +173,7 @@ def test_close_on_a_full_disk_retries_for_a_bounded_time_then_counts(tmp_path):
     w = SpoolWriter(path="/dev/full", run="r", rank=0, attempt=0, host="h", flush_interval_s=0.01)
     for i in range(10):
         w.submit("event", [ev(i)])
-    wait_for(lambda: w.write_errors >= 1)
+    poll_until(lambda: w.write_errors >= 1, timeout_s=5, interval_s=0.01, what="a write error counted")
     t0 = time.monotonic()
     assert w.close(timeout_s=1.0)
     took = time.monotonic() - t0
