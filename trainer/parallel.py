@@ -40,7 +40,7 @@ from meshscope.trainer.model import GPT
 
 
 @dataclass(kw_only=True)
-class Layout:
+class Placement:
     """Where this rank sits in the mesh."""
 
     mesh: DeviceMesh
@@ -72,12 +72,12 @@ class Layout:
         return [self.pp_rank + k * p.pp for k in range(p.virtual_stages)]
 
 
-def build_mesh(parallel: ParallelConfig, *, device_type: str) -> Layout:
+def build_mesh(parallel: ParallelConfig, *, device_type: str) -> Placement:
     dp_name = "fsdp" if parallel.fsdp else "dp"
     mesh = init_device_mesh(
         device_type, (parallel.pp, parallel.dp, parallel.tp), mesh_dim_names=("pp", dp_name, "tp")
     )
-    return Layout(mesh=mesh, parallel=parallel, dp_name=dp_name)
+    return Placement(mesh=mesh, parallel=parallel, dp_name=dp_name)
 
 
 def split_stage(model: GPT, *, stage: int, n_stages: int, in_place: bool) -> GPT:
@@ -141,7 +141,7 @@ def apply_fsdp(part: GPT, dp_mesh: DeviceMesh, *, pipelined: bool) -> None:
 
 
 def build_schedule(
-    parts: list[nn.Module], *, layout: Layout, device: torch.device, loss_fn
+    parts: list[nn.Module], *, layout: Placement, device: torch.device, loss_fn
 ) -> _PipelineSchedule:
     p = layout.parallel
     group = layout.mesh["pp"].get_group()
@@ -167,7 +167,7 @@ def schedule_stages(schedule: _PipelineSchedule | None) -> list[PipelineStage] |
 
 
 def parallelize(
-    model: GPT, *, layout: Layout, device: torch.device, activation_checkpoint: bool, compile: bool = False
+    model: GPT, *, layout: Placement, device: torch.device, activation_checkpoint: bool, compile: bool = False
 ) -> list[nn.Module]:
     """Model parts this rank trains (one, or ``virtual_stages`` under interleaved PP), on ``device``,
     with TP, block compilation and FSDP2/DDP applied (torchtitan's order: compile after TP, before FSDP)."""
@@ -203,7 +203,7 @@ def unwrap(part: nn.Module) -> nn.Module:
     return part.module if isinstance(part, DistributedDataParallel) else part
 
 
-def world_loss(loss: torch.Tensor | None, *, layout: Layout) -> float:
+def world_loss(loss: torch.Tensor | None, *, layout: Placement) -> float:
     """The step's global mean loss on every rank: the last stage's tp-rank-0 of each replica contributes
     loss/dp and one world all-reduce sums it (one scalar, negligible next to a step)."""
     p = layout.parallel

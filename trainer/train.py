@@ -26,7 +26,7 @@ from meshscope.trainer import checkpoint, config, data, model as model_lib, opti
 from meshscope.trainer.config import ConfigError, TrainConfig
 from meshscope.trainer.faults import Faults
 from meshscope.trainer.parallel import (
-    Layout, build_mesh, build_schedule, parallelize, schedule_stages, unwrap, world_loss,
+    Placement, build_mesh, build_schedule, parallelize, schedule_stages, unwrap, world_loss,
 )
 from meshscope.trainer.profiling import Profiler
 from meshscope.trainer.progress import StepPrinter
@@ -80,7 +80,7 @@ def _device(cfg: TrainConfig) -> torch.device:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, *, device: torch.device, layout: Layout, peak_flops: float) -> None:
+    def __init__(self, cfg: TrainConfig, *, device: torch.device, layout: Placement, peak_flops: float) -> None:
         self.cfg, self.device, self.layout = cfg, device, layout
         self.peak_flops = peak_flops
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -196,7 +196,7 @@ class Trainer:
         return 0
 
 
-def run_info(cfg: TrainConfig, *, layout: Layout, device: torch.device, peak: float, peak_source: str) -> dict:
+def run_info(cfg: TrainConfig, *, layout: Placement, device: torch.device, peak: float, peak_source: str) -> dict:
     flavor = model_lib.FLAVORS[cfg.model.flavor]
     n, n_ne = model_lib.count_params(flavor)
     p = layout.parallel

@@ -52,7 +52,7 @@ def dim_kind(name: str) -> str:
 
 
 @dataclass(slots=True)
-class Layout:
+class JobLayout:
     """What the job's structure says: the data-parallel kind, the degree of each dimension, the job's root
     DeviceMesh (its dim names label the collectives) and this rank's coordinate per dimension."""
 
@@ -115,12 +115,12 @@ def mesh_of(root: Any) -> list[Any]:
     return _meshes(info.mesh if info is not None else None, dtensor)
 
 
-def layout(roots: list[Any], *, world_size: int, rank: int, pipeline: dict, meshes: list[Any] = ()) -> Layout:
+def layout(roots: list[Any], *, world_size: int, rank: int, pipeline: dict, meshes: list[Any] = ()) -> JobLayout:
     """The job's layout (see the module docstring). ``pipeline``: ``detect.pipeline``'s fields or {};
     ``meshes``: every DeviceMesh the job built (the zero-code driver keeps them), for cp and ep."""
     from torch.nn.parallel import DistributedDataParallel
 
-    out = Layout()
+    out = JobLayout()
     replicas = shards = 1
     fsdp_mesh = None
     for root in roots:
@@ -296,7 +296,7 @@ def _attention_width(attention: Any) -> tuple[Any, int] | None:
     return None
 
 
-def flops(roots: list[Any], *, seq_len: int, layout: Layout, mode: str = "analytic") -> Flops:
+def flops(roots: list[Any], *, seq_len: int, layout: JobLayout, mode: str = "analytic") -> Flops:
     """This rank's training FLOPs per token from its modules' parameter shapes (module docstring)."""
     import torch
 

@@ -193,7 +193,7 @@ def pipeline_tokens(schedule: Any, args: tuple, kwargs: dict, find: TokenFinder)
 def run_info(*, roots: list[Any], where: Where, seq_len: int, tokens: int, flops: Any, layout: Any,
              framework: str, schedules: list[Any]) -> dict:
     """The run record's fields a job reveals (``Telemetry.start`` fills the process's own). ``flops``: a
-    ``census.Flops``; ``layout``: a ``census.Layout``, or None when it could not be read (then the run is
+    ``census.Flops``; ``layout``: a ``census.JobLayout``, or None when it could not be read (then the run is
     described as the default group's data parallel, and says so in its strategy: ``manual``)."""
     import torch
 

@@ -453,7 +453,7 @@ class Driver:
             self.error("layout", exc)
             lay = None
         try:
-            self._flops = census.flops(roots, seq_len=self._seq_len, layout=lay or census.Layout(),
+            self._flops = census.flops(roots, seq_len=self._seq_len, layout=lay or census.JobLayout(),
                                        mode=self.flops_mode) if lay is not None else \
                 census.Flops(0.0, "absent: the layout could not be read")
         except Exception as exc:
