@@ -10,8 +10,8 @@ into verdicts and Markdown. Any failure is an exception: its traceback goes to t
 the exit status says it failed.
 
 Run on GPUs: one H200 (torch 2.11, an earlier session, eager) and one H100 80GB (torch 2.11.0+cu130, NCCL
-2.28.9, 2026-11-26, compiled): sections 1-5 ran and passed on both (bench/results/ holds the H100's
-reports); section 6 was written after those runs and has run only on the CPU, with the CUDA calls stubbed.
+2.28.9, 2026-11-26, compiled): sections 1-5 ran and passed on both (bench/RESULTS.md: the H100's latest
+figures); section 6 was written after those runs and has run only on the CPU, with the CUDA calls stubbed.
 """
 
 from __future__ import annotations
