@@ -130,6 +130,7 @@ def test_sigterm_while_the_dashboard_builds_a_segment_exits_cleanly(tmp_path):
     import numpy as np
     import pyarrow.parquet as pq
 
+    from meshscope.agent.contract.storelayout import StoreLayout
     from meshscope.agent.store import packs
     from tests.support.store import SyntheticConfig, write_store
 
@@ -138,16 +139,19 @@ def test_sigterm_while_the_dashboard_builds_a_segment_exits_cleanly(tmp_path):
     store, cache = tmp_path / "store", tmp_path / "cache"
     write_store(store, config=SyntheticConfig(run="big", mesh={"pp": 4, "fsdp": 128}, steps=4, layout="packs"))
     rng, old = np.random.default_rng(0), time.time() - 3600  # settled: an hour old
-    pack_files = sorted((store / "tables" / "collective").rglob("pack-*.parquet"))
+    pack_files = sorted(Path(StoreLayout.of(store).table("collective")).rglob("pack-*.parquet"))
     assert len(pack_files) == 64
     for path in pack_files:  # each pack 200 k rows: a build that takes seconds
         f = pq.ParquetFile(path)
         t = f.read()
         big = t.take(rng.integers(0, len(t), 200_000)).replace_schema_metadata(f.schema_arrow.metadata)
         pq.write_table(big, path)
-    for path in (store / "tables").rglob("*.parquet"):
+    for path in Path(StoreLayout.of(store).tables).rglob("*.parquet"):
         os.utime(path, (old, old))
     from playwright.sync_api import sync_playwright
+
+    def spills() -> list[Path]:  # a segment build's spill directory, beside its kind's segments in the cache
+        return [p for d in cache.glob("compact/*") for p in Path(StoreLayout.of(d).table("collective")).glob(".spill-*")]
 
     with dashboard_process(["dashboard", "--store", str(store)],
                            env={**os.environ, "MESHSCOPE_CACHE_DIR": str(cache)}) as (url, proc):
@@ -158,12 +162,12 @@ def test_sigterm_while_the_dashboard_builds_a_segment_exits_cleanly(tmp_path):
                 page.goto(f"{url}/overview", wait_until="domcontentloaded", timeout=60_000)
                 # The collective segment's build (seconds; the small kinds' take milliseconds) is running.
                 deadline = time.monotonic() + 180
-                while not list(cache.glob("compact/*/collective/.spill-*")) and time.monotonic() < deadline:
+                while not spills() and time.monotonic() < deadline:
                     page.wait_for_timeout(50)  # (keeps the page's connection served, unlike time.sleep)
             finally:
                 browser.close()
         built = sorted(str(p.relative_to(cache)) for p in cache.rglob("*"))
-        assert list(cache.glob("compact/*/collective/.spill-*")), f"the collective build did not start: {built}"
+        assert spills(), f"the collective build did not start: {built}"
         os.killpg(proc.pid, signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0 and "terminate called" not in out, (proc.returncode, out[-2000:])
