@@ -188,7 +188,10 @@ def test_bubble_fraction_matches_theory(tmp_path, schedule):
     _closed_form_holds_where_its_assumptions_did(frac, theory=theory, contended=contended)
 
 
-BALANCED = 0.05  # stages whose busy times differ by less than this share of the step count as balanced
+# Stages whose busy times differ by less than this share of the step count as balanced. Interleaved p2 m4
+# v2 is this sensitive: stages 3.6 % apart (rank 0 the heavier) read 7.8 % fill & drain against 11.1 %
+# (full suite, 2026-11-29 08:50), 18.5 % apart 3.9 %.
+BALANCED = 0.015
 
 
 def _closed_form_holds_where_its_assumptions_did(frac, *, theory: float, contended: list[str]) -> None:
