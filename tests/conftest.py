@@ -81,3 +81,29 @@ def sites_cases(script: str, form: str) -> dict:
     got = dict(sites_worker(script, form))
     assert got.pop("_form")["active"] == (form == "c")
     return got
+
+
+_CPU_AT_START = pytest.StashKey[float]()
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and of every child it (or they) waited for: a torchrun job's ranks count
+    once torchrun has reaped them and the test has reaped torchrun."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    item.stash[_CPU_AT_START] = _cpu_s()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    # junit takes a test's properties from its teardown report: the CPU its setup, call and teardown used
+    # (bench/suite_durations.py sets it beside the wall time: where a second core would be idle).
+    if call.when == "teardown" and _CPU_AT_START in item.stash:
+        item.user_properties.append(("cpu_s", round(_cpu_s() - item.stash[_CPU_AT_START], 3)))
+    yield
+
