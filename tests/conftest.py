@@ -1,54 +1,24 @@
-"""Shared helpers for the test tiers: launching real torchrun jobs of the reference trainer."""
+"""The suite's session fixtures and hooks; the job runners live in tests/support/jobs.py."""
 
 from __future__ import annotations
 
 import functools
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-STEP_LINE = re.compile(r"^step=(\d+) loss=(\S+)")
+from tests.support.jobs import ROOT, ReferenceRuns
 
 
-def trainer_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
-
-def torchrun(nproc: int, *args: str, timeout: float = 240, check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``torchrun --standalone --nproc_per_node=nproc -m meshscope.trainer.train *args`` from the repo root."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "meshscope.trainer.train", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return proc
-
-
-def single(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
-    """The same trainer as one plain process (a world of one)."""
-    cmd = [sys.executable, "-m", "meshscope.trainer.train", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return proc
-
-
-def losses(stdout: str) -> dict[int, float]:
-    out = {}
-    for line in stdout.splitlines():
-        m = STEP_LINE.match(line)
-        if m:
-            out[int(m.group(1))] = float(m.group(2))
-    return out
+@pytest.fixture(scope="session")
+def reference_runs(tmp_path_factory) -> ReferenceRuns:
+    """The session's shared reference runs (tests/support/jobs.py): ``reference_runs["ddp"]``."""
+    return ReferenceRuns(tmp_path_factory.mktemp("reference"))
 
 
 @pytest.fixture

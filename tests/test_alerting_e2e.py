@@ -39,7 +39,7 @@ from meshscope.agent.collector.agent import Agent, AgentConfig
 from meshscope.agent.contract import SCHEMAS, AnchoredClock, spool_path
 from meshscope.agent.transport.frame import encode_data_frame, encode_file_header
 from tests.support.spools import run_table, step_table
-from tests.conftest import trainer_env
+from tests.support.jobs import trainer_env
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "grafana" / "tools"))  # grafana/tools is scripts, not a package

@@ -163,7 +163,7 @@ def test_live_page_over_a_real_job_shows_series_then_its_end(tmp_path, monkeypat
         pytest.skip("prometheus not installed (apt-get install -y prometheus)")
     from streamlit.testing.v1 import AppTest
 
-    from tests.conftest import ROOT, torchrun, trainer_env
+    from tests.support.jobs import ROOT, torchrun, trainer_env
 
     store = tmp_path / "store"
     store.mkdir()

@@ -161,7 +161,7 @@ def test_the_build_command_says_what_it_did(tmp_path) -> None:
     import subprocess
     import sys
 
-    from tests.conftest import ROOT
+    from tests.support.jobs import ROOT
 
     check = subprocess.run([sys.executable, "-m", "meshscope.agent.instrument.funcol_kernels", "--check"], cwd=ROOT,
                            capture_output=True, text=True, timeout=120)

@@ -21,7 +21,7 @@ from meshscope.agent.store.reader import Store, read_table
 from meshscope.agent.collector.state import MetricsState
 from meshscope.agent.contract import SCHEMAS
 from meshscope.dashboard import views
-from tests.conftest import ROOT, losses, single
+from tests.support.jobs import ROOT, losses, single
 from tests.test_zerocode import ingest, meshscope_run, printed_losses
 
 STEPS, NAN_STEP = 8, 3

@@ -21,7 +21,7 @@ from meshscope.dashboard.analysis import busbw_factor
 from meshscope.dashboard.pipeline_sim import makespan_shared, simulate
 from meshscope.trainer import config as trainer_config
 from meshscope.agent.contract.layout import FLAVORS, LayoutError
-from tests.test_telemetry_e2e import run_job
+from tests.support.jobs import REFERENCE_ARGS, REFERENCE_LAYOUTS, REFERENCE_NPROC, run_job
 
 TINY_WIDE = FLAVORS["tiny-wide"]
 
@@ -206,23 +206,20 @@ def test_links_not_measured_are_composed_scaled_or_taken_from_the_pipeline():
 
 
 # ------------------------------------------------------------------------------------- real runs (gloo)
-RUNS = {"ddp": (), "fsdp": ("--fsdp",), "tp": ("--tp", "2"),
-        "pp": ("--pp", "2", "--schedule", "1f1b", "--microbatches", "4")}
+RUNS = ["ddp", "fsdp2", "tp", "pp-1f1b"]  # the session's reference runs (tests/support/jobs.py)
 # Each run's own layout, predicted from a calibration that holds it, within this of its measured step.
 SELF_TOLERANCE = 0.05
 
 
-def _job(store, run: str) -> None:
-    layout = run.split("-")[0]  # "pp-again": pp's layout under another name
-    run_job(store, run, 2, "--model", "tiny-wide", "--steps", "10", *RUNS[layout])
+def _job(store, run: str, layout: str) -> None:
+    """``layout``'s reference run once more, as ``run`` in ``store``."""
+    run_job(store, run, REFERENCE_NPROC, *REFERENCE_ARGS, *REFERENCE_LAYOUTS[layout])
 
 
 @pytest.fixture(scope="module")
-def planner_store(tmp_path_factory):
-    store = tmp_path_factory.mktemp("planner")
-    for name in RUNS:
-        _job(store, name)
-    return store
+def planner_store(reference_runs, tmp_path_factory):
+    """The reference runs of the four layouts in one store (a copy: the tests add runs to it)."""
+    return reference_runs.store_of(*RUNS, into=tmp_path_factory.mktemp("planner"))
 
 
 def _self_errors(store, runs: list[str]) -> dict[str, tuple[float, float, object]]:
@@ -250,8 +247,8 @@ def _once_more(store, runs: list[str], missed: list[str]) -> list[str]:
     against 0.42 in the same session, and its prediction missed by 5.5 %; the model's own error on these
     layouts is 0-2 %), and a real regression misses both times."""
     again = {run: f"{run}-again" for run in missed}
-    for name in again.values():
-        _job(store, name)
+    for run, name in again.items():
+        _job(store, name, run)
     errors = _self_errors(store, [again.get(r, r) for r in runs])
     return [f"{r}: {errors[again.get(r, r)][0]:.4f} s predicted, {errors[again.get(r, r)][1]:.4f} s measured"
             for r in runs if again.get(r, r) in _missed(errors)]
@@ -300,7 +297,7 @@ def _plan(store, *args) -> subprocess.CompletedProcess:
 
 @pytest.mark.gloo
 def test_plan_cli_predicts_a_layout_and_ranks_every_layout(planner_store):
-    proc = _plan(planner_store, "--run", "ddp", "--run", "pp", "--layout", "dp=1,tp=1,pp=2,schedule=gpipe,microbatches=4",
+    proc = _plan(planner_store, "--run", "ddp", "--run", "pp-1f1b", "--layout", "dp=1,tp=1,pp=2,schedule=gpipe,microbatches=4",
                  "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)

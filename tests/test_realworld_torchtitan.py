@@ -32,7 +32,7 @@ from tests.realworld import titan  # noqa: E402
 
 pytestmark = [pytest.mark.realworld, pytest.mark.gloo, pytest.mark.timeout(1200)]
 
-STEPS = 10
+STEPS = 6
 RUN_TIMEOUT_S = 480
 
 WORKING = ["fsdp", "ddp", "tp", "hsdp", "fsdp+tp", "cp"]

@@ -36,7 +36,7 @@ from meshscope.agent import catalog
 from meshscope.agent.collector.agent import Agent, AgentConfig
 from meshscope.agent.contract import AnchoredClock
 from tests.support.harness import AgentProcess, Job, agent_thread, parse_metrics, poll_until, private_dir
-from tests.conftest import ROOT
+from tests.support.jobs import ROOT
 from tests.test_alerting_e2e import RATE_INTERVAL, Prometheus, Webhook, _free_port, fake_nvml, write_gpu_run
 
 sys.path.insert(0, str(ROOT / "grafana" / "tools"))  # grafana/tools is scripts, not a package

@@ -12,7 +12,7 @@ import pytest
 from meshscope.agent.store.reader import Store
 from meshscope.dashboard import report, views
 from tests.support.store import Straggler, SyntheticConfig, write_store
-from tests.conftest import ROOT
+from tests.support.jobs import ROOT
 
 
 @pytest.fixture(scope="module")

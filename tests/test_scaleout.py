@@ -29,7 +29,7 @@ import yaml
 from meshscope.agent import stack
 from meshscope.agent.store.reader import Store
 from meshscope.dashboard import data, views
-from tests.conftest import ROOT, trainer_env
+from tests.support.jobs import ROOT, trainer_env
 from tests.support.harness import free_port as _free_port  # noqa: E402,F401
 
 pytestmark = [

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from meshscope.agent.store.reader import read_table
-from tests.conftest import ROOT, trainer_env
+from tests.support.jobs import ROOT, trainer_env
 
 pytestmark = pytest.mark.gloo
 

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from meshscope.agent import catalog
 from meshscope.agent.store.reader import read_table
-from tests.conftest import ROOT, torchrun, trainer_env
+from tests.support.jobs import ROOT, run_job, trainer_env
 
 pytestmark = pytest.mark.gloo
 
@@ -36,16 +36,6 @@ def kill_group(proc: subprocess.Popen) -> None:
         except psutil.NoSuchProcess:
             pass
     proc.wait(timeout=30)
-
-
-def ingest(store) -> None:
-    subprocess.run([sys.executable, "-m", "meshscope.cli", "ingest", "--store", str(store)], cwd=ROOT,
-                   env=trainer_env(), check=True, capture_output=True, timeout=120)
-
-
-def run_job(store, run: str, nproc: int, *args: str) -> None:
-    torchrun(nproc, "--store", str(store), "--run-name", run, *args)
-    ingest(store)
 
 
 STEPS, PROFILED = 11, (2, 10)

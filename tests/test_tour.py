@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.conftest import trainer_env
+from tests.support.jobs import trainer_env
 from tests.test_dashboard_browser import CHROMIUM, CHROMIUM_ARGS, NON_EMPTY_PLOT, dashboard_process
 
 pytestmark = pytest.mark.gloo

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, trainer_env
+from tests.support.jobs import ROOT, trainer_env
 from meshscope.trainer import config
 from meshscope.trainer.config import ConfigError
 

@@ -4,6 +4,9 @@ The data path is a pure function of (seed, step, sample index), the model is ini
 seed on every rank before any sharding, and the loss is averaged over the data-parallel replicas, so each
 layout computes the same mathematical step; only floating-point reduction order differs (all-reduce sums,
 sharded norms), which stays many orders of magnitude under the 1e-5 relative bound.
+
+The session's reference runs (tests/support/jobs.py: DDP, FSDP2, TP, PP GPipe and 1F1B on ``tiny-wide``, with
+telemetry on) are held against one process with their flags; the other layouts run here on ``tiny``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, losses, single, torchrun, trainer_env
+from tests.support.jobs import REFERENCE_ARGS, ROOT, losses, single, torchrun, trainer_env
 
 pytestmark = pytest.mark.gloo
 STEPS = 6
@@ -29,21 +32,29 @@ def reference() -> dict[int, float]:
     return out
 
 
+@pytest.fixture(scope="module")
+def reference_wide() -> dict[int, float]:
+    """One process with the reference runs' flags."""
+    out = losses(single(*REFERENCE_ARGS).stdout)
+    assert sorted(out) == list(range(10)) and out[9] < out[0]
+    return out
+
+
 def assert_parity(got: dict[int, float], ref: dict[int, float]) -> None:
     assert sorted(got) == sorted(ref), got
     for step, value in ref.items():
         assert math.isclose(got[step], value, rel_tol=1e-5), (step, got[step], value)
 
 
+@pytest.mark.parametrize("name", ["ddp", "fsdp2", "tp", "pp-gpipe", "pp-1f1b"])
+def test_reference_run_parity_with_one_process(reference_runs, reference_wide, name):
+    assert_parity(reference_runs[name].losses, reference_wide)
+
+
 @pytest.mark.parametrize(
     ("nproc", "args"),
     [
-        pytest.param(2, (), id="ddp"),
-        pytest.param(2, ("--fsdp",), id="fsdp2"),
-        pytest.param(2, ("--tp", "2"), id="tp"),
         pytest.param(2, ("--tp", "2", "--sequence-parallel"), id="tp-sp"),
-        pytest.param(2, ("--pp", "2", "--schedule", "gpipe", "--microbatches", "4"), id="pp-gpipe"),
-        pytest.param(2, ("--pp", "2", "--schedule", "1f1b", "--microbatches", "4"), id="pp-1f1b"),
         pytest.param(2, ("--pp", "2", "--schedule", "interleaved", "--microbatches", "4"), id="pp-interleaved"),
         pytest.param(4, ("--tp", "2", "--fsdp"), id="fsdp2xtp"),
         pytest.param(4, ("--pp", "2", "--fsdp", "--microbatches", "2"), id="ppxfsdp2"),

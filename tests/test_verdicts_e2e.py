@@ -14,8 +14,8 @@ import pytest
 
 from meshscope.agent.store.reader import Store
 from meshscope.dashboard import views
-from tests.conftest import ROOT, trainer_env
-from tests.test_telemetry_e2e import run_job
+from tests.support.jobs import ROOT, trainer_env
+from tests.support.jobs import run_job
 
 pytestmark = pytest.mark.gloo
 

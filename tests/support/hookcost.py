@@ -374,10 +374,12 @@ def torch_work_type() -> type:
 def per_call_isolated(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, ...] = PATHS,
                       timeout_s: float = 240.0, env: dict[str, str] | None = None,
                       yardstick: bool = False, profiled: bool = False) -> dict[str, Any]:
-    """``per_call`` with each path in a process of its own (a fresh interpreter and ``fake`` group per
-    path). In one process a path's figure depended on the paths measured before it (the pipeline span read
-    0.32 µs alone and 0.48 µs after the other nine in the same minute: the heap and caches they leave
-    behind), so a figure would have described the order of the table, not the hook.
+    """``per_call`` with each path in a process of its own: forked, one after another, from one interpreter
+    that has imported what ``per_call`` imports and measured nothing (``run_forked``), so every path starts
+    from the same state and pays no interpreter start-up of its own. In one process a path's figure depended
+    on the paths measured before it (the pipeline span read 0.32 µs alone and 0.48 µs after the other nine in
+    the same minute: the heap and caches they leave behind), so a figure would have described the order of
+    the table, not the hook.
 
     ``yardstick``: each path's process also measures torch.profiler's cost per event after it
     (``profiler_aten_op``), given as the path's ``profiler_event_us``: the machine moves between states that
@@ -387,24 +389,93 @@ def per_call_isolated(*, calls: int = 2000, blocks: int = 15, paths: tuple[str, 
 
     ``profiled``: each traced path's untraced op is also measured under torch.profiler in the path's process
     (``per_call(profiled=...)``: ``profiler_us``, ``profiler_events``); not the paths of ``UNPROFILED``."""
-    out: dict[str, Any] = {}
-    recorded = {"dropped_records": 0, "errors": 0}
+    codes = []
     for path in paths:
         measured = (path, "profiler_aten_op") if yardstick and path != "profiler_aten_op" else (path,)
         under_profiler = (path,) if profiled and path not in UNPROFILED else ()
-        got = run_isolated("from tests.support.hookcost import per_call; "
-                           f"result = per_call(calls={calls}, blocks={blocks}, paths={measured!r}, "
-                           f"profiled={under_profiler!r})",
-                           what=f"hook cost of {path}", timeout_s=timeout_s, env=env)
+        codes.append(f"result = per_call(calls={calls}, blocks={blocks}, paths={measured!r}, "
+                     f"profiled={under_profiler!r})")
+    results = run_forked(codes, preload="from tests.support.hookcost import per_call, preload; preload()",
+                         what="hook cost", timeout_s=timeout_s, env=env)
+    out: dict[str, Any] = {}
+    recorded = {"dropped_records": 0, "errors": 0}
+    for path, got in zip(paths, results, strict=True):
         if path not in got:  # not measurable here (ddp_kernel_bucket where the kernels are not built)
             continue
         out[path] = got[path]
-        if len(measured) == 2:
+        if yardstick and path != "profiler_aten_op":
             out[path]["profiler_event_us"] = got["profiler_aten_op"]["overhead_cpu_us"]
         for key in recorded:
             recorded[key] += got["_recorded"][key]
     out["_recorded"] = recorded
     return out
+
+
+def preload() -> None:
+    """What ``per_call`` imports, imported once in the parent that ``run_forked`` forks each path from."""
+    import torch.distributed._functional_collectives  # noqa: F401
+    import torch.distributed.device_mesh  # noqa: F401
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401
+    import torch.profiler  # noqa: F401
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+
+    import meshscope.agent.instrument.collectives  # noqa: F401
+    import meshscope.agent.instrument.comm_fsdp  # noqa: F401
+    import meshscope.agent.instrument.pipeline  # noqa: F401
+    import meshscope.agent.instrument.telemetry  # noqa: F401
+    import tests.support.hookcost_ddp  # noqa: F401
+
+
+# The parent: ``preload`` once, then for each code a forked child that runs it and writes its ``result`` as one
+# JSON line to a pipe, and exits without the parent's atexit handlers; the parent waits for each in turn, so
+# two children never run at once. The parent starts no thread before forking (nothing it imports starts one).
+_FORKED = """
+import json, os, sys, threading
+{preload}
+assert threading.active_count() == 1, threading.enumerate()
+for code in json.loads(sys.argv[1]):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        status = 0
+        try:
+            scope = {{}}
+            exec(compile(code, "<forked>", "exec"), globals(), scope)
+            line = json.dumps(scope["result"])
+        except BaseException as exc:
+            import traceback
+            line, status = json.dumps({{"_error": traceback.format_exc()}}), 1
+        os.write(w, line.encode() + bytes([10]))  # a newline
+        os._exit(status)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    print(data.decode().strip(), flush=True)
+"""
+
+
+def run_forked(codes: list[str], *, preload: str, what: str, timeout_s: float,
+               env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Each of ``codes`` (which sets ``result``, a JSON-able dict) in a process of its own, forked one after
+    another from a fresh interpreter (one BLAS thread, ``env`` added to the environment) that ran ``preload``
+    first; their ``result`` in order. ``timeout_s`` per code. A failure raises ``RuntimeError`` naming
+    ``what``."""
+    import json
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parents[2])  # ``tests.support`` is importable from the checkout's root
+    proc = subprocess.run([sys.executable, "-c", _FORKED.format(preload=preload), json.dumps(codes)],
+                          capture_output=True, text=True, timeout=timeout_s * max(1, len(codes)), cwd=root,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    results = [json.loads(line) for line in lines]
+    errors = [r["_error"] for r in results if "_error" in r]
+    if proc.returncode != 0 or errors or len(results) != len(codes):
+        raise RuntimeError(f"{what} failed: {(errors[0] if errors else proc.stderr)[-2000:]}")
+    return results
 
 
 def run_isolated(code: str, *, what: str, timeout_s: float, env: dict[str, str] | None = None) -> dict[str, Any]:

@@ -1,0 +1,125 @@
+"""Real jobs of the reference trainer for the tests: torchrun / single-process launches, ingest, and the
+session's shared **reference runs**.
+
+A reference run is one parallel layout of the reference trainer (2 gloo ranks, ``tiny-wide``, 10 steps, seed
+11, global batch 8, telemetry on, ingested) run once per test session, the first time a test asks for it;
+every test that only *reads* a run of that layout (loss parity, the planner's self-consistency, the pages
+and ``report`` on a real store) reads the same one instead of starting its own job. A reference run is
+read-only: a test that must add runs to a store asks for a copy (``ReferenceRuns.store_of``).
+Runs with injected faults, a profiler window or another world size are not reference runs: they change what
+they measure, so the tests that need them start their own.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+STEP_LINE = re.compile(r"^step=(\d+) loss=(\S+)")
+
+
+def trainer_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _checked(cmd: list[str], *, timeout: float, check: bool) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 240, check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``torchrun --standalone --nproc_per_node=nproc -m meshscope.trainer.train *args`` from the repo root."""
+    return _checked([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                     "-m", "meshscope.trainer.train", *args], timeout=timeout, check=check)
+
+
+def single(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+    """The same trainer as one plain process (a world of one)."""
+    return _checked([sys.executable, "-m", "meshscope.trainer.train", *args], timeout=timeout, check=check)
+
+
+def losses(stdout: str) -> dict[int, float]:
+    """The trainer's printed loss per step."""
+    out = {}
+    for line in stdout.splitlines():
+        m = STEP_LINE.match(line)
+        if m:
+            out[int(m.group(1))] = float(m.group(2))
+    return out
+
+
+def ingest(store: Path) -> None:
+    """``meshscope ingest --store``: the spool into the tables, as a user runs it."""
+    _checked([sys.executable, "-m", "meshscope.cli", "ingest", "--store", str(store)], timeout=120, check=True)
+
+
+def run_job(store: Path, run: str, nproc: int, *args: str) -> subprocess.CompletedProcess:
+    """A torchrun job with telemetry into ``store`` as run ``run``, then ingested."""
+    proc = torchrun(nproc, "--store", str(store), "--run-name", run, *args)
+    ingest(store)
+    return proc
+
+
+# The reference runs' common flags, and each layout's own (2 ranks each).
+REFERENCE_ARGS = ("--model", "tiny-wide", "--steps", "10", "--seed", "11", "--batch-size", "8")
+REFERENCE_LAYOUTS: dict[str, tuple[str, ...]] = {
+    "ddp": (),
+    "fsdp2": ("--fsdp",),
+    "tp": ("--tp", "2"),
+    "pp-1f1b": ("--pp", "2", "--schedule", "1f1b", "--microbatches", "4"),
+    "pp-gpipe": ("--pp", "2", "--schedule", "gpipe", "--microbatches", "4"),
+}
+REFERENCE_NPROC = 2
+
+
+@dataclass(frozen=True)
+class ReferenceRun:
+    name: str  # the layout's name, and the run's name in its store
+    store: Path  # a store that holds this run only (read it; never write to it)
+    stdout: str  # the job's own output (torchrun's and the ranks')
+
+    @property
+    def losses(self) -> dict[int, float]:
+        return losses(self.stdout)
+
+
+class ReferenceRuns:
+    """The session's reference runs, each started the first time it is asked for (``runs["ddp"]``)."""
+
+    def __init__(self, base: Path) -> None:
+        self._base = base
+        self._runs: dict[str, ReferenceRun] = {}
+
+    def __getitem__(self, name: str) -> ReferenceRun:
+        if name not in REFERENCE_LAYOUTS:
+            raise KeyError(f"no reference run {name!r} (one of {', '.join(REFERENCE_LAYOUTS)})")
+        if name not in self._runs:
+            store = self._base / name
+            proc = run_job(store, name, REFERENCE_NPROC, *REFERENCE_ARGS, *REFERENCE_LAYOUTS[name])
+            self._runs[name] = ReferenceRun(name=name, store=store, stdout=proc.stdout)
+        return self._runs[name]
+
+    def store_of(self, *names: str, into: Path) -> Path:
+        """A new store at ``into`` holding the named reference runs (copies of their tables), for a test that
+        reads several runs together or adds its own runs to them."""
+        from meshscope.agent.contract.storelayout import StoreLayout
+
+        target = StoreLayout.of(into)
+        for name in names:
+            source = StoreLayout.of(self[name].store)
+            for table in Path(source.tables).iterdir():
+                run_dir = Path(source.run_dir(table.name, name))
+                if run_dir.is_dir():
+                    shutil.copytree(run_dir, Path(target.run_dir(table.name, name)))
+        return into
