@@ -61,7 +61,7 @@ test: install install-servers
 	$(PY) -m pytest tests --junitxml=artifacts/junit.xml
 
 test-fast: install
-	$(PY) -m pytest tests -m "not gloo and not server and not browser"
+	$(PY) -m pytest tests -m "not gloo and not server and not browser and not packaging"
 
 bench: install
 	$(PY) bench/telemetry_overhead.py

@@ -12,14 +12,11 @@ from streamlit.testing.v1 import AppTest
 
 from meshscope.agent.store.reader import Store, read_table
 from meshscope.dashboard import analysis, report, views
-from tests.support.jobs import REFERENCE_ARGS
+from tests.support.jobs import REFERENCE_STEPS as STEPS
 
 pytestmark = pytest.mark.gloo
 APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
 PAGES = ["runs", "overview", "pipeline", "communication", "memory", "scaling", "whatif", "gpu", "live"]
-
-
-STEPS = int(REFERENCE_ARGS[REFERENCE_ARGS.index("--steps") + 1])
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from meshscope.agent import catalog
 from meshscope.agent.store.reader import read_table
-from tests.support.jobs import ROOT, run_job, trainer_env
+from tests.support.jobs import PROFILED, REFERENCE_STEPS, ROOT, run_job, trainer_env
 
 pytestmark = pytest.mark.gloo
 
@@ -38,41 +38,39 @@ def kill_group(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-STEPS, PROFILED = 11, (2, 10)
+STEPS = REFERENCE_STEPS
+# The ops and mesh dims each reference run must record, and whether it records pipeline spans.
 STRATEGIES = {
-    "ddp": ((), {("all_reduce", "dp")}, False),
-    "fsdp2": (("--fsdp",), {("all_gather", "fsdp"), ("reduce_scatter", "fsdp")}, False),
-    "tp": (("--tp", "2"), {("all_reduce", "tp")}, False),
-    "pp-1f1b": (("--pp", "2", "--schedule", "1f1b", "--microbatches", "4"), {("send", "pp"), ("recv", "pp")}, True),
-    "pp-gpipe": (("--pp", "2", "--schedule", "gpipe", "--microbatches", "4"), {("send", "pp"), ("recv", "pp")}, True),
+    "ddp": ({("all_reduce", "dp")}, False),
+    "fsdp2": ({("all_gather", "fsdp"), ("reduce_scatter", "fsdp")}, False),
+    "tp": ({("all_reduce", "tp")}, False),
+    "pp-1f1b": ({("send", "pp"), ("recv", "pp")}, True),
+    "pp-gpipe": ({("send", "pp"), ("recv", "pp")}, True),
 }
 
 
-@pytest.fixture(scope="module", params=list(STRATEGIES))
-def profiled_run(request, tmp_path_factory):
-    """One 2-rank job per strategy, with a torch.profiler trace of steps 2..9 on every rank; the
-    completeness and the profiler-agreement tests share it."""
-    store = tmp_path_factory.mktemp(request.param)
-    args, ops, spans = STRATEGIES[request.param]
-    # tiny-wide, not tiny: its ops take 2-120 ms, so the tracer's fixed Python cost per op (35-90 µs on a
-    # 2-vCPU VM) is a few % of an op; on tiny (0.3-2 ms ops) the medians already reach 1.09 here
-    # (bench/profiler_agreement.py reports both models), and the test must not hinge on CI's speed.
-    run_job(store, "r", 2, "--model", "tiny-wide", "--steps", str(STEPS), "--profile-dir", str(store / "prof"),
-            "--profile-steps", f"{PROFILED[0]}:{PROFILED[1]}", *args)
-    return request.param, store, ops, spans
+@pytest.fixture(params=list(STRATEGIES))
+def profiled_run(request, reference_runs):
+    """The session's reference run of each strategy (tests/support/jobs.py: 2 ranks, ``tiny-wide``, a
+    torch.profiler trace of steps 2..9 on every rank): (name, store, ops, spans). ``tiny-wide``, not
+    ``tiny``: its ops take 2-120 ms, so the tracer's fixed Python cost per op (35-90 µs on a 2-vCPU VM) is
+    a few % of an op; on tiny (0.3-2 ms ops) the medians already reach 1.09 here
+    (bench/profiler_agreement.py reports both models), and the test must not hinge on CI's speed."""
+    ops, spans = STRATEGIES[request.param]
+    return request.param, reference_runs[request.param].store, ops, spans
 
 
 def test_store_holds_every_step_collective_and_span(profiled_run):
-    _, tmp_path, expect_ops, expect_spans = profiled_run
+    name, tmp_path, expect_ops, expect_spans = profiled_run
     steps = STEPS
-    runs = read_table(tmp_path, "run", run="r")
+    runs = read_table(tmp_path, "run", run=name)
     assert sorted(runs["rank"]) == [0, 1] and set(runs["world_size"]) == {2}
-    step = read_table(tmp_path, "step", run="r")
+    step = read_table(tmp_path, "step", run=name)
     assert sorted(zip(step["rank"], step["step"])) == [(r, s) for r in (0, 1) for s in range(steps)]
     parts = step["compute_s"] + step["exposed_comm_s"] + step["bubble_s"] + step["other_s"]
     assert ((parts - step["wall_s"]).abs() < 1e-6).all()  # the breakdown adds up
     assert (step["compute_s"] > 0).all() and (step["mfu"] > 0).all()
-    coll = read_table(tmp_path, "collective", run="r")
+    coll = read_table(tmp_path, "collective", run=name)
     seen = set(zip(coll["op"], coll["dim"]))
     assert expect_ops <= seen, seen
     # Every step of every rank has its collectives, and each step's count matches the step record.
@@ -82,14 +80,14 @@ def test_store_holds_every_step_collective_and_span(profiled_run):
     # Per-group sequence numbers have no gaps: nothing lost between hooks and store.
     for _, g in coll.groupby(["rank", "group"]):
         assert sorted(g["seq"]) == list(range(1, len(g) + 1))
-    spans = read_table(tmp_path, "span", run="r")
+    spans = read_table(tmp_path, "span", run=name)
     if expect_spans:
         per = spans.groupby(["rank", "step", "kind"]).size()
         assert set(per.values) == {4}  # 4 microbatches forward and backward, every step, both stages
         assert len(per) == 2 * steps * 2
     else:
         assert spans.empty
-    assert set(read_table(tmp_path, "event", run="r")["kind"]) >= {"start", "end"}
+    assert set(read_table(tmp_path, "event", run=name)["kind"]) >= {"start", "end"}
 
 
 @pytest.mark.parametrize("layout", [(), ("--fsdp",)], ids=["ddp", "fsdp2"])
@@ -319,7 +317,7 @@ def test_clean_runs_flag_no_straggler(profiled_run):
     from meshscope.dashboard import views
 
     strategy, store, _, _ = profiled_run
-    ov = views.overview(views.direct_loader(Store.open(store)), run="r", runs=["r"], steps=None)
+    ov = views.overview(views.direct_loader(Store.open(store)), run=strategy, runs=[strategy], steps=None)
     assert ov.verdict_steps >= 5 and ov.stragglers is not None
     if _contended(ov.warnings):
         # A rank that shares its core with another process is slower than its peer, truly: the verdict may
@@ -339,7 +337,7 @@ def test_memory_model_states_match_the_tensors(profiled_run):
     from meshscope.dashboard import views
 
     strategy, store, _, _ = profiled_run
-    view = views.memory(views.direct_loader(Store.open(store)), run="r", steps=None)
+    view = views.memory(views.direct_loader(Store.open(store)), run=strategy, steps=None)
     assert view.states is not None and "states" in view.figures, strategy
     assert list(view.states["component"]) == ["parameters", "gradients", "optimizer state"]
     assert (view.states["error"].abs() < 0.01).all(), (strategy, view.states.to_string())
@@ -379,13 +377,13 @@ def test_collective_time_per_op_agrees_with_the_profiler(profiled_run):
 
     strategy, tmp_path, _, _ = profiled_run
     first, last = PROFILED
-    coll = read_table(tmp_path, "collective", run="r")
+    coll = read_table(tmp_path, "collective", run=strategy)
     # A blocking op's end is its waiting thread's wake-up; when the ranks share cores with other work that
     # wake-up waits for a CPU too: with a busy loop on one of 2 cores the per-op medians read +0.28 ms on
     # TP's 0.33 ms all-reduce (ratio 1.85) and +0.5 ms on PP's ~4 ms one (1.12). The page then warns that
     # timings include waiting for a CPU, and the floor becomes CONTENDED_WAKEUP_S per op: still a failure
     # for an op mispaired or stamped off by its own duration once ops take a few ms.
-    ov = views.overview(views.direct_loader(Store.open(tmp_path)), run="r", runs=["r"], steps=(first, last - 1))
+    ov = views.overview(views.direct_loader(Store.open(tmp_path)), run=strategy, runs=[strategy], steps=(first, last - 1))
     floor_s = CONTENDED_WAKEUP_S if _contended(ov.warnings) else WAKEUP_FLOOR_S
     for rank in (0, 1):
         events = chrome_trace_events(tmp_path / "prof" / f"rank-{rank}.json")

@@ -3,7 +3,7 @@
 The data path is a pure function of (seed, step, sample index), the model is initialised from the same
 seed on every rank before any sharding, and the loss is averaged over the data-parallel replicas, so each
 layout computes the same mathematical step; only floating-point reduction order differs (all-reduce sums,
-sharded norms), which stays many orders of magnitude under the 1e-5 relative bound.
+sharded norms), which stays under the 1e-5 relative bound for 6 steps (and 1e-4 after: ``STRICT_STEPS``).
 
 The session's reference runs (tests/support/jobs.py: DDP, FSDP2, TP, PP GPipe and 1F1B on ``tiny-wide``, with
 telemetry on) are held against one process with their flags; the other layouts run here on ``tiny``.
@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from tests.support.jobs import REFERENCE_ARGS, ROOT, losses, single, torchrun, trainer_env
+from tests.support.jobs import REFERENCE_ARGS, REFERENCE_STEPS, ROOT, losses, single, torchrun, trainer_env
 
 pytestmark = pytest.mark.gloo
 STEPS = 6
@@ -36,14 +36,21 @@ def reference() -> dict[int, float]:
 def reference_wide() -> dict[int, float]:
     """One process with the reference runs' flags."""
     out = losses(single(*REFERENCE_ARGS).stdout)
-    assert sorted(out) == list(range(10)) and out[9] < out[0]
+    assert sorted(out) == list(range(REFERENCE_STEPS)) and out[REFERENCE_STEPS - 1] < out[0]
     return out
+
+
+# The reduction-order differences compound through the optimizer: on ``tiny-wide`` TP's losses read 0 to
+# 4.5e-6 from one process in steps 0-5 and up to 3.0e-5 in steps 6-10 (2026-11-29); a real error of the
+# layout (a gradient not averaged, a shard or microbatch missing) is off by 1e-3 or more from step 1 on.
+STRICT_STEPS, LATER_REL_TOL = 6, 1e-4
 
 
 def assert_parity(got: dict[int, float], ref: dict[int, float]) -> None:
     assert sorted(got) == sorted(ref), got
     for step, value in ref.items():
-        assert math.isclose(got[step], value, rel_tol=1e-5), (step, got[step], value)
+        tol = 1e-5 if step < STRICT_STEPS else LATER_REL_TOL
+        assert math.isclose(got[step], value, rel_tol=tol), (step, got[step], value)
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp2", "tp", "pp-gpipe", "pp-1f1b"])

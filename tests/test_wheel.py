@@ -52,6 +52,7 @@ def test_every_third_party_import_of_the_product_is_a_declared_dependency():
 
 
 @pytest.mark.gloo
+@pytest.mark.packaging
 def test_the_wheel_in_a_fresh_venv_trains_ingests_reports_and_runs_the_stack(tmp_path):
     dist = tmp_path / "dist"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist),

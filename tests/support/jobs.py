@@ -1,13 +1,16 @@
 """Real jobs of the reference trainer for the tests: torchrun / single-process launches, ingest, and the
 session's shared **reference runs**.
 
-A reference run is one parallel layout of the reference trainer (2 gloo ranks, ``tiny-wide``, 10 steps, seed
-11, global batch 8, telemetry on, ingested) run once per test session, the first time a test asks for it;
-every test that only *reads* a run of that layout (loss parity, the planner's self-consistency, the pages
-and ``report`` on a real store) reads the same one instead of starting its own job. A reference run is
-read-only: a test that must add runs to a store asks for a copy (``ReferenceRuns.store_of``).
-Runs with injected faults, a profiler window or another world size are not reference runs: they change what
-they measure, so the tests that need them start their own.
+A reference run is one parallel layout of the reference trainer (2 gloo ranks, ``tiny-wide``, 11 steps, seed
+11, global batch 8, telemetry on, a torch.profiler trace of steps 2-9 on every rank, ingested) run once per
+test session, the first time a test asks for it; every test that only *reads* a run of that layout (the
+store's completeness, telemetry against the profiler, clean runs name no straggler, the memory model, loss
+parity, the planner's self-consistency, the pages and ``report`` on a real store) reads the same one instead
+of starting its own job. A reference run is read-only: a test that must add runs to a store asks for a copy
+(``ReferenceRuns.store_of``). The profiler window costs the steps it covers well under 1 % on ``tiny-wide``
+(its ops take 2-120 ms, the profiler tens of µs per op), so the runs are also the planner's and the pages'.
+Runs with injected faults or another world size are not reference runs: they change what they measure, so
+the tests that need them start their own.
 """
 
 from __future__ import annotations
@@ -71,8 +74,9 @@ def run_job(store: Path, run: str, nproc: int, *args: str) -> subprocess.Complet
     return proc
 
 
-# The reference runs' common flags, and each layout's own (2 ranks each).
-REFERENCE_ARGS = ("--model", "tiny-wide", "--steps", "10", "--seed", "11", "--batch-size", "8")
+# The reference runs' common flags, and each layout's own (2 ranks each); the profiled steps [first, last).
+REFERENCE_STEPS, PROFILED = 11, (2, 10)
+REFERENCE_ARGS = ("--model", "tiny-wide", "--steps", str(REFERENCE_STEPS), "--seed", "11", "--batch-size", "8")
 REFERENCE_LAYOUTS: dict[str, tuple[str, ...]] = {
     "ddp": (),
     "fsdp2": ("--fsdp",),
@@ -88,6 +92,11 @@ class ReferenceRun:
     name: str  # the layout's name, and the run's name in its store
     store: Path  # a store that holds this run only (read it; never write to it)
     stdout: str  # the job's own output (torchrun's and the ranks')
+
+    @property
+    def profile(self) -> Path:
+        """The folder of the profiler's traces, ``rank-<k>.json``."""
+        return self.store / "prof"
 
     @property
     def losses(self) -> dict[int, float]:
@@ -106,7 +115,8 @@ class ReferenceRuns:
             raise KeyError(f"no reference run {name!r} (one of {', '.join(REFERENCE_LAYOUTS)})")
         if name not in self._runs:
             store = self._base / name
-            proc = run_job(store, name, REFERENCE_NPROC, *REFERENCE_ARGS, *REFERENCE_LAYOUTS[name])
+            proc = run_job(store, name, REFERENCE_NPROC, *REFERENCE_ARGS, *REFERENCE_LAYOUTS[name],
+                           "--profile-dir", str(store / "prof"), "--profile-steps", f"{PROFILED[0]}:{PROFILED[1]}")
             self._runs[name] = ReferenceRun(name=name, store=store, stdout=proc.stdout)
         return self._runs[name]
 
