@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from conftest import trainer_env
+from tests.support.jobs import trainer_env
 
 pytestmark = [pytest.mark.server, pytest.mark.gloo]
 
