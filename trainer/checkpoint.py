@@ -10,18 +10,15 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
-
-# torch.distributed.checkpoint is imported where a checkpoint is saved or loaded: it costs each rank ~1 s of
-# start-up (it imports DTensor and dynamo), which a job without --checkpoint-dir need not pay.
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def _state(parts: list[nn.Module], optimizers: list[Optimizer], stage_ids: list[int]) -> dict:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     model_sd: dict = {}
     optim_sd: dict = {}
     for part, opt, sid in zip(parts, optimizers, stage_ids, strict=True):
@@ -33,8 +30,6 @@ def _state(parts: list[nn.Module], optimizers: list[Optimizer], stage_ids: list[
 
 def save(directory: str, *, step: int, parts: list[nn.Module], optimizers: list[Optimizer], stage_ids: list[int]) -> Path:
     """Save after ``step`` optimizer steps have completed; resuming continues with step ``step``."""
-    import torch.distributed.checkpoint as dcp
-
     path = Path(directory) / f"step-{step}"
     state = _state(parts, optimizers, stage_ids)
     state["step"] = step
@@ -52,9 +47,6 @@ def latest(directory: str) -> Path | None:
 
 def load(path: Path, *, parts: list[nn.Module], optimizers: list[Optimizer], stage_ids: list[int]) -> int:
     """Load in place; returns the step to continue from."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     state = _state(parts, optimizers, stage_ids)
     state["step"] = 0
     dcp.load(state, checkpoint_id=str(path))

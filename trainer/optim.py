@@ -3,21 +3,14 @@
 from __future__ import annotations
 
 import math
-import sys
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshscope.trainer.config import OptimConfig
-
-
-def _is_dtensor(t: object) -> bool:
-    """``isinstance(t, DTensor)`` without importing DTensor (~1 s of every rank's start-up): where the job
-    never imported it, nothing can be one."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
 
 
 def build_optimizers(parts: list[nn.Module], cfg: OptimConfig) -> list[torch.optim.Optimizer]:
@@ -31,7 +24,7 @@ def build_optimizers(parts: list[nn.Module], cfg: OptimConfig) -> list[torch.opt
         ]
         # One fused kernel per parameter group on a GPU (fewer launches and passes over the fp32 state than
         # foreach); sharded (DTensor) and CPU parameters keep foreach, the form every backend supports.
-        fused = bool(params) and all(p.is_cuda and not _is_dtensor(p) for p in params)
+        fused = bool(params) and all(p.is_cuda and not isinstance(p, DTensor) for p in params)
         opts.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
                                       fused=fused or None, foreach=None if fused else True))
     return opts
@@ -54,7 +47,7 @@ def _grads_by_mesh(parts: list[nn.Module]) -> dict[object, list[torch.Tensor]]:
     for part in parts:
         for p in part.parameters():
             if p.grad is not None:
-                by_mesh[p.grad.device_mesh if _is_dtensor(p.grad) else None].append(p.grad)
+                by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p.grad)
     return by_mesh
 
 
@@ -70,7 +63,7 @@ def global_grad_norm(parts: list[nn.Module], *, pp_group: dist.ProcessGroup | No
     sq = torch.zeros((), dtype=torch.float32, device=device)
     for grads in _grads_by_mesh(parts).values():
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-        if _is_dtensor(norm):
+        if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         sq = sq + norm.float() ** 2
     if pp_group is not None and dist.get_world_size(pp_group) > 1:

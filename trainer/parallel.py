@@ -10,23 +10,33 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    _PipelineSchedule,
+)
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from meshscope.trainer.config import ParallelConfig
 from meshscope.trainer.model import GPT
-
-if TYPE_CHECKING:
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import _PipelineSchedule
-
-# FSDP2, tensor parallel and the pipeline schedules are imported by the function that applies them: each
-# costs every rank 1-2 s of start-up (they import DTensor and dynamo), which a layout without them need not pay.
 
 
 @dataclass(kw_only=True)
@@ -90,15 +100,6 @@ def split_stage(model: GPT, *, stage: int, n_stages: int, in_place: bool) -> GPT
 def apply_tp(part: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> None:
     """Megatron-style: q/k/v and MLP-up column-parallel, attention-out and MLP-down row-parallel;
     with sequence parallel the norms run on sequence shards and the residual stream stays sharded."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
-
     sp = sequence_parallel
     seq = Shard(1) if sp else Replicate()
     top: dict[str, object] = {}
@@ -132,8 +133,6 @@ def apply_tp(part: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> None
 
 
 def apply_fsdp(part: GPT, dp_mesh: DeviceMesh, *, pipelined: bool) -> None:
-    from torch.distributed.fsdp import fully_shard
-
     # Under PP each microbatch would re-gather a resharded block: keep blocks unsharded between the
     # forward and backward of a step instead (torchtitan does the same).
     for block in part.layers.values():
@@ -144,15 +143,6 @@ def apply_fsdp(part: GPT, dp_mesh: DeviceMesh, *, pipelined: bool) -> None:
 def build_schedule(
     parts: list[nn.Module], *, layout: Placement, device: torch.device, loss_fn
 ) -> _PipelineSchedule:
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import (
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-        ScheduleInterleavedZeroBubble,
-        ScheduleLoopedBFS,
-    )
-
     p = layout.parallel
     group = layout.mesh["pp"].get_group()
     stages = [

@@ -63,7 +63,6 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
-import sys
 import threading
 import time
 from typing import Any, Callable
@@ -152,7 +151,7 @@ class CollectiveTracer:
         # Imported on attach, not at the top: this module imports no torch itself, while the plug-ins import
         # torch.distributed, FSDP2 and the functional collectives at theirs. They never import this module:
         # the tracer is passed to them.
-        from meshscope.agent.instrument import comm_c10d, comm_ddp, comm_funcol
+        from meshscope.agent.instrument import comm_c10d, comm_ddp, comm_fsdp, comm_funcol
 
         if not self._patches:
             try:
@@ -167,7 +166,7 @@ class CollectiveTracer:
             if key in self._model_hooks:
                 continue
             try:
-                handle = (comm_ddp.attach(self, module) if self.ddp_comm_hook else None) or _fsdp_attach(
+                handle = (comm_ddp.attach(self, module) if self.ddp_comm_hook else None) or comm_fsdp.attach(
                     self, module)
             except Exception as exc:  # an unsupported wrapper must not stop the rest from attaching
                 self.error(f"attach:{type(module).__name__}", exc)
@@ -505,13 +504,3 @@ def _modules(model: Any) -> list[Any]:
         out.extend(part.modules())
     return out
 
-
-def _fsdp_attach(tracer: Any, module: Any) -> Any:
-    """FSDP2's comm hooks on ``module`` where it is an FSDP module. Where the job never imported FSDP none of
-    its modules can be one, and importing it here would cost every other job ~1.3 s per rank at start-up
-    (FSDP2 imports DTensor and dynamo): comm_fsdp, which imports FSDP at its top, is imported only then."""
-    if "torch.distributed.fsdp" not in sys.modules:
-        return None
-    from meshscope.agent.instrument import comm_fsdp
-
-    return comm_fsdp.attach(tracer, module)
