@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     counts = defaultdict(int)
     for _, _, _, outcome, _ in rows:
         counts[outcome] += 1
-    print(f"{len(rows)} tests, {total / 60:.1f} min in tests ({', '.join(f'{n} {k}' for k, n in sorted(counts.items()))})")
+    outcomes = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+    print(f"{len(rows)} tests, {total / 60:.1f} min in tests ({outcomes})")
     if has_cpu:
         cpu_total = sum(cpu_by_file.values())
         print(f"CPU {cpu_total / 60:.1f} min: {cpu_total / total:.2f} cores busy on average")

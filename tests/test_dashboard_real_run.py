@@ -61,7 +61,8 @@ def test_report_overview_and_communication_state_one_set_of_step_figures(real_st
     raw = read_table(real_store, "step", run="ddp")
     first = rep["first_steady_step"]
     steady = raw[raw["step"] >= first]
-    assert rep["figures_steps"] == [first, int(raw["step"].max())] and rep["figures_rank_steps"] == len(steady) == 2 * (STEPS - first)
+    assert rep["figures_steps"] == [first, int(raw["step"].max())]
+    assert rep["figures_rank_steps"] == len(steady) == 2 * (STEPS - first)  # 2 ranks, steps first..STEPS-1
     assert rep["step_time_s_median"] == rep["step_time_s"] == pytest.approx(float(np.median(steady["wall_s"])))
     assert rep["step_time_s_mean"] == pytest.approx(float(steady["wall_s"].mean()))
     means = rep["breakdown"]["mean_per_rank_step"]
