@@ -14,7 +14,6 @@ import pytest
 from tests.support.jobs import ROOT, ReferenceRuns
 
 
-
 @pytest.fixture(scope="session")
 def reference_runs(tmp_path_factory) -> ReferenceRuns:
     """The session's shared reference runs (tests/support/jobs.py): ``reference_runs["ddp"]``."""
@@ -76,4 +75,3 @@ def pytest_runtest_makereport(item, call):
     if call.when == "teardown" and _CPU_AT_START in item.stash:
         item.user_properties.append(("cpu_s", round(_cpu_s() - item.stash[_CPU_AT_START], 3)))
     yield
-

@@ -443,7 +443,7 @@ for code in json.loads(sys.argv[1]):
             scope = {{}}
             exec(compile(code, "<forked>", "exec"), globals(), scope)
             line = json.dumps(scope["result"])
-        except BaseException as exc:
+        except BaseException:
             import traceback
             line, status = json.dumps({{"_error": traceback.format_exc()}}), 1
         os.write(w, line.encode() + bytes([10]))  # a newline
