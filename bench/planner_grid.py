@@ -41,6 +41,8 @@ GRID: dict[str, tuple[int, list[str]]] = {
     "gpipe2": (2, ["--pp", "2", "--schedule", "gpipe", "--microbatches", "4"]),
     "1f1b2": (2, ["--pp", "2", "--schedule", "1f1b", "--microbatches", "4"]),
     "interleaved2": (2, ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "4"]),
+    "zb2": (2, ["--pp", "2", "--schedule", "interleaved-zb", "--virtual-stages", "2", "--microbatches", "4"]),
+    "bfs2": (2, ["--pp", "2", "--schedule", "looped-bfs", "--virtual-stages", "2", "--microbatches", "4"]),
     "ddp4": (4, []),
     "fsdp4": (4, ["--fsdp"]),
     "tp4": (4, ["--tp", "4"]),

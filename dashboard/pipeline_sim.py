@@ -1,5 +1,5 @@
-"""A small pipeline-schedule simulator: the span timeline of one step for GPipe, 1F1B, interleaved 1F1B
-and interleaved zero-bubble, used by the synthetic store so that its spans have the shape (and the
+"""A small pipeline-schedule simulator: the span timeline of one step for GPipe, 1F1B, interleaved 1F1B,
+interleaved zero-bubble and looped BFS, used by the synthetic store so that its spans have the shape (and the
 bubble) of the real schedules.
 
 Model: p ranks, v virtual stages per rank (stage j lives on rank j % p, as in torch's looped/interleaved
@@ -22,10 +22,16 @@ import pandas as pd
 
 from meshscope.dashboard.analysis import normalize_schedule
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "interleavedzerobubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "interleavedzerobubble", "loopedbfs")
 # Schedules whose order ``_order`` reproduces as torch runs it; ``replay`` takes any other schedule's order
-# from the run itself (torch's zero-bubble, looped BFS, V-shaped schedules).
-ORDERED = ("gpipe", "1f1b", "interleaved1f1b")
+# from the run itself (torch's zero-bubble, V-shaped schedules).
+ORDERED = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs")
+MULTI_CHUNK = ("interleaved1f1b", "interleavedzerobubble", "loopedbfs")  # v stage chunks per rank
+
+
+def chunks(schedule: str, v: int) -> int:
+    """Stage chunks per rank: ``v`` for the schedules that hold several (``MULTI_CHUNK``), else 1."""
+    return v if normalize_schedule(schedule) in MULTI_CHUNK else 1
 
 
 def simulate(*, schedule: str, p: int, m: int, v: int = 1, f: float = 1.0, b: float = 2.0,
@@ -46,7 +52,7 @@ def simulate(*, schedule: str, p: int, m: int, v: int = 1, f: float = 1.0, b: fl
         raise ValueError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"p ({p}), m ({m}) and v ({v}) must be >= 1")
-    v = v if s.startswith("interleaved") else 1
+    v = chunks(s, v)
     zero_bubble = order is None and s == "interleavedzerobubble"
     if order is None:
         order = {r: _order(s, rank=r, p=p, v=v, m=m) for r in range(p)}
@@ -94,7 +100,13 @@ def simulate(*, schedule: str, p: int, m: int, v: int = 1, f: float = 1.0, b: fl
 
 def _order(s: str, *, rank: int, p: int, v: int, m: int) -> list[tuple[str, int, int]]:
     """The fixed action order of one rank. Microbatches go in groups of p, each group through every
-    chunk in turn (Megatron's interleaved order; plain 1F1B when v = 1). Backwards take chunks in reverse."""
+    chunk in turn (Megatron's interleaved order; plain 1F1B when v = 1). Backwards take chunks in reverse.
+    Looped BFS (torch's ``ScheduleLoopedBFS``): every microbatch's forward of a chunk before the next
+    chunk's, then the backwards chunk by chunk in reverse, microbatches in reverse."""
+    if s == "loopedbfs":
+        stages = [c * p + rank for c in range(v)]
+        return ([("F", j, k) for j in stages for k in range(m)]
+                + [("B", j, k) for j in reversed(stages) for k in reversed(range(m))])
     fwd, bwd = [], []
     for g in range(0, m, p):
         group = range(g, min(g + p, m))
@@ -167,11 +179,11 @@ def replay(spans: pd.DataFrame, *, schedule: str, p: int, m: int, v: int = 1) ->
     from_run = s not in ORDERED
     if spans.empty or (from_run and not s):
         return empty
-    chunks = v if s.startswith("interleaved") or from_run else 1
+    n_chunks = v if from_run else chunks(s, v)
     if from_run:  # every stage's forward and backward of every microbatch (W comes on top where split)
-        expected = {(kind, j, k) for kind in "FB" for j in range(p * chunks) for k in range(m)}
+        expected = {(kind, j, k) for kind in "FB" for j in range(p * n_chunks) for k in range(m)}
     else:
-        expected = {a for r in range(p) for a in _order(s, rank=r, p=p, v=chunks, m=m)}
+        expected = {a for r in range(p) for a in _order(s, rank=r, p=p, v=n_chunks, m=m)}
     if "rank" in spans:
         first = spans.groupby(["step", "stage"])["rank"].transform("min")
         spans = spans[spans["rank"] == first]
@@ -180,7 +192,7 @@ def replay(spans: pd.DataFrame, *, schedule: str, p: int, m: int, v: int = 1) ->
         if len(ranks) != p:
             return empty
     else:
-        where = {j: j % p for j in range(p * chunks)}
+        where = {j: j % p for j in range(p * n_chunks)}
     out, balanced = [], {}
     for step, g in spans.groupby("step", sort=True):
         keys = [(_KIND_LETTER.get(k, "?"), int(j), int(mb)) for k, j, mb in zip(g["kind"], g["stage"], g["microbatch"])]
@@ -256,7 +268,7 @@ def makespan_shared(*, schedule: str, p: int, m: int, v: int = 1, f: float, b: f
     values = (f, b, hop, gap, cores)
     if not all(math.isfinite(x) and x >= 0 for x in values) or cores <= 0:
         raise ValueError(f"f, b, hop, gap must be finite and >= 0 and cores > 0, got {values}")
-    v = v if s.startswith("interleaved") else 1
+    v = chunks(s, v)
     order = {r: _order(s, rank=r, p=p, v=v, m=m) for r in range(p)}
     where = {j: j % p for j in range(p * v)}
     work = {"F": f, "B": b}

@@ -30,7 +30,11 @@ mean over ranks (every rank's wall is the step's, so the means add up to the mea
   do not carry (DDP waits for its buckets at the end of backward, outside any op) count for the gradient
   buckets. ``planner.exposure_of`` divides them by the model's transfer time for the run's own layout.
 - **Counts**: the DDP bucket size and the TP all-reduces per layer and microbatch, as the run issued them.
-- **Pipeline**: the measured transfer time per hop and host gap per action (``pipeline_sim.replay``).
+- **Pipeline**: the measured transfer time per hop and host gap per action (``pipeline_sim.replay``), the
+  forward's share of the actions' time and, where a zero-bubble run split its backwards, the weight
+  gradient's share of them. ``planner.settle`` then solves each pipeline run's *host time per action*: the
+  gap with which the planner's own schedule simulation gives the run's measured step (the replay's gap
+  misses the schedule's host work outside the gaps it sees, and the stages' imbalance).
 - **Memory**: per run, the measured peak minus the analytic model's bytes (``memory_model``): the
   runtime's own share (on CPU the host RSS holds the Python and torch runtime; on GPU the allocator's
   peak holds workspaces and communication buffers). The planner adds that of the runs most like a target
@@ -96,6 +100,7 @@ class Rate:
 
     s_per_flop: float  # forward + backward seconds per model FLOP on one rank
     forward_share: float  # forward / (forward + backward)
+    weight_share: float = math.nan  # weight gradient / backward where a zero-bubble run split it (NaN: not measured)
     optimizer_s: float  # optimizer seconds per step, fixed part
     s_per_param: float  # optimizer seconds per step per parameter the rank holds
     other_s: float  # per step: wall − compute − exposed comm − bubble (host work between phases)
@@ -121,6 +126,9 @@ class Calibration:
     # per run: its layout, measured step time and peak memory, and its rates (``Rate``'s fields, with
     # ``optimizer_s`` and ``held`` params for the optimizer's fit); ``planner.rate_for`` picks among them
     measured: pd.DataFrame = field(default_factory=pd.DataFrame)
+    # per calibration run predicted from the others (``whatif.holdout``): ``run``, ``ratio`` (measured /
+    # predicted), ``kinds`` (the extrapolation it needed); ``interval.bounds`` widens by it
+    holdout: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=["run", "ratio", "kinds"]))
 
 
 # ----------------------------------------------------------------------------------------------- links
@@ -253,7 +261,10 @@ def steady_means(steps: pd.DataFrame) -> tuple[pd.Series, int]:
     steady = steps[steps["step"] >= first]
     per_rank = steady.drop(columns="step").groupby("rank").median(numeric_only=True)
     out = per_rank.mean()
-    out["step_time_s"] = float(series.loc[series["step"] >= first, "step_time_s"].median())
+    times = series.loc[series["step"] >= first, "step_time_s"]
+    out["step_time_s"] = float(times.median())
+    # half the 10-90 % range of the steady steps, relative: the noise of one step time on this machine
+    out["step_spread"] = float((times.quantile(0.9) / times.quantile(0.1) - 1) / 2) if len(times) > 2 else math.nan
     return out, int(first)
 
 
@@ -316,7 +327,7 @@ def measure(meta: dict, frames: dict[str, pd.DataFrame], *, model: ModelShape) -
            "s_per_flop": fb / flops / phi**SHARING_EXPONENT if flops > 0 else math.nan,
            "optimizer_s": float(means["optimizer_s"]) / phi, "held": local_params(model, lay), "sharing": phi, "busy": busy,
            "exposed_bulk_s": exposed_bulk,
-           "forward_share": math.nan, "exposed": exposed, "counts": counts, "pipeline": {},
+           "forward_share": math.nan, "weight_share": math.nan, "exposed": exposed, "counts": counts, "pipeline": {},
            "other_s": max(0.0, float(means["step_time_s"] - means["compute_s"] - means["bubble_s"]) - exposed_bulk),
            "means": means, "memory": _memory(meta, frames["memory"]),
            # The small synchronising collectives are left out of the link fits: their time is the peers'
@@ -326,9 +337,12 @@ def measure(meta: dict, frames: dict[str, pd.DataFrame], *, model: ModelShape) -
     spans = frames["spans"]
     if lay["pp"] > 1 and not spans.empty:
         spans = spans[spans["step"] >= first]
-        fwd = float((spans["t_end"] - spans["t_start"])[spans["kind"] == "forward"].sum())
-        busy = float((spans["t_end"] - spans["t_start"]).sum())
+        took = spans["t_end"] - spans["t_start"]
+        fwd, weight = float(took[spans["kind"] == "forward"].sum()), float(took[spans["kind"] == "weight"].sum())
+        busy = float(took.sum())
         out["forward_share"] = fwd / busy if busy > 0 else math.nan
+        # zero-bubble schedules split the backward into input and weight gradients (torch's W actions)
+        out["weight_share"] = weight / (busy - fwd) if weight > 0 and busy > fwd else math.nan
         rep = replay(spans, schedule=lay["schedule"], p=lay["pp"], m=lay["microbatches"], v=lay["virtual_stages"])
         if len(rep):
             # a hop carries one microbatch's activations (values: ×2 or ×4 bytes by the dtype)
@@ -409,7 +423,9 @@ def calibrate(measured: list[dict], *, model: ModelShape, device: str, peak_flop
                                 "ranks_per_host": m["ranks_per_host"], "sharing": m["sharing"], "busy": m["busy"],
                                 "exposed_share": m["exposed_bulk_s"] / m["step_time_s"],
                                 "s_per_flop": m["s_per_flop"], "forward_share": m["forward_share"],
+                                "weight_share": m["weight_share"],
                                 "optimizer_s": m["optimizer_s"], "held": m["held"], "other_s": m["other_s"],
+                                "step_spread": float(m["means"].get("step_spread", math.nan)),
                                 "peak_memory_bytes": m["memory"].get("peak_bytes", math.nan),
                                 "memory_offset_bytes": m["memory"].get("peak_bytes", math.nan)
                                 - m["memory"].get("model_bytes", math.nan)} for m in measured]))

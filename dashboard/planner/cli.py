@@ -25,8 +25,13 @@ from meshscope.dashboard.config import ConfigError
 from meshscope.agent.contract.layout import LayoutError
 
 
+DESCRIPTION = ("From measured runs of a model, the predicted step time (with the interval a run may measure), its "
+               "breakdown, tokens/s, MFU and peak memory of another layout or world size, or every layout of a "
+               "world size ranked.")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = ArgParser(prog="meshscope plan", description=__doc__.split("\n")[0])
+    p = ArgParser(prog="meshscope plan", description=DESCRIPTION)
     p.add_argument("--store", action="append", required=True, metavar="DIR",
                    help="run store directory or s3://bucket/prefix (the agent's --upload); repeatable")
     p.add_argument("--run", action="append", required=True, metavar="NAME",
@@ -87,18 +92,20 @@ def format_text(cal, preds: list[planner.Prediction], *, ranked: bool) -> str:
     lines = [f"calibrated from {', '.join(cal.runs)} ({cal.model.name}, {cal.model.n_params:,.0f} params, "
              f"{cal.device}" + (f", {cal.cores:g} cores shared" if cal.cores else "") + ")"]
     if ranked:
-        lines.append(f"{'layout':<34} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'memory':>10}  fits")
+        lines.append(f"{'layout':<38} {'step s':>8} {'interval s':>15} {'tokens/s':>10} {'MFU':>6} {'memory':>10}  fits")
         for p in preds:
             fits = {None: "?", True: "yes", False: "NO"}[p.memory_fits]
-            lines.append(f"{p.layout.label:<34} {p.step_time_s:>8.3f} {p.tokens_per_s:>10,.0f} {_pct(p.mfu):>6} "
-                         f"{p.peak_memory_bytes / 2**20:>7,.0f} MiB  {fits}")
+            lines.append(f"{p.layout.label:<38} {p.step_time_s:>8.3f} {_interval(p):>15} {p.tokens_per_s:>10,.0f} "
+                         f"{_pct(p.mfu):>6} {p.peak_memory_bytes / 2**20:>7,.0f} MiB  {fits}")
+        lines.append(planner.verdict(preds)["sentence"])
         notes = sorted({n for p in preds for n in p.extrapolated})
     else:
         p = preds[0]
         b = p.breakdown
         comm = ", ".join(f"{k} {v:.3f} s" for k, v in b["exposed_comm_s"].items() if v > 0) or "none"
         lines += [f"layout {p.layout.label} on {p.layout.world_size} ranks, global batch {p.layout.global_batch}",
-                  f"  step time {p.step_time_s:.3f} s · {p.tokens_per_s:,.0f} tokens/s · MFU {_pct(p.mfu)} · "
+                  f"  step time {p.step_time_s:.3f} s (a run may measure {_interval(p)} s) · "
+                  f"{p.tokens_per_s:,.0f} tokens/s · MFU {_pct(p.mfu)} · "
                   f"peak memory {p.peak_memory_bytes / 2**20:,.0f} MiB per rank",
                   f"  compute {b['compute_s']:.3f} s, optimizer {b['optimizer_s']:.3f} s, exposed comm: {comm}, "
                   f"bubble {b['bubble_s']:.3f} s, other {b['other_s']:.3f} s"]
@@ -108,6 +115,10 @@ def format_text(cal, preds: list[planner.Prediction], *, ranked: bool) -> str:
         lines += [f"  - {n}" for n in notes]
     lines += [f"WARNING {w}" for w in cal.warnings]
     return "\n".join(lines)
+
+
+def _interval(p: planner.Prediction) -> str:
+    return f"{p.step_time_low_s:.3f}-{p.step_time_high_s:.3f}"
 
 
 def _pct(x: float) -> str:

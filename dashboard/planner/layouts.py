@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from meshscope.dashboard.planner.calibration import ModelShape
 from meshscope.agent.contract import layout as rules
 
-SIMULATED = ("gpipe", "1f1b", "interleaved", "interleaved-zb")
+SIMULATED = rules.SCHEDULES  # every schedule the trainer runs (``dashboard.pipeline_sim``)
 KEYS = ("dp", "tp", "pp", "fsdp", "schedule", "microbatches", "virtual_stages", "batch", "layers", "width")
 
 
@@ -101,8 +101,8 @@ def resolve(spec: dict, *, model: ModelShape, world_size: int, global_batch: int
 
 def candidates(*, model: ModelShape, world_size: int, global_batch: int) -> list[Layout]:
     """Every layout of ``world_size`` ranks the trainer can run with this model and batch: tp and pp over
-    the divisors, DDP or FSDP for the rest, for a pipeline GPipe / 1F1B / interleaved (2 virtual stages)
-    with pp, 2·pp or 4·pp microbatches."""
+    the divisors, DDP or FSDP for the rest, for a pipeline every schedule the trainer has (the multi-stage
+    ones with 2 virtual stages) with pp, 2·pp or 4·pp microbatches."""
     out = []
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
     for tp in divisors:
@@ -110,7 +110,7 @@ def candidates(*, model: ModelShape, world_size: int, global_batch: int) -> list
             dp = world_size // (tp * pp)
             for fsdp in ((False, True) if dp > 1 and tp == 1 and pp == 1 else (dp > 1,)):
                 pipes = [("", 1, 1)] if pp == 1 else [
-                    (s, m * pp, 2 if s == "interleaved" else 1) for s in ("gpipe", "1f1b", "interleaved") for m in (1, 2, 4)]
+                    (s, m * pp, 2 if s in rules.MULTI_STAGE else 1) for s in SIMULATED for m in (1, 2, 4)]
                 for schedule, m, v in pipes:
                     spec = {"dp": dp, "tp": tp, "pp": pp, "fsdp": fsdp, "microbatches": m, "virtual_stages": v}
                     if schedule:

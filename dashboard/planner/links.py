@@ -25,7 +25,7 @@ class Links:
         same = cal.links[cal.links["shared"] == shared] if len(cal.links) else cal.links
         self.fits = same if len(same) else cal.links
         if len(cal.links) and not len(same):
-            note(notes, f"links measured only {'with' if not shared else 'without'} ranks sharing cores")
+            note(notes, f"links measured only {'with' if not shared else 'without'} ranks sharing cores", "links")
 
     def time(self, op: str, n: int, nbytes: float) -> float:
         """α + bytes·f(op, n)/β of the fit for (op, n) when its measured sizes cover ``nbytes`` (within 4×);
@@ -89,6 +89,22 @@ def act_bytes(cal: Calibration) -> int:
     return 2 if cal.dtype.lower() in ("bfloat16", "bf16", "float16", "fp16", "torch.bfloat16", "torch.float16") else 4
 
 
-def note(notes: list[str], text: str) -> None:
+class Notes(list):
+    """What a prediction took from something its calibration did not measure: the sentences in order, and
+    the kinds of extrapolation each one is (``kinds``: sentence -> kinds, ``dashboard.planner.interval``'s
+    ``SPREAD`` keys), which widen the prediction's interval."""
+
+    def __init__(self, items: "Notes | list[str]" = ()) -> None:
+        super().__init__(items)
+        self.kinds: dict[str, tuple[str, ...]] = dict(getattr(items, "kinds", {}))
+
+    def all_kinds(self) -> tuple[str, ...]:
+        return tuple(sorted({k for t in self for k in self.kinds.get(t, ())}))
+
+
+def note(notes: list[str], text: str, *kinds: str) -> None:
+    """Add ``text`` once, of ``kinds`` (default: borrowed links)."""
     if text not in notes:
         notes.append(text)
+    if isinstance(notes, Notes):
+        notes.kinds[text] = kinds or ("links",)

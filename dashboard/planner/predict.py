@@ -44,7 +44,8 @@ from meshscope.agent.contract import bubble_theory, busbw_factor, normalize_sche
 from meshscope.agent.contract import mfu as model_flops_utilisation
 from meshscope.dashboard.planner.calibration import SHARED, SHARING_EXPONENT, Calibration, ModelShape, Rate, local_params, nonneg_line
 from meshscope.dashboard.planner.layouts import SIMULATED, Layout, candidates, family, measured_layout
-from meshscope.dashboard.planner.links import NOMINAL_BUS_BW, Links, act_bytes
+from meshscope.dashboard.planner import interval
+from meshscope.dashboard.planner.links import NOMINAL_BUS_BW, Links, Notes, act_bytes
 from meshscope.dashboard.planner.links import note as _note
 from meshscope.dashboard.memory_model import ModelSpec, memory_model
 from meshscope.dashboard.pipeline_sim import ORDERED, makespan_shared, simulate
@@ -76,9 +77,15 @@ class Prediction:
     memory_fits: bool | None  # None: the device's capacity is not known
     breakdown: dict[str, float]
     extrapolated: tuple[str, ...]
+    # where a run of the layout may measure its step (``interval``), and the kinds of extrapolation that widened it
+    step_time_low_s: float = math.nan
+    step_time_high_s: float = math.nan
+    extrapolation_kinds: tuple[str, ...] = ()
 
     def as_json(self) -> dict:
-        return {"layout": self.layout.as_dict(), "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+        return {"layout": self.layout.as_dict(), "step_time_s": self.step_time_s,
+                "step_time_low_s": self.step_time_low_s, "step_time_high_s": self.step_time_high_s,
+                "extrapolation_kinds": list(self.extrapolation_kinds), "tokens_per_s": self.tokens_per_s,
                 "mfu": self.mfu, "peak_memory_bytes": self.peak_memory_bytes, "memory_fits": self.memory_fits,
                 "breakdown": self.breakdown, "extrapolated": list(self.extrapolated)}
 
@@ -126,16 +133,21 @@ def sharing_residual(cal: Calibration, lay: Layout) -> float:
 
 
 def predict(cal: Calibration, lay: Layout, *, ranks_per_host: int | None = None,
-            device_bytes: float | None = None) -> Prediction:
+            device_bytes: float | None = None, pipeline_gap: float | None = None) -> Prediction:
     """The calibrated prediction of one layout (module docstring). ``ranks_per_host``: how many of its
     ranks share a host (default: all, one host; only a CPU host's sharing depends on it);
     ``device_bytes``: the memory one rank may use (default: the smallest device a calibration run had;
-    None there too: not judged)."""
-    notes: list[str] = []
+    None there too: not judged); ``pipeline_gap``: a pipeline's host seconds per action (default:
+    ``gap_for``)."""
+    notes = Notes()
     model = scaled_model(cal.model, lay)
     if model is not cal.model:
-        notes.append(f"model scaled to {lay.n_layers} layers × width {lay.d_model} (measured {cal.model.n_layers} × "
-                     f"{cal.model.d_model}): compute rate assumed the measured one")
+        _note(notes, f"model scaled to {lay.n_layers} layers × width {lay.d_model} (measured {cal.model.n_layers} × "
+                     f"{cal.model.d_model}): compute rate assumed the measured one", "model")
+    widest = int(cal.measured["world_size"].max()) if len(cal.measured) else lay.world_size
+    doublings = math.log2(lay.world_size / widest) if lay.world_size > widest else 0.0
+    if doublings:
+        _note(notes, f"world size {lay.world_size} beyond the largest measured ({widest})", "world")
     k = ranks_per_host or lay.world_size
     tokens = lay.global_batch * model.seq_len
     flops = model.flops_per_token * tokens / lay.world_size
@@ -147,20 +159,23 @@ def predict(cal: Calibration, lay: Layout, *, ranks_per_host: int | None = None,
     phi = sharing(cal, k=k, exposed_share=0.0, residual=residual)  # first: every rank busy all the step
     first, cells = notes, exposure_cells(cal, like=lay)
     for _ in range(4):  # φ depends on the exposed share, which depends on φ and on the regime it puts the fits in
-        notes = list(first)
+        notes = Notes(first)
         links = Links(cal, notes, shared=phi > 1)
         exposure = {}
         for kind in DEFAULT_EXPOSURE:
             exposure[kind], how = exposure_for(cal, kind, shared=phi > 1, cells=cells)
             if how and _uses(lay, kind):
-                _note(notes, f"{kind} exposure not measured: {exposure[kind]:.0%} of its modelled time exposed, {how}")
+                _note(notes, f"{kind} exposure not measured: {exposure[kind]:.0%} of its modelled time exposed, {how}",
+                      "exposure")
         parts = _parts(cal, lay, model=model, links=links, flops=flops, held=held, tokens=tokens, exposure=exposure,
-                       phi=phi, cores=cores_sim, notes=notes)
+                       phi=phi, cores=cores_sim, notes=notes, pipeline_gap=pipeline_gap)
         settled = sharing(cal, k=k, exposed_share=sum(parts["comm"].values()) / parts["step_s"], residual=residual)
         if abs(settled - phi) < 1e-3 * phi:
             break
         phi = settled
     step = parts["step_s"]
+    kinds = notes.all_kinds()
+    low, high = interval.bounds(step, kinds=kinds, holdout=cal.holdout, noise=cal_noise(cal), doublings=doublings)
     peak, fits = _memory(cal, model, lay, device_bytes if device_bytes is not None else cal.device_bytes,
                          shared=phi > 1)
     return Prediction(
@@ -168,7 +183,14 @@ def predict(cal: Calibration, lay: Layout, *, ranks_per_host: int | None = None,
         mfu=model_flops_utilisation(flops=flops, seconds=step, peak_flops=cal.peak_flops), peak_memory_bytes=peak, memory_fits=fits,
         breakdown={"compute_s": parts["compute_s"], "optimizer_s": parts["optimizer_s"], "bubble_s": parts["bubble_s"],
                    "other_s": parts["other_s"], "exposed_comm_s": parts["comm"], "sharing": phi},
-        extrapolated=tuple(notes))
+        extrapolated=tuple(notes), step_time_low_s=low, step_time_high_s=high, extrapolation_kinds=kinds)
+
+
+def cal_noise(cal: Calibration) -> float:
+    """The noise of a step on this machine: ``interval.NOISE``, or the calibration runs' own steady-step
+    spread where wider."""
+    spreads = cal.measured["step_spread"].dropna() if "step_spread" in cal.measured else pd.Series(dtype=float)
+    return max(interval.NOISE, float(spreads.max())) if len(spreads) else interval.NOISE
 
 
 SAME_TIME = {"tp": 1, "fsdp": 1, "pp": 1, "shared": 1}
@@ -192,6 +214,66 @@ def most_like(cal: Calibration, lay: Layout, *, shared: bool,
     return best, differ
 
 
+def gap_for(cal: Calibration, lay: Layout) -> tuple[float, str]:
+    """A pipeline's host seconds per action: the solved gap (``settle``) of the pipeline runs with the
+    layout's schedule, else of every pipeline run (and their schedules, to note), else the gap the replay
+    measured (NaN: none)."""
+    m = cal.measured
+    if "pipeline_gap_s" in m and m["pipeline_gap_s"].notna().any():
+        runs = m[m["pipeline_gap_s"].notna()]
+        same = runs[runs["schedule"].map(normalize_schedule) == normalize_schedule(lay.schedule)]
+        if len(same):
+            return float(same["pipeline_gap_s"].mean()), ""
+        return float(runs["pipeline_gap_s"].mean()), ", ".join(sorted(set(runs["schedule"])))
+    return float(cal.pipeline.get("gap_s", math.nan)), ""
+
+
+def settle(cal: Calibration, *, tolerance: float = 1e-3) -> Calibration:
+    """The calibration with each pipeline run's host seconds per action (``pipeline_gap_s``) solved so
+    that the planner's prediction of the run's own layout is its measured step: the replay's gap counts
+    only the host time between two actions whose input was there; the schedule's other host work (posting
+    receives, splitting and merging microbatches) and the stages' imbalance (the last stage holds the
+    head and the loss) lengthen a real step by 3-17 % more on the grids of bench/planner_grid.py. The
+    step grows with the gap (each action waits for it), so a bracketing search finds it; 0 where the
+    prediction is too long even without a gap (the run's own layout then keeps that error)."""
+    m = cal.measured
+    pipes = m[m["pp"] > 1] if len(m) else m
+    if pipes.empty:
+        return cal
+    gaps = {}
+    for r in pipes.to_dict("records"):
+        lay = measured_layout(r, model=cal.model)
+        target = float(r["step_time_s"])
+
+        def excess(g: float) -> float:
+            return predict(cal, lay, ranks_per_host=int(r["ranks_per_host"]), pipeline_gap=g).step_time_s - target
+
+        lo, hi = 0.0, max(gap_for(cal, lay)[0], 0.0) or 1e-4
+        f_lo = excess(lo)
+        if f_lo >= 0:
+            gaps[r["run"]] = 0.0
+            continue
+        for _ in range(40):  # widen until the step passes the measured one
+            f_hi = excess(hi)
+            if f_hi >= 0:
+                break
+            lo, f_lo, hi = hi, f_hi, hi * 2
+        else:
+            gaps[r["run"]] = math.nan  # not reached: a gap of 2**40 × a measured one passes any step
+            continue
+        for _ in range(60):  # regula falsi (Illinois): the step is piecewise linear in the gap
+            g = hi - f_hi * (hi - lo) / (f_hi - f_lo)
+            f = excess(g)
+            if abs(f) <= tolerance * target:
+                break
+            if f > 0:
+                hi, f_hi, f_lo = g, f, f_lo / 2
+            else:
+                lo, f_lo, f_hi = g, f, f_hi / 2
+        gaps[r["run"]] = g
+    return dataclasses.replace(cal, measured=m.assign(pipeline_gap_s=m["run"].map(gaps)))
+
+
 def rate_for(cal: Calibration, lay: Layout, *, held: float, shared: bool, notes: list[str]) -> Rate:
     """The compute rate and host time of the calibration runs most like ``lay`` (``most_like``); the
     optimizer's fixed and per-parameter seconds fitted over all runs (a line in the parameters held), its
@@ -200,14 +282,17 @@ def rate_for(cal: Calibration, lay: Layout, *, held: float, shared: bool, notes:
     m = cal.measured
     best, differ = most_like(cal, lay, shared=shared)
     if differ:
-        _note(notes, f"compute rate from {', '.join(best['run'])} (which differ in {', '.join(differ)})")
+        _note(notes, f"compute rate from {', '.join(best['run'])} (which differ in {', '.join(differ)})",
+              *(f"rate:{d}" for d in differ))
     share = m.loc[m["pp"] > 1, "forward_share"].dropna()
     share = share if len(share) else m["forward_share"].dropna()
+    split = m["weight_share"].dropna() if "weight_share" in m else pd.Series(dtype=float)
     x, y = m["held"].to_numpy(float), m["optimizer_s"].to_numpy(float)
     fixed, per_param = nonneg_line(x, y, np.ones_like(x))
     missed = best["optimizer_s"].to_numpy(float) - (fixed + per_param * best["held"].to_numpy(float))
     fixed += float(np.nanmean(missed)) if np.isfinite(missed).any() else 0.0
     return Rate(s_per_flop=float(best["s_per_flop"].mean()), forward_share=float(share.mean()) if len(share) else math.nan,
+                weight_share=float(split.mean()) if len(split) else math.nan,
                 optimizer_s=fixed, s_per_param=per_param, other_s=float(best["other_s"].mean()))
 
 
@@ -237,7 +322,7 @@ def transfer_times(cal: Calibration, lay: Layout, *, model: ModelShape, links: "
         per_layer = cal.counts.get("tp_per_layer_mb", math.nan)
         if not math.isfinite(per_layer):
             per_layer = TP_PER_LAYER
-            _note(notes, f"TP all-reduces per layer and microbatch not measured: {TP_PER_LAYER:g} (Megatron)")
+            _note(notes, f"TP all-reduces per layer and microbatch not measured: {TP_PER_LAYER:g} (Megatron)", "tp_count")
         mb_tokens = tokens / lay.dp / lay.microbatches
         n_ops = per_layer * model.n_layers / lay.pp * lay.microbatches
         out["tp"] = n_ops * links.time("all_reduce", lay.tp, mb_tokens * model.d_model * act_bytes(cal))
@@ -321,7 +406,8 @@ def exposure_for(cal: Calibration, kind: str, *, shared: bool, like: Layout | No
 
 
 def _parts(cal: Calibration, lay: Layout, *, model: ModelShape, links: "Links", flops: float, held: float,
-           tokens: float, exposure: dict, phi: float, cores: float | None, notes: list[str]) -> dict:
+           tokens: float, exposure: dict, phi: float, cores: float | None, notes: list[str],
+           pipeline_gap: float | None = None) -> dict:
     """The step's parts with every rank's work slowed by ``phi`` (processor sharing), the pipeline's
     schedule simulated with its p ranks sharing ``cores`` (None: each has its device)."""
     rate = rate_for(cal, lay, held=held, shared=phi > 1, notes=notes)
@@ -338,8 +424,15 @@ def _parts(cal: Calibration, lay: Layout, *, model: ModelShape, links: "Links", 
         hop = cal.pipeline.get("hop_s", math.nan)
         if not math.isfinite(hop):
             hop = links.time("all_reduce", 2, tokens / lay.dp / m * model.d_model * act_bytes(cal)) * phi
-            _note(notes, "pipeline transfer per hop not measured: an all-reduce of one microbatch's activations over 2")
-        gap = cal.pipeline.get("gap_s", math.nan)
+            _note(notes, "pipeline transfer per hop not measured: an all-reduce of one microbatch's activations over 2",
+                  "pipeline")
+        if pipeline_gap is not None:
+            gap = pipeline_gap
+        else:
+            gap, other = gap_for(cal, lay)
+            if other:
+                _note(notes, f"pipeline host time per action from the {other} runs (no {lay.schedule} run measured)",
+                      "schedule")
         if cores is not None and normalize_schedule(lay.schedule) in ORDERED:
             work = compute / phi**SHARING_EXPONENT + comm["tp"] / phi  # with a core to itself; the simulation shares
             makespan, ran = makespan_shared(schedule=lay.schedule, p=lay.pp, m=m, v=v, f=work * share / (m * v),
@@ -350,8 +443,17 @@ def _parts(cal: Calibration, lay: Layout, *, model: ModelShape, links: "Links", 
             comm["tp"] = comm["tp"] / phi * slow
             busy = ran
         else:
+            back = busy * (1 - share) / (m * v)
+            weight = 0.0
+            if normalize_schedule(lay.schedule) == "interleavedzerobubble":  # W split off the backward
+                split = rate.weight_share
+                if not math.isfinite(split):
+                    split = 0.5
+                    _note(notes, "weight gradient's share of the backward not measured (no zero-bubble run): half",
+                          "pipeline")
+                back, weight = back * (1 - split), back * split
             sim = simulate(schedule=lay.schedule, p=lay.pp, m=m, v=v, f=busy * share / (m * v),
-                           b=busy * (1 - share) / (m * v), hop=hop, gap=gap if math.isfinite(gap) else 0.0)
+                           b=back, w=weight, hop=hop, gap=gap if math.isfinite(gap) else 0.0)
             makespan = float(sim["t_end"].max() - sim["t_start"].min())
         bubble = max(0.0, makespan - busy)
     step = busy + bubble + optimizer + comm["dp"] + comm["fsdp"] + rate.other_s
@@ -390,6 +492,32 @@ def rank_layouts(cal: Calibration, *, world_size: int, global_batch: int, **kw) 
     preds = [predict(cal, lay, **kw) for lay in candidates(model=cal.model, world_size=world_size,
                                                            global_batch=global_batch)]
     return sorted(preds, key=lambda p: (p.memory_fits is False, -p.tokens_per_s))
+
+
+PROBED_KINDS = {"rate:TP": "tp", "rate:FSDP": "fsdp", "rate:PP": "pp"}  # what ``meshscope plan --probe`` measures
+
+
+def verdict(preds: list[Prediction]) -> dict:
+    """Which layout of ``rank_layouts``' list is fastest, only where the intervals say so: ``fastest``
+    (a label, or None), ``tied`` (the labels whose interval overlaps the first's), ``measure`` (the layout
+    whose measurement would narrow the question most: the widest interval among the tied) and ``sentence``."""
+    fits = [p for p in preds if p.memory_fits is not False]
+    if not fits:
+        return {"fastest": None, "tied": [], "measure": None, "sentence": "No layout fits in memory."}
+    ok, tied = interval.decided([(p.layout.label, p.step_time_low_s, p.step_time_high_s) for p in fits])
+    first = fits[0]
+    if ok:
+        return {"fastest": first.layout.label, "tied": [], "measure": None,
+                "sentence": f"Fastest: {first.layout.label} (its interval is below every other layout's)."}
+    group = [first, *(p for p in fits if p.layout.label in set(tied))]
+    widest = max(group, key=lambda p: p.step_time_high_s / p.step_time_low_s)
+    probe = sorted({PROBED_KINDS[k] for k in widest.extrapolation_kinds if k in PROBED_KINDS})
+    how = (f"`meshscope plan --probe` (measures {', '.join(k.upper() for k in probe)}) or a run of {widest.layout.label}"
+           if probe else f"a run of {widest.layout.label}")
+    shown = ", ".join(p.layout.label for p in group[:4]) + (f" and {len(group) - 4} more" if len(group) > 4 else "")
+    return {"fastest": None, "tied": [p.layout.label for p in group], "measure": widest.layout.label,
+            "sentence": f"Not decided: {shown} overlap within their intervals; {how} would decide "
+                        f"(its interval, {widest.step_time_low_s:.3f}-{widest.step_time_high_s:.3f} s, is the widest)."}
 
 
 def textbook(cal: Calibration, lay: Layout) -> float:

@@ -3,6 +3,7 @@ and what the What-if page shows. ``meshscope plan`` (``dashboard/planner/cli.py`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -19,8 +20,9 @@ from meshscope.dashboard.views import Loader, meta_of
 from meshscope.agent.contract.layout import FLAVORS
 
 
-def calibrate_from(load: Loader, *, runs: list[str]) -> calibration.Calibration:
-    """The calibration of ``runs`` (one model). ConfigError, naming the value, for a run the store does
+def calibrate_from(load: Loader, *, runs: list[str], holdout: bool = True) -> calibration.Calibration:
+    """The calibration of ``runs`` (one model), with each run predicted from the others (``holdout``;
+    its errors widen the predictions' intervals). ConfigError, naming the value, for a run the store does
     not have, runs of different models, or a run without step records."""
     table = load("runs_table")
     if not runs:
@@ -59,9 +61,26 @@ def calibrate_from(load: Loader, *, runs: list[str]) -> calibration.Calibration:
             raise ConfigError(str(e)) from None
     peaks = [float(m["peak_flops"]) for m in metas if float(m.get("peak_flops") or 0) > 0]
     # An unknown device is not taken for a CPU host: no processor sharing is modelled for it.
-    return calibration.calibrate(measured, model=model, device=devices.pop(), cores=host_cores(),
-                                 peak_flops=sum(peaks) / len(peaks) if peaks else 0.0, dtype=specs[0].dtype,
-                                 activation_checkpoint=specs[0].activation_checkpoint)
+    kw = {"model": model, "device": devices.pop(), "cores": host_cores(),
+          "peak_flops": sum(peaks) / len(peaks) if peaks else 0.0, "dtype": specs[0].dtype,
+          "activation_checkpoint": specs[0].activation_checkpoint}
+    cal = planner.settle(calibration.calibrate(measured, **kw))
+    return dataclasses.replace(cal, holdout=holdout_errors(measured, **kw)) if holdout else cal
+
+
+def holdout_errors(measured: list[dict], **calibrate_kw) -> pd.DataFrame:
+    """Each run (``calibration.measure``'s) predicted from the others' calibration: ``run``, ``ratio``
+    (its measured step / the prediction) and ``kinds`` (the extrapolation the prediction needed). Empty
+    with fewer than two runs."""
+    rows = []
+    for i, m in enumerate(measured if len(measured) > 1 else []):
+        cal = planner.settle(calibration.calibrate(measured[:i] + measured[i + 1:], **calibrate_kw))
+        lay = layouts.measured_layout({**m["layout"]}, model=cal.model)
+        if lay.pp > 1 and lay.schedule not in layouts.SIMULATED:
+            continue
+        p = planner.predict(cal, lay, ranks_per_host=int(m["ranks_per_host"]))
+        rows.append({"run": m["run"], "ratio": m["step_time_s"] / p.step_time_s, "kinds": p.extrapolation_kinds})
+    return pd.DataFrame(rows, columns=["run", "ratio", "kinds"])
 
 
 def _positive(v) -> bool:
@@ -131,7 +150,7 @@ def measured_runs(load: Loader, *, cal: calibration.Calibration, world_size: int
     if not names:
         return pd.DataFrame()
     try:
-        return calibrate_from(load, runs=names).measured
+        return calibrate_from(load, runs=names, holdout=False).measured
     except ConfigError:  # a run without step records: nothing to overlay
         return pd.DataFrame()
 
