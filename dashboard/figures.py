@@ -417,8 +417,9 @@ _WHATIF_PARTS = (("compute_s", "compute", COLORS["compute_s"]), ("optimizer_s", 
 
 
 def whatif_layouts(table: pd.DataFrame, *, measured: pd.DataFrame) -> go.Figure:
-    """Predicted step time per candidate layout, stacked by part (seconds), fastest at the top; the
-    measured runs of the layouts drawn as black diamonds on their bars."""
+    """Predicted step time per candidate layout, stacked by part (seconds), fastest at the top, with the
+    interval a run of it may measure (``step_time_low_s``-``step_time_high_s``, where given) as an error
+    bar; the measured runs of the layouts drawn as black diamonds on their bars."""
     t = table.iloc[::-1]  # plotly draws the first category at the bottom
     fig = go.Figure()
     if t.empty:
@@ -426,6 +427,14 @@ def whatif_layouts(table: pd.DataFrame, *, measured: pd.DataFrame) -> go.Figure:
     for col, name, color in _WHATIF_PARTS:
         if col in t:
             fig.add_bar(y=t["layout"], x=t[col], name=name, orientation="h", marker_color=color)
+    if "step_time_low_s" in t:  # where a run of the layout may measure its step
+        fig.add_scatter(y=t["layout"], x=t["step_time_s"], mode="markers", name="interval",
+                        marker=dict(size=1, color="#424242"),
+                        error_x=dict(type="data", symmetric=False, array=t["step_time_high_s"] - t["step_time_s"],
+                                     arrayminus=t["step_time_s"] - t["step_time_low_s"], color="#424242", width=4),
+                        customdata=t[["step_time_low_s", "step_time_high_s"]].to_numpy(),
+                        hovertemplate="%{y}: %{x:.3f} s, a run may measure %{customdata[0]:.3f}-%{customdata[1]:.3f} s"
+                                      "<extra>interval</extra>")
     measured = measured[measured["layout"].isin(set(t["layout"]))] if len(measured) else measured
     if len(measured):
         fig.add_scatter(y=measured["layout"], x=measured["measured_s"], mode="markers", name="measured",

@@ -165,6 +165,9 @@ class FaultConfig:
             _check(r < world_size, f"fault rank {r} does not exist in a world of size {world_size}")
 
 
+PURPOSES = ("", "probe")
+
+
 @dataclass(kw_only=True, slots=True)
 class TelemetrySection:
     """The ``[telemetry]`` table: where the records go, and the instrumentation's own settings, which the
@@ -174,11 +177,13 @@ class TelemetrySection:
     store: str = ""  # run store root; empty: telemetry off
     run: str = ""  # run name; empty: derived from the strategy and a timestamp
     peak_flops: float = 0.0  # override the per-device peak (FLOP/s); 0: table (GPU) or calibrated (CPU)
+    purpose: str = ""  # why the run was started: "" (training) or "probe" (``meshscope plan --probe``)
     hang_after_s: float = _TELEMETRY_DEFAULTS["hang_after_s"]
     spool_hold_bytes: int = _TELEMETRY_DEFAULTS["spool_hold_bytes"]
 
     def __post_init__(self) -> None:
         _check(self.peak_flops >= 0, f"peak_flops={self.peak_flops} must be >= 0")
+        _check(self.purpose in PURPOSES, f"purpose={self.purpose!r} must be one of {', '.join(map(repr, PURPOSES))}")
         try:  # a placeholder run and store where the trainer derives them
             self.instrumentation(run=self.run or "unnamed", store=self.store or ".")
         except ValueError as e:
@@ -375,7 +380,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parser(prog: str) -> argparse.ArgumentParser:
-    p = ArgParser(prog=prog, description="meshscope reference trainer (GPT-style, DDP/FSDP2/TP/PP)")
+    p = ArgParser(prog=prog, description="The meshscope reference trainer: a GPT-style model under DDP, FSDP2, TP "
+                                         "and PP.")
     add_arguments(p)
     return p
 

@@ -9,7 +9,9 @@ from meshscope.dashboard.planner import whatif
 from meshscope.dashboard.config import ConfigError
 
 MAX_RUNS = 8  # runs calibrated from when the user selected fewer than two
-COLUMNS = {"layout": ("layout", None), "step_time_s": ("step time (s)", "%.3f"), "tokens_per_s": ("tokens/s", "int"),
+COLUMNS = {"layout": ("layout", None), "step_time_s": ("step time (s)", "%.3f"),
+           "step_time_low_s": ("a run may measure, from (s)", "%.3f"), "step_time_high_s": ("to (s)", "%.3f"),
+           "tokens_per_s": ("tokens/s", "int"),
            "mfu": ("MFU", "percent"), "compute_s": ("compute (s)", "%.3f"), "optimizer_s": ("optimizer (s)", "%.3f"),
            "exposed_dp_s": ("exposed DDP (s)", "%.3f"), "exposed_fsdp_s": ("exposed FSDP (s)", "%.3f"),
            "exposed_tp_s": ("exposed TP (s)", "%.3f"), "bubble_s": ("bubble (s)", "%.3f"),
@@ -60,15 +62,20 @@ def main(ctx: ui.Context) -> None:
         return
     best = view.predictions[0]
     m = st.columns(3)
-    m[0].metric("fastest predicted layout", best.layout.label)
-    m[1].metric("predicted tokens/s", f"{best.tokens_per_s:,.0f}")
-    m[2].metric("predicted step time", f"{best.step_time_s:.3f} s")
+    m[0].metric("fastest layout", view.verdict["fastest"] or "not decided")
+    m[1].metric("predicted tokens/s (first listed)", f"{best.tokens_per_s:,.0f}")
+    m[2].metric("predicted step time (first listed)", f"{best.step_time_s:.3f} s",
+                help=f"a run may measure {best.step_time_low_s:.3f}-{best.step_time_high_s:.3f} s")
+    st.caption(view.verdict["sentence"].replace("`", ""))
     ui.chart(view.figure)
     ui.table(view.table.assign(peak_memory_mib=view.table["peak_memory_bytes"] / 2**20), COLUMNS)
     if len(view.measured):
         st.subheader("Measured runs of this world size and batch")
         ui.table(view.measured, MEASURED)
-    st.caption("Extrapolated: what the calibration runs did not measure (another group size, an op not seen, a "
+    st.caption("Interval: where a run of the layout may measure its step: this machine's run-to-run noise, the "
+               "calibration runs' errors when each is predicted from the others, and a spread per kind of "
+               "extrapolation (docs/formulas.md, What-if planner). "
+               "Extrapolated: what the calibration runs did not measure (another group size, an op not seen, a "
                "kind of traffic whose overlap was not measured) is taken from the nearest measurement and listed "
                "per layout. Textbook: FLOPs / (peak × ranks), volume / nominal bandwidth, 90 % overlap, the closed-form "
                "bubble (docs/formulas.md, What-if planner).")

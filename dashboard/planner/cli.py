@@ -1,11 +1,13 @@
 """``meshscope plan``: from measured runs of a model, the predicted step time, its breakdown, tokens/s,
 MFU and peak memory of another layout or world size (``--layout``), or every layout of a world size
-ranked by predicted tokens/s (``--rank-layouts``). One computation with the What-if page
-(``dashboard.planner.whatif``, ``dashboard.planner.predict``); ``--json`` for scripts.
+ranked by predicted tokens/s (``--rank-layouts``), each with the interval a run of it may measure
+(``dashboard.planner.interval``); ``--probe`` first measures what no run did (``dashboard.planner.probe``).
+One computation with the What-if page (``dashboard.planner.whatif``, ``dashboard.planner.predict``);
+``--json`` for scripts.
 
     meshscope plan --store DIR --run NAME [--run NAME ...] --layout dp=2,tp=1,pp=1,fsdp=0,schedule=1f1b,microbatches=4
-                   [--world-size N] [--json]
-    meshscope plan --store DIR --run NAME [--run NAME ...] --rank-layouts --world-size N [--json]
+                   [--world-size N] [--probe] [--json]
+    meshscope plan --store DIR --run NAME [--run NAME ...] --rank-layouts --world-size N [--probe] [--json]
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 
 from meshscope.agent.cliargs import ArgParser, run_command
 from meshscope.agent.collector.catchup import catch_up
 from meshscope.agent.store.reader import Store, StoreError
 from meshscope.dashboard import views
-from meshscope.dashboard.planner import layouts, whatif
+from meshscope.dashboard.planner import layouts, probe, whatif
 from meshscope.dashboard.planner import predict as planner
 from meshscope.dashboard.config import ConfigError
 from meshscope.agent.contract.layout import LayoutError
@@ -41,6 +44,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rank-layouts", action="store_true", help="every valid layout of --world-size, fastest first")
     p.add_argument("--world-size", type=int, default=None, metavar="N", help="ranks (default: the first run's)")
     p.add_argument("--batch", type=int, default=None, metavar="B", help="global batch (default: the first run's)")
+    p.add_argument("--probe", action="store_true",
+                   help="first run a few steps of the smallest layout with each parallelism kind (TP, FSDP, a "
+                        "pipeline) the predictions need and no run measured (the reference trainer, into the store)")
+    p.add_argument("--probe-steps", type=int, default=probe.PROBE_STEPS, metavar="N", help="steps per probe")
     p.add_argument("--json", action="store_true", help="print JSON")
     return p
 
@@ -61,36 +68,64 @@ def main(argv: list[str] | None = None) -> int:
         for root in store.local_roots():  # records still only in spools (no agent ran) count too
             if note := catch_up(root).message():
                 print(f"meshscope plan: {note}", file=sys.stderr)
-        cal = whatif.calibrate_from(views.direct_loader(store), runs=list(dict.fromkeys(a.run)))
+        if a.probe_steps < 2:
+            raise ConfigError(f"--probe-steps {a.probe_steps} must be >= 2")
+        runs = list(dict.fromkeys(a.run))
+        cal = whatif.calibrate_from(views.direct_loader(store), runs=runs)
         first = cal.measured.iloc[0]
         world = a.world_size or int(first["world_size"])
         if a.batch and spec.get("batch", a.batch) != a.batch:
             raise ConfigError(f"--batch {a.batch} and --layout batch={spec['batch']} disagree: give one")
         spec.setdefault("batch", a.batch or int(first["global_batch"]))
-        batch = spec["batch"]
-        try:
-            if a.rank_layouts:
-                preds = planner.rank_layouts(cal, world_size=world, global_batch=batch)
-                if not preds:
-                    raise ConfigError(f"no layout of {world} ranks divides this model and batch {batch}")
-            else:
-                lay = layouts.resolve(spec, model=cal.model, world_size=world, global_batch=batch)
-                preds = [planner.predict(cal, lay)]
-        except LayoutError as e:
-            raise ConfigError(str(e)) from None
+        preds = _predict(cal, spec, ranked=a.rank_layouts, world=world)
+        probes: list[probe.Probe] = []
+        if a.probe and (kinds := probe.needed(cal, preds)):
+            roots = store.local_roots()
+            if not roots:
+                raise ConfigError("--probe writes its runs into a local store: give a directory as --store")
+            meta = views.meta_of(views.direct_loader(store)("runs_table"), runs[0])
+            try:
+                probes = probe.run_probes(cal, kinds, meta=meta, store=Path(roots[0]), steps=a.probe_steps,
+                                          log=lambda line: print(line, file=sys.stderr))
+            except RuntimeError as e:
+                print(f"meshscope plan: {e}", file=sys.stderr)
+                return 1
+            catch_up(roots[0])
+            store = Store.open_many(a.store)
+            cal = whatif.calibrate_from(views.direct_loader(store), runs=runs + [p.run for p in probes])
+            preds = _predict(cal, spec, ranked=a.rank_layouts, world=world)
+        elif a.probe:
+            print("meshscope plan: nothing to probe: the calibration runs measured every parallelism kind the "
+                  "predictions need", file=sys.stderr)
         if a.json:
-            out = [{**p.as_json(), "warnings": list(cal.warnings)} for p in preds]
+            listed = [{"run": p.run, "kind": p.kind, "layout": p.layout.label, "seconds": p.seconds} for p in probes]
+            out = [{**p.as_json(), "warnings": list(cal.warnings), "calibration_runs": list(cal.runs), "probes": listed}
+                   for p in preds]
             print(json.dumps(clean_json(out if a.rank_layouts else out[0]), indent=2))
         else:
-            print(format_text(cal, preds, ranked=a.rank_layouts))
+            print(format_text(cal, preds, ranked=a.rank_layouts, probes=probes))
         return 0
 
     return run_command(prog="meshscope plan", parser=_parser(), argv=argv, body=body)
 
 
-def format_text(cal, preds: list[planner.Prediction], *, ranked: bool) -> str:
+def _predict(cal, spec: dict, *, ranked: bool, world: int) -> list[planner.Prediction]:
+    batch = spec["batch"]
+    try:
+        if ranked:
+            preds = planner.rank_layouts(cal, world_size=world, global_batch=batch)
+            if not preds:
+                raise ConfigError(f"no layout of {world} ranks divides this model and batch {batch}")
+            return preds
+        return [planner.predict(cal, layouts.resolve(spec, model=cal.model, world_size=world, global_batch=batch))]
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
+
+
+def format_text(cal, preds: list[planner.Prediction], *, ranked: bool, probes: list = ()) -> str:
     lines = [f"calibrated from {', '.join(cal.runs)} ({cal.model.name}, {cal.model.n_params:,.0f} params, "
-             f"{cal.device}" + (f", {cal.cores:g} cores shared" if cal.cores else "") + ")"]
+             f"{cal.device}" + (f", {cal.cores:.3g} cores shared" if cal.cores else "") + ")"]
+    lines += [f"probe {p.run}: {p.layout.label}, measured {p.kind.upper()} in {p.seconds:.0f} s" for p in probes]
     if ranked:
         lines.append(f"{'layout':<38} {'step s':>8} {'interval s':>15} {'tokens/s':>10} {'MFU':>6} {'memory':>10}  fits")
         for p in preds:

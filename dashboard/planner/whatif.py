@@ -117,6 +117,7 @@ class WhatIf:
     table: pd.DataFrame  # one row per candidate layout
     measured: pd.DataFrame  # planner.comparison of the measured runs at this world size
     figure: go.Figure
+    verdict: dict  # planner.verdict: the fastest layout only where the intervals decide it
 
 
 def whatif(load: Loader, *, runs: list[str], world_size: int, global_batch: int | None = None) -> WhatIf:
@@ -132,7 +133,7 @@ def whatif(load: Loader, *, runs: list[str], world_size: int, global_batch: int 
     shown = table if table.empty else table[
         (table.index < CHART_LAYOUTS) | table["layout"].isin(set(comp["layout"]) if len(comp) else set())]
     return WhatIf(calibration=cal, predictions=preds, table=table, measured=comp,
-                  figure=figures.whatif_layouts(shown, measured=comp))
+                  figure=figures.whatif_layouts(shown, measured=comp), verdict=planner.verdict(preds))
 
 
 CHART_LAYOUTS = 24  # the fastest layouts drawn (the table has every one)
@@ -161,6 +162,7 @@ def prediction_table(preds: list[planner.Prediction]) -> pd.DataFrame:
     for p in preds:
         b = p.breakdown
         rows.append({"layout": p.layout.label, "family": layouts.family(p.layout), "step_time_s": p.step_time_s,
+                     "step_time_low_s": p.step_time_low_s, "step_time_high_s": p.step_time_high_s,
                      "tokens_per_s": p.tokens_per_s, "mfu": p.mfu, "compute_s": b["compute_s"],
                      "optimizer_s": b["optimizer_s"], "bubble_s": b["bubble_s"], "other_s": b["other_s"],
                      **{f"exposed_{k}_s": v for k, v in b["exposed_comm_s"].items()},
