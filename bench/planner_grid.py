@@ -131,7 +131,8 @@ def summary(comp: pd.DataFrame) -> dict:
     others = comp[~comp["calibration"]]
     fam = others.assign(cal=others["error"].abs(), tb=others["textbook_error"].abs()).groupby("family")[["cal", "tb"]].median()
     mem = others["memory_error"].abs().dropna()
-    return {"median_abs_error": float(others["error"].abs().median()), "worst_abs_error": float(others["error"].abs().max()),
+    return {"inside_interval": f"{int(others['inside'].sum())}/{len(others)}",
+            "median_abs_error": float(others["error"].abs().median()), "worst_abs_error": float(others["error"].abs().max()),
             "worst_run": str(others.loc[others["error"].abs().idxmax(), "run"]),
             "textbook_median_abs_error": float(others["textbook_error"].abs().median()),
             "beats_textbook_in_every_family": bool((fam["cal"] < fam["tb"]).all()),
@@ -186,17 +187,19 @@ def main() -> int:
         return 0
     show = comp.assign(
         measured=comp["measured_s"].map("{:.3f}".format), calibrated=comp["predicted_s"].map("{:.3f}".format),
-        err=comp["error"].map("{:+.1%}".format), textbook=comp["textbook_s"].map("{:.3f}".format),
+        err=comp["error"].map("{:+.1%}".format),
+        interval=[f"{lo:.3f}-{hi:.3f}{'' if ok else ' OUT'}" for lo, hi, ok in zip(comp["low_s"], comp["high_s"], comp["inside"])],
+        textbook=comp["textbook_s"].map("{:.3f}".format),
         tb_err=comp["textbook_error"].map("{:+.1%}".format),
         mem_MiB=(comp["memory_measured"] / 2**20).map("{:.0f}".format),
         mem_pred=(comp["memory_predicted"] / 2**20).map("{:.0f}".format), mem_err=comp["memory_error"].map("{:+.1%}".format),
         spread=comp["repeat_spread"].map("{:.0%}".format), cal=comp["calibration"].map({True: "calibration", False: ""}))
-    print(show[["run", "layout", "family", "measured", "spread", "calibrated", "err", "textbook", "tb_err", "mem_MiB",
+    print(show[["run", "layout", "family", "measured", "spread", "calibrated", "err", "interval", "textbook", "tb_err", "mem_MiB",
                 "mem_pred", "mem_err", "cal"]].to_string(index=False))
     print("(spread: slowest / fastest repeat - 1)")
     print(f"\ncalibrated from {', '.join(calibrate)} ({cal_reps} run{'s' if cal_reps > 1 else ''} each); over the "
           f"{int((~comp['calibration']).sum())} other layouts: "
-          f"median |error| {s['median_abs_error']:.1%}, worst {s['worst_abs_error']:.1%} ({s['worst_run']}); "
+          f"measured inside the interval {s['inside_interval']}; median |error| {s['median_abs_error']:.1%}, worst {s['worst_abs_error']:.1%} ({s['worst_run']}); "
           f"textbook median {s['textbook_median_abs_error']:.1%}")
     print("per family, median |error| calibrated vs textbook: " + ", ".join(
         f"{f} {v['calibrated']:.1%} vs {v['textbook']:.1%}" for f, v in s["families"].items())

@@ -378,12 +378,17 @@ def _pred(label_dp: int, step: float, low: float, high: float, kinds=()) -> plan
 
 
 def test_ranking_names_a_fastest_layout_only_when_the_intervals_do_not_overlap():
-    apart = planner.verdict([_pred(1, 0.10, 0.09, 0.11), _pred(2, 0.20, 0.18, 0.22)])
+    cal = dataclasses.replace(_cal([]), measured=pd.DataFrame([{**LAYOUT, "run": "r0"}]))
+    apart = planner.verdict([_pred(1, 0.10, 0.09, 0.11), _pred(2, 0.20, 0.18, 0.22)], cal=cal)
     assert apart["fastest"] == "dp1" and apart["tied"] == [] and apart["sentence"].startswith("Fastest: dp1")
     close = planner.verdict([_pred(1, 0.10, 0.09, 0.11), _pred(2, 0.105, 0.06, 0.30, ("rate:TP",)),
-                             _pred(4, 0.5, 0.45, 0.55)])
+                             _pred(4, 0.5, 0.45, 0.55)], cal=cal)
     assert close["fastest"] is None and close["tied"] == ["dp1", "dp2"] and close["measure"] == "dp2"
     assert "Not decided" in close["sentence"] and "--probe" in close["sentence"] and "dp4" not in close["sentence"]
+    # a calibration that had a TP run: nothing to probe, the layout to run is named
+    with_tp = dataclasses.replace(cal, measured=pd.DataFrame([{**LAYOUT, "run": "r0", "tp": 2, "dp": 1}]))
+    again = planner.verdict([_pred(1, 0.10, 0.09, 0.11), _pred(2, 0.105, 0.06, 0.30, ("rate:TP",))], cal=with_tp)
+    assert "--probe" not in again["sentence"] and "a run of dp2 would decide" in again["sentence"]
 
 
 def test_looped_bfs_runs_every_forward_of_a_chunk_before_the_next_then_backwards_in_reverse():

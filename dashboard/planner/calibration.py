@@ -129,6 +129,9 @@ class Calibration:
     # per calibration run predicted from the others (``whatif.holdout``): ``run``, ``ratio`` (measured /
     # predicted), ``kinds`` (the extrapolation it needed); ``interval.bounds`` widens by it
     holdout: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=["run", "ratio", "kinds"]))
+    # what the planner derived from this calibration and a layout's features (``predict.memo``): the same for
+    # every layout with those features, and asked for by each of a ranking's dozens of predictions
+    cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
 
 # ----------------------------------------------------------------------------------------------- links

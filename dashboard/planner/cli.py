@@ -132,7 +132,7 @@ def format_text(cal, preds: list[planner.Prediction], *, ranked: bool, probes: l
             fits = {None: "?", True: "yes", False: "NO"}[p.memory_fits]
             lines.append(f"{p.layout.label:<38} {p.step_time_s:>8.3f} {_interval(p):>15} {p.tokens_per_s:>10,.0f} "
                          f"{_pct(p.mfu):>6} {p.peak_memory_bytes / 2**20:>7,.0f} MiB  {fits}")
-        lines.append(planner.verdict(preds)["sentence"])
+        lines.append(planner.verdict(preds, cal=cal)["sentence"])
         notes = sorted({n for p in preds for n in p.extrapolated})
     else:
         p = preds[0]

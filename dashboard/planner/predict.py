@@ -188,17 +188,31 @@ def predict(cal: Calibration, lay: Layout, *, ranks_per_host: int | None = None,
 
 def cal_noise(cal: Calibration) -> float:
     """The noise of a step on this machine: ``interval.NOISE``, or the calibration runs' own steady-step
-    spread where wider."""
+    spread (their median) where wider."""
     spreads = cal.measured["step_spread"].dropna() if "step_spread" in cal.measured else pd.Series(dtype=float)
-    return max(interval.NOISE, float(spreads.max())) if len(spreads) else interval.NOISE
+    return max(interval.NOISE, float(spreads.median())) if len(spreads) else interval.NOISE
 
 
 SAME_TIME = {"tp": 1, "fsdp": 1, "pp": 1, "shared": 1}
 SAME_MEMORY = {"tp": 1, "fsdp": 3, "pp": 1, "shared": 0}  # FSDP's buffers dominate what the model leaves out
 
 
+def memo(cal: Calibration, key: tuple, compute):
+    """``compute()`` once per calibration and ``key`` (the calibration is frozen: what it gives is fixed)."""
+    if key not in cal.cache:
+        cal.cache[key] = compute()
+    return cal.cache[key]
+
+
 def most_like(cal: Calibration, lay: Layout, *, shared: bool,
               weights: dict[str, int] = SAME_TIME) -> tuple[pd.DataFrame, list[str]]:
+    """``_most_like``, once per calibration and the features it compares."""
+    key = ("most_like", lay.tp > 1, lay.fsdp, lay.pp > 1, shared, tuple(weights.items()))
+    return memo(cal, key, lambda: _most_like(cal, lay, shared=shared, weights=weights))
+
+
+def _most_like(cal: Calibration, lay: Layout, *, shared: bool,
+               weights: dict[str, int]) -> tuple[pd.DataFrame, list[str]]:
     """The calibration runs most like ``lay``: the same use of TP, FSDP and a pipeline, and the same
     sharing regime (each a feature that costs time or memory the FLOPs and the model's bytes do not count:
     TP's replicated work and DTensor's dispatch, FSDP's copies and buffers, ranks sharing cores); and the
@@ -358,9 +372,11 @@ def exposure_of(cal: Calibration, kind: str, *, shared: bool, like: Layout | Non
 
 def exposure_cells(cal: Calibration, *, like: Layout | None = None) -> dict[tuple[str, bool], float]:
     """``exposure_of`` of every kind of traffic in both sharing regimes, where measured: (kind, shared) →
-    exposure. ``exposure_for`` reads them; they do not depend on the target's φ, so ``predict`` takes them once."""
-    return {(k, r): e for k in DEFAULT_EXPOSURE for r in (False, True)
-            if (e := exposure_of(cal, k, shared=r, like=like)) is not None and e > 0}
+    exposure. ``exposure_for`` reads them; they do not depend on the target's φ, so ``predict`` takes them
+    once (per calibration and the features ``exposure_of`` compares)."""
+    key = ("cells", None if like is None else (like.tp, like.pp, like.dp, like.fsdp))
+    return memo(cal, key, lambda: {(k, r): e for k in DEFAULT_EXPOSURE for r in (False, True)
+                                   if (e := exposure_of(cal, k, shared=r, like=like)) is not None and e > 0})
 
 
 def exposure_for(cal: Calibration, kind: str, *, shared: bool, like: Layout | None = None,
@@ -497,7 +513,16 @@ def rank_layouts(cal: Calibration, *, world_size: int, global_batch: int, **kw) 
 PROBED_KINDS = {"rate:TP": "tp", "rate:FSDP": "fsdp", "rate:PP": "pp"}  # what ``meshscope plan --probe`` measures
 
 
-def verdict(preds: list[Prediction]) -> dict:
+def unmeasured(cal: Calibration, kinds) -> list[str]:
+    """Of ``kinds`` (extrapolation kinds), the parallelism kinds (``tp``, ``fsdp``, ``pp``) whose compute
+    rate was borrowed and that no calibration run had: what ``--probe`` measures."""
+    m = cal.measured
+    had = {"tp": bool((m["tp"] > 1).any()), "fsdp": bool((m["fsdp"].astype(bool) & (m["dp"] > 1)).any()),
+           "pp": bool((m["pp"] > 1).any())} if len(m) else {}
+    return sorted({PROBED_KINDS[k] for k in kinds if k in PROBED_KINDS and not had.get(PROBED_KINDS[k], False)})
+
+
+def verdict(preds: list[Prediction], *, cal: Calibration) -> dict:
     """Which layout of ``rank_layouts``' list is fastest, only where the intervals say so: ``fastest``
     (a label, or None), ``tied`` (the labels whose interval overlaps the first's), ``measure`` (the layout
     whose measurement would narrow the question most: the widest interval among the tied) and ``sentence``."""
@@ -511,7 +536,7 @@ def verdict(preds: list[Prediction]) -> dict:
                 "sentence": f"Fastest: {first.layout.label} (its interval is below every other layout's)."}
     group = [first, *(p for p in fits if p.layout.label in set(tied))]
     widest = max(group, key=lambda p: p.step_time_high_s / p.step_time_low_s)
-    probe = sorted({PROBED_KINDS[k] for k in widest.extrapolation_kinds if k in PROBED_KINDS})
+    probe = unmeasured(cal, widest.extrapolation_kinds)
     how = (f"`meshscope plan --probe` (measures {', '.join(k.upper() for k in probe)}) or a run of {widest.layout.label}"
            if probe else f"a run of {widest.layout.label}")
     shown = ", ".join(p.layout.label for p in group[:4]) + (f" and {len(group) - 4} more" if len(group) > 4 else "")
@@ -562,6 +587,8 @@ def comparison(cal: Calibration, measured: pd.DataFrame, **kw) -> pd.DataFrame:
         mem = r.get("peak_memory_bytes", math.nan)
         rows.append({"run": r["run"], "layout": lay.label, "world_size": lay.world_size, "family": family(lay),
                      "measured_s": r["step_time_s"], "predicted_s": p.step_time_s,
+                     "low_s": p.step_time_low_s, "high_s": p.step_time_high_s,
+                     "inside": p.step_time_low_s <= r["step_time_s"] <= p.step_time_high_s,
                      "error": p.step_time_s / r["step_time_s"] - 1, "textbook_s": tb,
                      "textbook_error": tb / r["step_time_s"] - 1, "memory_measured": mem,
                      "memory_predicted": p.peak_memory_bytes,

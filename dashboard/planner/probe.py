@@ -21,7 +21,7 @@ from meshscope.agent.contract import layout as rules
 from meshscope.dashboard.config import ConfigError
 from meshscope.dashboard.planner import layouts
 from meshscope.dashboard.planner.calibration import Calibration
-from meshscope.dashboard.planner.predict import PROBED_KINDS, Prediction
+from meshscope.dashboard.planner.predict import Prediction, unmeasured
 
 PROBE_STEPS = 10  # warm-up (2-3 steps) and at least MIN_STEADY_STEPS after it
 PROBE_TIMEOUT_S = 600.0
@@ -36,8 +36,9 @@ class Probe:
 
 
 def needed(cal: Calibration, preds: list[Prediction]) -> list[str]:
-    """The kinds (``tp``, ``fsdp``, ``pp``) whose compute rate the predictions borrowed from runs without it."""
-    return sorted({PROBED_KINDS[k] for p in preds for k in p.extrapolation_kinds if k in PROBED_KINDS})
+    """The kinds (``tp``, ``fsdp``, ``pp``) whose compute rate the predictions borrowed and no calibration
+    run measured."""
+    return unmeasured(cal, {k for p in preds for k in p.extrapolation_kinds})
 
 
 def smallest(kind: str, *, cal: Calibration, world_size: int, global_batch: int) -> layouts.Layout:

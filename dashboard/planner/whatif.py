@@ -133,7 +133,7 @@ def whatif(load: Loader, *, runs: list[str], world_size: int, global_batch: int 
     shown = table if table.empty else table[
         (table.index < CHART_LAYOUTS) | table["layout"].isin(set(comp["layout"]) if len(comp) else set())]
     return WhatIf(calibration=cal, predictions=preds, table=table, measured=comp,
-                  figure=figures.whatif_layouts(shown, measured=comp), verdict=planner.verdict(preds))
+                  figure=figures.whatif_layouts(shown, measured=comp), verdict=planner.verdict(preds, cal=cal))
 
 
 CHART_LAYOUTS = 24  # the fastest layouts drawn (the table has every one)
