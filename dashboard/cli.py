@@ -20,7 +20,9 @@ APP = Path(__file__).resolve().parent / "app.py"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = ArgParser(prog="meshscope dashboard", description=__doc__.split("\n")[0])
+    p = ArgParser(prog="meshscope dashboard", description=(
+        "Serve the Streamlit dashboard over a run store, headless, bound to localhost unless told otherwise. "
+        "Several --store read as one store (a multi-node job's agents each write their own)."))
     p.add_argument("--store", action="append", required=True, metavar="DIR",
                    help="run store directory (the agent's --store) or s3://bucket/prefix (the agent's --upload); "
                         "repeat for the stores of several nodes")

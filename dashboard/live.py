@@ -21,6 +21,7 @@ from meshscope.agent.security import promql_label_value
 # Logical name -> Prometheus metric name (the type the queries assume in the comment).
 METRICS: dict[str, str] = {
     "step": "meshscope_rank_last_step",  # gauge: last optimizer step the rank completed
+    "step_t": "meshscope_rank_last_step_timestamp_seconds",  # gauge: when that step ended (Unix s, the rank's clock)
     "wall": "meshscope_rank_step_wall_seconds_total",  # counter: step wall time
     "phase": "meshscope_rank_step_phase_seconds_total",  # counter: wall time by phase (label below)
     "mfu": "meshscope_rank_mfu_ratio",  # gauge: MFU of the rank's last step, 0-1
@@ -155,18 +156,59 @@ def snapshot(client: PrometheusClient, *, run: str | None, window: str = "1m") -
     return df.reindex(columns=cols).sort_values("rank").reset_index(drop=True)
 
 
+def _rank(labels: dict[str, str]) -> int | None:
+    try:
+        return int(labels.get(RANK_LABEL, ""))
+    except ValueError:
+        return None  # series without a usable rank label cannot be placed
+
+
+def last_steps(client: PrometheusClient, *, run: str | None, start: float, end: float, step_s: float
+               ) -> dict[int, float]:
+    """Per rank, the time from which its series show nothing new: the first point of the range at which
+    Prometheus shows the rank's newest step (the step gauge reached its last value), in Prometheus's own
+    clock, so neither the scrape interval nor a rank's clock offset moves it. Where the gauge holds one
+    value over the whole range (no step in it, or one older than it), the rank's own record of when that
+    step ended (its clock) plus one point of the range; a rank with no step yet is absent.
+
+    After a run ends the agent keeps exporting its gauges (for its ``--run-ttl``, 10 minutes by default),
+    and where Prometheus saw no staleness marker it repeats a series' last sample for its 5-minute
+    lookback: a range query draws the last MFU, and a zero step rate, flat on past the run's end (seen
+    with a real agent and Prometheus). :func:`history` cuts each rank there."""
+    sel = _selector(run)
+    out: dict[int, float] = {}
+    for labels, points in client.query_range(f"max by ({RANK_LABEL}) ({METRICS['step']}{sel})", start=start,
+                                             end=end, step_s=step_s):
+        rank = _rank(labels)
+        if rank is None or not points:
+            continue
+        final = points[-1][1]
+        changed = [i for i, (_, v) in enumerate(points) if v != final]
+        if changed:
+            out[rank] = points[changed[-1] + 1][0]
+        elif points[0][0] > start + step_s / 2:  # the series began inside the range: at its first step
+            out[rank] = points[0][0]
+    for labels, t in client.query(f"max by ({RANK_LABEL}) ({METRICS['step_t']}{sel})"):
+        rank = _rank(labels)
+        if rank is not None and rank not in out and math.isfinite(t):
+            out[rank] = t + step_s
+    return out
+
+
 def history(client: PrometheusClient, *, run: str | None, now: float, minutes: float = 10.0,
             step_s: float = 5.0, window: str = "1m") -> pd.DataFrame:
     """The Live page's time series over the last ``minutes``: ``rank``, ``t`` (Unix seconds), ``series``
-    (a key of :func:`series_queries`) and ``value``."""
-    rows = []
+    (a key of :func:`series_queries`) and ``value``. Each rank's series end where its steps end
+    (:func:`last_steps`): a run that ended, crashed or hangs is not drawn on with its last values."""
+    start, rows = now - minutes * 60, []
+    ends = last_steps(client, run=run, start=start, end=now, step_s=step_s)
     for series, promql in series_queries(run=run, window=window).items():
-        for labels, points in client.query_range(promql, start=now - minutes * 60, end=now, step_s=step_s):
-            try:
-                rank = int(labels.get(RANK_LABEL, ""))
-            except ValueError:
+        for labels, points in client.query_range(promql, start=start, end=now, step_s=step_s):
+            rank = _rank(labels)
+            if rank is None:
                 continue
-            rows.extend((rank, t, series, v) for t, v in points if math.isfinite(v))
+            cut = ends.get(rank, math.inf)
+            rows.extend((rank, t, series, v) for t, v in points if math.isfinite(v) and t <= cut)
     out = pd.DataFrame(rows, columns=["rank", "t", "series", "value"])
     # A share is a rate over a rate, and Prometheus extrapolates each counter's rate to its window on its
     # own (stopping at zero near a series' start), so the first points of a run can exceed 1 (1.10 seen

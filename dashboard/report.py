@@ -159,7 +159,9 @@ def format_text(rep: dict[str, Any]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = ArgParser(prog="meshscope report", description=__doc__.split("\n")[0])
+    p = ArgParser(prog="meshscope report", description=(
+        "A run's verdicts in the terminal, computed by the same views the dashboard's pages render; --json "
+        "prints one object for scripts and CI."))
     p.add_argument("--store", action="append", required=True, metavar="DIR",
                    help="run store directory or s3://bucket/prefix (the agent's --upload); repeatable")
     p.add_argument("--run", required=True, help="run name")

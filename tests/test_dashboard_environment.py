@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -17,21 +19,61 @@ def _steps(wait_share: dict[int, float], *, n: int = 8, busy: float = 0.5) -> pd
 
 
 def test_cpu_contention_is_warned_on_cpu_runs_only_and_names_the_ranks():
-    shares = environment.cpu_wait_share(_steps({0: 0.3, 1: 0.02, 2: 0.45}))
+    shares = environment.run_queue_share(_steps({0: 0.3, 1: 0.02, 2: 0.45}))
     assert shares.set_index("rank")["cpu_wait_share"].round(3).to_dict() == {0: 0.3, 1: 0.02, 2: 0.45}
     hosts = pd.DataFrame({"rank": [0, 1, 2], "host": ["a", "a", "a"]})
     (w,) = environment.warnings(device="cpu", shares=shares, n_steady=10, hosts=hosts)
     assert w.startswith("CPU contention: ranks 0, 2 waited for a CPU 30%-45%") and "a 3" in w
     assert environment.warnings(device="cuda:0", shares=shares, n_steady=10) == []
-    quiet = environment.cpu_wait_share(_steps({0: 0.05, 1: 0.08}))
+    quiet = environment.run_queue_share(_steps({0: 0.05, 1: 0.08}))
     assert environment.warnings(device="cpu", shares=quiet, n_steady=10) == []
 
 
 def test_old_stores_without_cpu_columns_give_no_contention_verdict():
     old = _steps({0: 0.3}).drop(columns=["cpu_s", "cpu_wait_s"])
-    assert environment.cpu_wait_share(old).empty
     nan = _steps({0: 0.3}).assign(cpu_wait_s=np.nan)
-    assert environment.cpu_wait_share(nan).empty
+    for share in (environment.cpu_wait_share, environment.run_queue_share):
+        assert share(old).empty and share(nan).empty
+
+
+def _pipeline_steps(n: int = 8) -> pd.DataFrame:
+    """Step records shaped like a real contended pipeline run (4 ranks of the tiny model on 2 cores): rank 1
+    spends most of its step waiting for its neighbour (exposed P2P and bubble), and is woken from those
+    waits into a run queue, so its run-queue delay is 1.63 times its compute + other time. The phases add up
+    to the wall time, and CPU time + delay stay within it, as the kernel counts them."""
+    ranks = {0: dict(compute_s=0.090, exposed_comm_s=0.010, bubble_s=0.0, other_s=0.005, cpu_s=0.070, cpu_wait_s=0.021),
+             1: dict(compute_s=0.030, exposed_comm_s=0.070, bubble_s=0.030, other_s=0.005, cpu_s=0.028,
+                     cpu_wait_s=0.057)}
+    rows = [{"rank": r, "step": s, **v} for r, v in ranks.items() for s in range(n)]
+    t = pd.DataFrame(rows)
+    t["wall_s"] = t[["compute_s", "exposed_comm_s", "bubble_s", "other_s"]].sum(axis=1)
+    assert (t["cpu_s"] + t["cpu_wait_s"] <= t["wall_s"]).all()
+    return t
+
+
+def test_cpu_contention_is_a_share_of_the_time_the_ranks_were_ready_to_run():
+    # The user's report: "waited for a CPU 22 %-163 % of the time". The delay over compute + other exceeds 1
+    # when the thread waits for a core after a peer wakes it; over the time it was runnable it is a share.
+    steps = _pipeline_steps()
+    assert environment.cpu_wait_share(steps)["cpu_wait_share"].max() == pytest.approx(1.63, abs=0.01)
+    shares = environment.run_queue_share(steps)
+    assert shares.set_index("rank")["cpu_wait_share"].round(2).to_dict() == {0: 0.23, 1: 0.67}
+    (w,) = environment.warnings(device="cpu", shares=shares, n_steady=8)
+    assert w.startswith("CPU contention: ranks 0, 1 waited for a CPU 23%-67% of the time they were ready to run"), w
+    assert all(0 <= int(p) <= 100 for p in re.findall(r"(\d+)%", w)), w
+    # Any step the kernel can report (phases adding up to the wall, CPU + delay within it): at most 100 %.
+    rng = np.random.default_rng(0)
+    n = 2000
+    parts = rng.dirichlet(np.ones(4), n) * rng.uniform(0.01, 2.0, (n, 1))
+    wall = parts.sum(axis=1)
+    on_cpu = rng.uniform(0, 1, n) * wall
+    random = pd.DataFrame({"rank": np.arange(n) % 16, "step": np.arange(n), "compute_s": parts[:, 0],
+                           "exposed_comm_s": parts[:, 1], "bubble_s": parts[:, 2], "other_s": parts[:, 3],
+                           "cpu_s": on_cpu, "cpu_wait_s": rng.uniform(0, 1, n) * (wall - on_cpu)})
+    shares = environment.run_queue_share(random)
+    assert len(shares) == 16 and shares["cpu_wait_share"].between(0, 1).all()
+    for w in environment.warnings(device="cpu", shares=shares, n_steady=100):
+        assert all(int(p) <= 100 for p in re.findall(r"(\d+)%", w)), w
 
 
 def test_short_runs_and_throttled_clocks_are_warned():

@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from meshscope.dashboard import live
@@ -37,8 +38,8 @@ def test_queries_use_the_metric_mapping():
 def test_metric_names_and_types_are_the_agents_catalog():
     from meshscope.agent import catalog
 
-    want = {"step": "gauge", "wall": "counter", "phase": "counter", "mfu": "gauge", "steps": "counter",
-            "last_record": "gauge", "world_size": "gauge", "events": "counter"}
+    want = {"step": "gauge", "step_t": "gauge", "wall": "counter", "phase": "counter", "mfu": "gauge",
+            "steps": "counter", "last_record": "gauge", "world_size": "gauge", "events": "counter"}
     for key, name in live.METRICS.items():
         spec = catalog.BY_NAME[name]
         assert spec.type == want[key], name
@@ -59,6 +60,37 @@ def test_snapshot_per_rank():
     assert snap["step"].tolist() == [100.0, 101.0, 102.0]
     assert snap["compute_ratio"].tolist() == pytest.approx([0.5, 0.51, 0.52])
     assert snap["mfu"].tolist() == pytest.approx([0.4] * 3)
+
+
+def test_series_stop_where_the_run_stopped():
+    # The agent exports an ended run's gauges for 10 minutes, so Prometheus answers a range query with the
+    # last MFU (and a zero step rate) flat on past the end, while the page said "the series stop there".
+    now = time.time()
+    series = ("steps_per_s", "compute_ratio", "exposed_comm_ratio", "mfu")
+    with FakePrometheus(ranks=2, ended_at=now - 180) as prom:
+        client = live.PrometheusClient(prom.url)
+        assert live.run_status(client, run="live-run", now=now)["state"] == "ended"
+        hist = live.history(client, run="live-run", now=now, minutes=10, step_s=5)
+    for name in series:
+        part = hist[hist["series"] == name]
+        assert sorted(part["rank"].unique()) == [0, 1], name
+        ends = part.groupby("rank")["t"].max()  # within a point of the range (5 s) of the end
+        assert (abs(ends - (now - 180)) <= 5).all(), (name, ends - now)
+        assert part["t"].min() <= now - 590  # the minutes before the end are all there
+    # The chart's time axis runs to now: the lines visibly end three minutes before its right edge.
+    from meshscope.dashboard import figures
+
+    fig = figures.live_series(hist[hist["series"] == "mfu"], title="MFU", percent=True, until=now)
+    assert pd.Timestamp(fig.layout.xaxis.range[1]).timestamp() == pytest.approx(now, abs=0.01)
+    assert max(pd.Timestamp(x).timestamp() for tr in fig.data for x in tr.x) <= now - 175
+    assert fig.layout.yaxis.tickformat == ".0%"  # MFU 40 %; an MFU of 1 % gets a decimal, not "1%, 1%"
+    low = figures.live_series(hist[hist["series"] == "mfu"].assign(value=0.011), title="MFU", percent=True)
+    assert low.layout.yaxis.tickformat == ".1%"
+    with FakePrometheus(ranks=2) as prom:  # a running run: its series reach now
+        hist = live.history(live.PrometheusClient(prom.url), run="live-run", now=now, minutes=10, step_s=5)
+    assert set(hist["series"]) == set(series) and (hist.groupby(["series", "rank"])["t"].max() >= now - 5).all()
+    with FakePrometheus(ranks=2, ended_at=now - 900) as prom:  # ended before the window: nothing to draw
+        assert live.history(live.PrometheusClient(prom.url), run="live-run", now=now, minutes=10, step_s=5).empty
 
 
 def test_unreachable_and_rejected_queries_are_live_errors():
@@ -194,15 +226,23 @@ def test_live_page_over_a_real_job_shows_series_then_its_end(tmp_path, monkeypat
         assert status is not None and status["state"] == "ended", status
         assert status["world_size"] == 2 and status["ended_ranks"] == 2 and status["crashes"] == 0
         assert live.live_runs(client) == ["live-job"]
+        # The agent still exports the ended run (its gauges for 10 minutes): 10 s of scrapes after the
+        # end, the series must stop at each rank's last step, not run on with its last MFU.
+        time.sleep(max(0.0, status["last_record"] + 10 - time.time()))
         hist = live.history(client, run="live-job", now=time.time(), minutes=2, step_s=1)
+        from meshscope.agent.store.reader import read_table
+
+        records = read_table(store, "step", run="live-job")
+        last_step = records.groupby("rank")["t_end"].max()
         for series in ("steps_per_s", "compute_ratio", "exposed_comm_ratio", "mfu"):
             part = hist[hist["series"] == series]
             assert sorted(part["rank"].unique()) == [0, 1], (series, hist)
+            over = part.groupby("rank")["t"].max() - last_step  # a scrape (1 s) and a point (1 s) at most
+            print(f"{series}: last point after the rank's last step (s) {over.round(2).to_dict()}")
+            assert (over <= 2.5).all(), (series, over.to_dict())
         steps = hist[hist["series"] == "steps_per_s"]
         # While the job ran, the step rate is what its step records say: 1 / the median step time.
-        from meshscope.agent.store.reader import read_table
-
-        truth = 1 / float(read_table(store, "step", run="live-job")["wall_s"].median())
+        truth = 1 / float(records["wall_s"].median())
         running = steps[steps["value"] > 0].groupby("rank")["value"].median()
         print(f"\nsteps/s per rank while running {running.round(2).to_dict()}, store truth {truth:.2f}")
         assert (abs(running / truth - 1) < 0.3).all(), (running.to_dict(), truth)

@@ -142,7 +142,7 @@ def _bubble(tmp_path, run: str, *args: str, schedule: str, p: int, m: int, v: in
     measured = measured_bubble(steady).merge(replay(steady, schedule=schedule, p=p, m=m, v=v), on="step")
     assert measured["step"].nunique() == 5, measured  # every steady step replayed: its spans fit the schedule
     steps = read_table(tmp_path, "step", run=run)
-    shares = environment.cpu_wait_share(steps[steps["step"] >= 2])
+    shares = environment.run_queue_share(steps[steps["step"] >= 2])
     contended = [w for w in environment.warnings(device="cpu", shares=shares, n_steady=5)
                  if w.startswith("CPU contention")]
     frac = measured.groupby("rank")[["bubble", "schedule_bubble", "replay_bubble", "schedule_idle", "hop_s",

@@ -23,13 +23,13 @@ def _status(status: dict, now: float) -> None:
     ago = f"{now - last:,.0f} s ago ({_utc(last)})" if last is not None else "not known"
     if status["state"] == "ended":
         st.success(f"The run ended: all {status['world_size']:.0f} ranks recorded their end; last record {ago}. "
-                   "The series stop there; the store's pages hold the whole run.")
+                   "Each rank's series stop at its last step; the store's pages hold the whole run.")
     elif status["state"] == "crashed":
         st.error(f"A rank crashed ({status['crashes']:.0f} crash event(s)); last record {ago}. The Overview "
                  "names the failure.")
     elif status["state"] == "quiet":
         st.warning(f"No record for over {STALE_AFTER_S:.0f} s (last {ago}) and no end: the run may hang or "
-                   "have been killed.")
+                   "have been killed. Each rank's series stop at its last step.")
     else:
         st.caption(f"Running: last record {ago}.")
 
@@ -82,7 +82,7 @@ def main(ctx: ui.Context) -> None:
                 if part.empty:
                     st.caption(f"No {title} in the last {MINUTES} minutes.")
                 else:
-                    ui.chart(figures.live_series(part, title=title, percent=pct), key=f"live.{series}")
+                    ui.chart(figures.live_series(part, title=title, percent=pct, until=now), key=f"live.{series}")
 
     panel()
 

@@ -19,6 +19,7 @@ COLUMNS = {"layout": ("layout", None), "step_time_s": ("step time (s)", "%.3f"),
            "extrapolated": ("extrapolated", None)}
 MEASURED = {"run": ("run", None), "calibration": ("calibrated from", None), "layout": ("layout", None), "measured_s": ("measured step (s)", "%.3f"),
             "predicted_s": ("predicted (s)", "%.3f"), "error": ("error", "percent"),
+            "low_s": ("interval from (s)", "%.3f"), "high_s": ("to (s)", "%.3f"), "inside": ("inside", None),
             "textbook_s": ("textbook (s)", "%.3f"), "textbook_error": ("textbook error", "percent")}
 
 
