@@ -64,6 +64,18 @@ def parse_mesh(text: str | None) -> dict[str, int]:
         return {}
 
 
+def parse_config(text) -> dict:
+    """The ``config`` JSON of a run record (the trainer's whole config: ``model``, ``faults``,
+    ``telemetry``, ...) as a dict; {} when absent, malformed or not an object. A dict passes through."""
+    if isinstance(text, dict):
+        return text
+    try:
+        config = json.loads(text or "{}") if isinstance(text, str) else {}
+    except (json.JSONDecodeError, TypeError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
 def _skipped(target: pd.DataFrame, *sources: pd.DataFrame) -> pd.DataFrame:
     target.attrs[SKIPPED] = sorted({p for s in sources for p in s.attrs.get(SKIPPED, [])})
     return target
@@ -135,6 +147,28 @@ def events(store: Store, *, run: str, limit: int = 200) -> pd.DataFrame:
     """Timeline events other than start/end, newest first."""
     return store.query("SELECT t, rank, step, kind, message FROM event WHERE kind NOT IN ('start', 'end') "
                        "ORDER BY t DESC LIMIT ?", kinds=("event",), runs=[run], params=[limit])
+
+
+def run_events(store: Store, *, runs: list[str]) -> pd.DataFrame:
+    """The events of ``runs`` in one read, one row per (run, kind, rank): ``n`` (how many), ``step`` and
+    ``message`` (its first by time), ``t`` (its first time); every attempt's events. The input of
+    ``runs_clean.clean_runs`` (start and end included: a rank without an end did not finish)."""
+    return store.query("SELECT run, kind, rank, count(*) AS n, arg_min(step, t) AS step, "
+                       "arg_min(message, t) AS message, min(t) AS t FROM event "
+                       "GROUP BY run, kind, rank ORDER BY run, kind, rank",
+                       kinds=("event",), runs=runs)
+
+
+def cpu_wait_steps(store: Store, *, runs: list[str], budget: int = RAW_BUDGET) -> pd.DataFrame:
+    """Per run of ``runs``, rank and step: ``wall_s``, ``compute_s``, ``other_s``, ``cpu_s``, ``cpu_wait_s``
+    (``environment.run_queue_share``'s input), for each run's latest steps whose rows fit an equal share of
+    ``budget``: ``rank_steps``' rows for many runs in one read."""
+    share = max(1, int(budget) // max(len(runs), 1))
+    return store.query(
+        """WITH w AS (SELECT run, max(step) AS hi, greatest(1, count(DISTINCT rank)) AS n FROM step GROUP BY run)
+           SELECT s.run, s.rank, s.step, s.wall_s, s.compute_s, s.other_s, s.cpu_s, s.cpu_wait_s FROM step s
+           JOIN w ON s.run = w.run WHERE s.step > w.hi - greatest(1, ? // w.n) ORDER BY s.run, s.step, s.rank""",
+        kinds=("step",), runs=runs, params=[share])
 
 
 # ------------------------------------------------------------------------------------ overview

@@ -33,21 +33,44 @@ def _dt(t: pd.Series) -> pd.Series:
 
 
 # ------------------------------------------------------------------------------------------ runs
+TIMELINE_LANES = 40  # rows of the Runs timeline: the newest runs, one row each (the table above lists all)
+
+
 def runs_timeline(runs: pd.DataFrame) -> go.Figure:
-    """Runs by start time and world size (marker size grows with the steps recorded), so runs of any
-    length stay visible however far apart they started."""
-    t = runs.dropna(subset=["t_start"])
-    steps = t["steps"].fillna(0).astype(float)
-    size = 10 + 20 * np.sqrt(steps / max(float(steps.max()), 1.0))
+    """A row per run, newest at the top, its name (and world size) on the y axis: a bar from its start to
+    its last step's end, coloured by strategy; ranks, steps and duration on hover. Runs that started
+    seconds apart get rows of their own, so no two names can overlap (placed by the plot, beside the
+    markers, they printed over each other). At most ``TIMELINE_LANES`` rows, the newest runs."""
+    t = runs.dropna(subset=["t_start"]).sort_values("t_start", kind="stable")
+    n_all = len(t)
+    t = t.tail(TIMELINE_LANES)
+    end = t["t_end"].where(t["t_end"] >= t["t_start"], t["t_start"]) if "t_end" in t else t["t_start"]
+    ranks = t["world_size"].fillna(t["ranks_stepping"])
+    names = t["run"].astype(str)
     fig = go.Figure()
-    for strategy, g in t.groupby(t["strategy"].fillna("no run record"), sort=True):
+    for i, (strategy, idx) in enumerate(t.groupby(t["strategy"].fillna("no run record"), sort=True).groups.items()):
+        xs, ys, info = [], [], []
+        for k in idx:
+            detail = [f"{ranks[k]:.0f}" if pd.notna(ranks[k]) else "?",
+                      f"{t.at[k, 'steps']:.0f}" if pd.notna(t.at[k, "steps"]) else "no",
+                      f"{end[k] - t.at[k, 't_start']:,.0f} s"]
+            xs += [t.at[k, "t_start"], end[k], None]
+            ys += [names[k], names[k], None]
+            info += [detail, detail, [None] * 3]
+        x = pd.to_datetime(pd.Series(xs, dtype=float), unit="s", utc=True)
+        color = _PALETTE[i % len(_PALETTE)]
         fig.add_trace(go.Scatter(
-            x=_dt(g["t_start"]), y=g["world_size"].fillna(g["ranks_stepping"]).fillna(0), mode="markers+text",
-            name=str(strategy), text=g["run"], textposition="top center", marker=dict(size=size[g.index]),
-            customdata=steps[g.index], hovertemplate="%{text}: %{y} ranks, %{customdata} steps<extra></extra>"))
-    fig.update_yaxes(type="log")
-    return _layout(fig, title="Runs by start time and world size (marker: steps recorded)", x="start (UTC)",
-                   y="world size", height=360)
+            x=x, y=ys, mode="lines+markers", name=str(strategy), customdata=info, connectgaps=False,
+            line=dict(width=8, color=color), marker=dict(size=9, color=color),
+            hovertemplate="%{y}: %{customdata[0]} ranks, %{customdata[1]} steps, %{customdata[2]}"
+                          "<extra>%{fullData.name}</extra>"))
+    label = [f"{name} ({r:.0f} ranks)" if pd.notna(r) else name for name, r in zip(names, ranks)]
+    fig.update_yaxes(type="category", categoryorder="array", categoryarray=list(names), tickmode="array",
+                     tickvals=list(names), ticktext=label, automargin=True, title=None)
+    title = "Runs: a row per run, from its start to its last step (hover: ranks, steps, duration)"
+    if n_all > len(t):
+        title = f"The newest {len(t)} of {n_all} runs, a row each, from start to last step (hover: ranks, steps)"
+    return _layout(fig, title=title, x="time (UTC)", y="", height=max(260, 150 + 24 * len(t)))
 
 
 # -------------------------------------------------------------------------------------- overview
@@ -339,29 +362,92 @@ def memory_states_vs_tensors(table: pd.DataFrame) -> go.Figure:
 
 
 # --------------------------------------------------------------------------------------- scaling
+def log_ticks(lo: float, hi: float) -> list[float]:
+    """Tick values for a log axis over [lo, hi] that read without their decade: 1-2-5 steps (0.1, 0.2, 0.5,
+    1, 2, 5, ...), finer where that leaves fewer than three (Plotly's own log ticks label the minor ones
+    by their first digit only: "5, 2, 1, 5, 2, 0.1, 5")."""
+    lo, hi = float(min(lo, hi)), float(max(lo, hi))
+    if not (lo > 0 and np.isfinite(hi)):
+        return []
+    for mantissas in ((1, 2, 5), (1, 1.5, 2, 3, 5, 7), (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8),
+                      tuple(np.round(np.arange(1.0, 10.0, 0.1), 1))):
+        decades = range(int(np.floor(np.log10(lo))) - 1, int(np.ceil(np.log10(hi))) + 1)
+        ticks = [float(f"{m * 10.0 ** e:.6g}") for e in decades for m in mantissas]
+        ticks = [t for t in ticks if lo <= t <= hi]
+        if len(ticks) >= 3:
+            return ticks
+    return ticks
+
+
+def _log_axis(values, *, pad: float = 1.15) -> dict:
+    """A log axis's range, tick values and labels (``log_ticks``) covering ``values`` with a margin."""
+    v = np.asarray([x for x in values if np.isfinite(x) and x > 0], dtype=float)
+    lo, hi = (float(v.min()) / pad, float(v.max()) * pad) if len(v) else (0.5, 2.0)
+    ticks = log_ticks(lo, hi)
+    return dict(type="log", range=[np.log10(lo), np.log10(hi)], tickmode="array", tickvals=ticks,
+                ticktext=[f"{t:g}" for t in ticks])
+
+
+CONTENTION_SYMBOL, UNCLEAN_SYMBOL = "diamond", "x"
+
+
 def scaling_speedup(table: pd.DataFrame, *, fits: pd.DataFrame) -> go.Figure:
-    """Speedup vs world size per family (``scaling.scaling_table``), each against its own baseline n0, with
-    its ideal line n / n0 and, where ``fits`` (``scaling.amdahl_fits``) has one, the Amdahl curve rescaled
-    to that baseline."""
+    """Speedup vs world size per family (``scaling.scaling_table``), each against its own baseline n0 (the
+    median throughput of its runs at n0), with its ideal line n / n0 and, where ``fits``
+    (``scaling.amdahl_fits``) has one, the fitted throughput on the same scale: 1 / T(n) over the measured
+    baseline, so the line runs through the points it was fitted to. Runs with CPU contention
+    (``cpu_contention``) are diamonds, runs that are not clean (``clean`` False: included on request) crosses;
+    without a fit the family's median per world size is joined by a thin line."""
     fig = go.Figure()
     fit_of = dict(zip(fits["family"], fits["fit"]))
+    xs, ys = [], []
     for i, (family, g) in enumerate(table.groupby("family", sort=True)):
         color = _PALETTE[i % len(_PALETTE)]
+        g = g.sort_values(["world_size", "run"])
         n = g["world_size"].astype(float)
         n0 = float(g["n0"].iloc[0])
-        grid = np.geomspace(n0, max(n.max(), 2 * n0), 50)
-        fig.add_trace(go.Scatter(x=grid, y=grid / n0, mode="lines", name=f"ideal ({family})", legendgroup=family,
-                                 showlegend=False, line=dict(dash="dot", color=color, width=1)))
+        base = float((g["tokens_per_s"] / g["speedup"]).iloc[0])  # the baseline's median throughput
+        top = max(float(n.max()), 2 * n0)
+        ideal = np.geomspace(n0, top, 50)
+        fig.add_trace(go.Scatter(x=ideal, y=ideal / n0, mode="lines", name=f"ideal ({family})", legendgroup=family,
+                                 showlegend=False, hoverinfo="skip", line=dict(dash="dot", color=color, width=1)))
+        xs += [n0, top]
+        ys += [1.0, top / n0]
         fit = fit_of.get(family)
         if fit is not None:
-            fig.add_trace(go.Scatter(x=grid, y=fit.speedup(grid) / fit.speedup(n0), mode="lines", legendgroup=family,
-                                     name=f"Amdahl c = {fit.c:.3f} (R² {fit.r2:.2f})", line=dict(color=color)))
-        fig.add_trace(go.Scatter(x=n, y=g["speedup"], mode="markers+lines", name=family, legendgroup=family,
-                                 text=g["run"], marker=dict(size=10, color=color), line=dict(color=color, width=1)))
-    fig.update_xaxes(type="log")
-    fig.update_yaxes(type="log")
-    return _layout(fig, title="Speedup vs world size, per family, against its smallest world size (dotted: ideal)",
-                   x="world size", y="speedup (throughput / baseline's)")
+            grid = np.geomspace(float(n.min()), float(n.max()), 50)
+            y = 1.0 / np.asarray(fit.time(grid)) / base
+            fig.add_trace(go.Scatter(x=grid, y=y, mode="lines", legendgroup=family, line=dict(color=color, width=2),
+                                     name=f"Amdahl fit c = {fit.c:.3f} (R² {fit.r2:.2f})",
+                                     hovertemplate="n = %{x:.3g}: fitted speedup %{y:.2f}<extra></extra>"))
+            ys += list(y)
+        else:
+            med = g.groupby("world_size")["speedup"].median()
+            fig.add_trace(go.Scatter(x=med.index.astype(float), y=med.to_numpy(), mode="lines", legendgroup=family,
+                                     showlegend=False, hoverinfo="skip", line=dict(color=color, width=1)))
+        no = pd.Series(False, g.index)
+        contended = g["cpu_contention"].fillna(False).astype(bool) if "cpu_contention" in g else no
+        unclean = ~g["clean"].fillna(True).astype(bool) if "clean" in g else no
+        symbol = np.where(unclean, UNCLEAN_SYMBOL, np.where(contended, CONTENTION_SYMBOL, "circle"))
+        why = np.where(unclean, "not clean: " + g.get("reason", pd.Series("", g.index)).fillna("").astype(str),
+                       np.where(contended, "CPU contention", "clean"))
+        fig.add_trace(go.Scatter(x=n, y=g["speedup"], mode="markers", name=family, legendgroup=family,
+                                 text=g["run"], customdata=why,
+                                 hovertemplate="%{text}: n = %{x}, speedup %{y:.2f} (%{customdata})<extra></extra>",
+                                 marker=dict(size=11, color=color, symbol=symbol, line=dict(width=1, color="white"))))
+        xs += list(n)
+        ys += list(g["speedup"])
+    for sym, label, col in ((CONTENTION_SYMBOL, "◆ CPU contention (ranks waited for a core)", "cpu_contention"),
+                            (UNCLEAN_SYMBOL, "✕ not clean (included on request)", "clean")):
+        if col in table and (table[col].fillna(col == "clean").astype(bool) != (col == "clean")).any():
+            fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=label,
+                                     marker=dict(size=10, color="#616161", symbol=sym)))
+    sizes = sorted({float(x) for x in xs})
+    fig.update_xaxes(type="log", range=[np.log10(min(sizes) / 1.25), np.log10(max(sizes) * 1.25)],
+                     tickmode="array", tickvals=sizes, ticktext=[f"{x:g}" for x in sizes])
+    fig.update_yaxes(**_log_axis(ys))
+    return _layout(fig, title="Speedup vs world size per family (dotted: ideal)",
+                   x="world size", y="speedup (throughput / family's n0)")
 
 
 def scaling_bars(per_run: pd.DataFrame) -> go.Figure:
@@ -399,13 +485,20 @@ def gpu_lines(series: pd.DataFrame, *, gpus: list[str], value: str, title: str) 
 
 
 # ------------------------------------------------------------------------------------------ live
-def live_series(df: pd.DataFrame, *, title: str, percent: bool = False) -> go.Figure:
-    """One Live series over the last minutes, a line per rank (``rank``, ``t`` Unix seconds, ``value``)."""
+def live_series(df: pd.DataFrame, *, title: str, percent: bool = False,
+                until: float | None = None) -> go.Figure:
+    """One Live series over the last minutes, a line per rank (``rank``, ``t`` Unix seconds, ``value``).
+    ``until`` (Unix seconds, the page's now): the time axis runs to it, so a series that stopped (the run
+    ended) visibly ends before now instead of filling the chart."""
     fig = go.Figure()
+    if until is not None and len(df):
+        fig.update_xaxes(range=list(_dt(pd.Series([min(float(df["t"].min()), until), until]))))
     for i, (rank, g) in enumerate(df.sort_values("t").groupby("rank", sort=True)):
         fig.add_trace(go.Scatter(x=_dt(g["t"]), y=g["value"], mode="lines",
                                  name=f"rank {rank}", line=dict(color=_PALETTE[i % len(_PALETTE)], width=1.5)))
-    fig.update_yaxes(rangemode="tozero", tickformat=".0%" if percent else None)
+    # Whole percents label an MFU of 1 % "0%, 1%, 1%" (ticks every 0.5 %): a decimal below 10 %.
+    small = percent and len(df) and float(df["value"].max()) < 0.1
+    fig.update_yaxes(rangemode="tozero", tickformat=(".1%" if small else ".0%") if percent else None)
     return _layout(fig, title=title, x="time (UTC)", y=title, height=280)
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from meshscope.dashboard.analysis import normalize_schedule
+from meshscope.dashboard.data import parse_config
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,13 +52,7 @@ def spec_from_meta(meta: dict) -> ModelSpec:
     mesh = meta.get("mesh") or {}
     if isinstance(mesh, str):
         mesh = json.loads(mesh or "{}")
-    config = meta.get("config") or {}
-    if isinstance(config, str):
-        try:
-            config = json.loads(config or "{}")
-        except json.JSONDecodeError:
-            config = {}
-    config = config if isinstance(config, dict) else {}
+    config = parse_config(meta.get("config"))
     # The reference trainer nests it under "model"; other writers may put it at the top level.
     model_cfg = config.get("model") if isinstance(config.get("model"), dict) else {}
     ac = config.get("activation_checkpoint", model_cfg.get("activation_checkpoint", False))

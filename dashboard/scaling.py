@@ -19,7 +19,12 @@ loads (``views.scaling_runs``), so the two show the same numbers.
   T(n) = T1 · (c + (1 − c)/n) = a + b/n, a linear least-squares fit in 1/n, c = a / (a + b); its quality
   is R² and the RMS residual of the fitted time per token. Two points always fit a two-parameter curve,
   so they test nothing; weak scaling keeps the time per rank, not the work, fixed, so Amdahl's law does
-  not describe it.
+  not describe it. Amdahl's throughput rises with n towards a plateau and never falls: where the measured
+  throughput falls after some world size by more than ``FALL_TOL`` (4 ranks on a 2-core machine), or the
+  time per token does not fall with n at all (fitted b ≤ 0), there is no fit, and the verdict says so (a
+  c clipped to 1 with R² 0 would read like a measurement).
+- **Clean runs** (``runs_clean``): families are built from clean runs only (no injected fault, no failure
+  event, finished) unless the caller includes the others (``family_runs``).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from meshscope.dashboard.data import parse_mesh
 from meshscope.dashboard.stragglers import first_steady_step
 
 MIN_FIT_SIZES = 3
+FALL_TOL = 0.05  # a throughput this far below the family's best at a smaller world size is a fall, not noise
 # What makes two runs the same configuration apart from the world size (and the batch, by kind).
 CONFIG_KEYS = ("model", "seq_len", "strategy", "schedule", "microbatches", "virtual_stages")
 _KEY_FILL = {"model": "", "seq_len": 0, "strategy": "", "schedule": "", "microbatches": 0, "virtual_stages": 1}
@@ -64,7 +70,8 @@ class AmdahlFit:
 def amdahl_fit(*, n: np.ndarray, throughput: np.ndarray) -> AmdahlFit | None:
     """Fit c from throughputs at ``MIN_FIT_SIZES`` or more distinct world sizes (None with fewer).
 
-    Least squares of T = 1/throughput on x = 1/n, with a, b >= 0 (c within [0, 1])."""
+    Least squares of T = 1/throughput on x = 1/n, with a >= 0 (c >= 0). None when the time per token does
+    not fall as n grows (b <= 0): Amdahl's law then describes nothing measured (c would be clipped to 1)."""
     n = np.asarray(n, dtype=float)
     thr = np.asarray(throughput, dtype=float)
     ok = (n > 0) & (thr > 0) & np.isfinite(thr)
@@ -73,10 +80,10 @@ def amdahl_fit(*, n: np.ndarray, throughput: np.ndarray) -> AmdahlFit | None:
         return None
     x = 1.0 / n
     b, a = np.polyfit(x, t, 1)
+    if b <= 0:  # time does not fall with n at all: no parallel part to fit
+        return None
     if a < 0:  # no serial part fits better than a negative one: refit through the origin
         a, b = 0.0, float(np.dot(x, t) / np.dot(x, x))
-    elif b < 0:  # time does not fall with n at all: everything is serial
-        a, b = float(t.mean()), 0.0
     t1 = a + b
     resid = t - (a + b * x)
     ss_tot = float(np.sum((t - t.mean()) ** 2))
@@ -166,33 +173,72 @@ def scaling_table(per_run: pd.DataFrame) -> pd.DataFrame:
     return pd.concat(parts, ignore_index=True)
 
 
-def amdahl_fits(table: pd.DataFrame) -> pd.DataFrame:
+def _medians(n: np.ndarray, throughput: np.ndarray) -> pd.Series:
+    """Median throughput per world size, by world size."""
+    return pd.Series(np.asarray(throughput, dtype=float)).groupby(np.asarray(n, dtype=int)).median().sort_index()
+
+
+def throughput_fall(n: np.ndarray, throughput: np.ndarray, *, tol: float = FALL_TOL) -> int | None:
+    """The world size where throughput stops rising (its highest median throughput), when a larger world
+    size falls more than ``tol`` below it or it is the smallest world size; else None (it rises, or levels
+    off within ``tol``): Amdahl's law has no fall."""
+    med = _medians(n, throughput)
+    if len(med) < 2:
+        return None
+    peak = int(med.idxmax())
+    if peak == int(med.index[0]) or (med[med.index > peak] < (1 - tol) * med[peak]).any():
+        return peak
+    return None
+
+
+def _fall_note(n: np.ndarray, throughput: np.ndarray, *, peak: int | None) -> str:
+    med = _medians(n, throughput)
+    n0 = int(med.index[0])
+    speedups = ", ".join(f"{v / med.iloc[0]:.2f} at n={k}" for k, v in med.iloc[1:].items())
+    where = f" beyond n={peak}" if peak is not None and peak > n0 else ""
+    return (f"No Amdahl fit: throughput does not rise with the world size{where} (speedup {speedups} against "
+            f"n={n0}); Amdahl's law has it rise towards a plateau, so a fit would describe nothing measured.")
+
+
+def amdahl_fits(table: pd.DataFrame, *, clean: bool = False) -> pd.DataFrame:
     """Per family of ``scaling_table``: ``fit`` (an ``AmdahlFit`` or None), ``c``, ``r2``, ``rmse_rel``
-    (RMS residual / mean time per token) and ``note``: the verdict, or why there is no fit."""
+    (RMS residual / mean time per token) and ``note``: the verdict, or why there is no fit. ``clean``: the
+    table holds clean runs only (``family_runs``), as the notes then say."""
     rows = []
+    sized = "clean world sizes" if clean else "world sizes"
     for family, g in table.groupby("family", sort=True):
         kind, sizes = g["kind"].iloc[0], sorted(g["world_size"].unique())
         shown = ", ".join(str(int(s)) for s in sizes)
-        fit = (amdahl_fit(n=g["world_size"].to_numpy(), throughput=g["tokens_per_s"].to_numpy())
-               if kind == "strong" else None)
+        n, thr = g["world_size"].to_numpy(), g["tokens_per_s"].to_numpy()
+        fall = throughput_fall(n, thr) if kind == "strong" and len(sizes) >= MIN_FIT_SIZES else None
+        fit = amdahl_fit(n=n, throughput=thr) if kind == "strong" and fall is None else None
         if kind == "weak":
             note = ("No Amdahl fit: Amdahl's law is for a fixed global batch (strong scaling); weak scaling is "
                     "judged by its efficiency, the per-rank throughput against the baseline's.")
-        elif fit is None:
-            note = (f"No Amdahl fit: {len(sizes)} world sizes ({shown}); a two-parameter curve passes through "
+        elif len(sizes) < MIN_FIT_SIZES:
+            note = (f"No Amdahl fit: {len(sizes)} {sized} ({shown}); a two-parameter curve passes through "
                     f"any two points, so a fit needs ≥ {MIN_FIT_SIZES} to say anything.")
+        elif fit is None:  # a fall, or a time per token that does not fall with n
+            note = _fall_note(n, thr, peak=fall)
         else:
             rel = fit.rmse / float((1.0 / g["tokens_per_s"]).mean())
-            note = (f"Amdahl c = {fit.c:.3f} from world sizes {shown} (R² {fit.r2:.3f}, RMS residual {rel:.1%} "
-                    f"of the time per token)")
-            if fit.c >= 1.0:
-                note += ": throughput does not rise with the world size"
-            note += "."
+            note = (f"Amdahl c = {fit.c:.3f} from {sized} {shown} (R² {fit.r2:.3f}, RMS residual {rel:.1%} "
+                    f"of the time per token).")
         rows.append({"family": family, "kind": kind, "world_sizes": shown, "fit": fit,
                      "c": fit.c if fit else np.nan, "r2": fit.r2 if fit else np.nan,
                      "rmse_rel": fit.rmse / float((1.0 / g["tokens_per_s"]).mean()) if fit else np.nan,
                      "note": note})
     return pd.DataFrame(rows, columns=["family", "kind", "world_sizes", "fit", "c", "r2", "rmse_rel", "note"])
+
+
+def family_runs(per_run: pd.DataFrame, *, include_unclean: bool = False) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(the runs families are built from, the runs left out) of ``per_run`` (``run_throughput``'s frame with
+    ``runs_clean.clean_runs``' ``clean`` and ``reason``): the clean runs and the others, or every run and
+    none with ``include_unclean``. Without a ``clean`` column every run is used."""
+    if include_unclean or "clean" not in per_run:
+        return per_run.reset_index(drop=True), per_run.iloc[:0]
+    keep = per_run["clean"].fillna(False).astype(bool)
+    return per_run[keep].reset_index(drop=True), per_run[~keep].reset_index(drop=True)
 
 
 def no_family_reason(per_run: pd.DataFrame) -> str:

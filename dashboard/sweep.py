@@ -8,6 +8,10 @@ is the Scaling page's (``report``: the same loads and ``dashboard.scaling``'s fa
 
     meshscope sweep --store runs [--model tiny] [--world-sizes 1,2,4] [--strategies ddp,fsdp,tp,pp]
                     [--microbatches 4] [--scaling strong,weak] [--steps 8] [--batch-size 8] [--name NAME]
+                    [--include-unclean]
+
+The families take clean runs only (``dashboard.runs_clean``: no injected fault, no crash, hang or restart,
+finished); the others are listed with why, and ``--include-unclean`` puts them back in.
 """
 
 from __future__ import annotations
@@ -93,7 +97,9 @@ def grid(*, world_sizes: list[int], strategies: list[str], microbatches: list[in
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = ArgParser(prog="meshscope sweep", description=__doc__.splitlines()[0])
+    p = ArgParser(prog="meshscope sweep", description=(
+        "Run one model over a grid of world sizes, strategies and microbatch counts, every run recorded in the "
+        "store for the dashboard's Scaling page (strong- and weak-scaling efficiency)."))
     p.add_argument("--store", required=True, help="run store directory (created if missing)")
     p.add_argument("--model", default="tiny", help=f"model flavor: {', '.join(FLAVORS)}")
     p.add_argument("--world-sizes", default="1,2,4")
@@ -104,6 +110,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="global batch (strong) / batch per device (weak)")
     p.add_argument("--name", default="", help="run-name prefix (default sweep-<time>)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per job")
+    p.add_argument("--include-unclean", action="store_true",
+                   help="build the families from every run, not only the clean ones (the others are marked)")
     return p
 
 
@@ -147,32 +155,50 @@ def _ingest(store: Path, env: dict) -> None:
         print(f"meshscope sweep: warning: ingest failed: {proc.stderr.strip()}", file=sys.stderr)
 
 
-def report(store: Path, runs: list[str]) -> dict:
+def report(store: Path, runs: list[str], *, include_unclean: bool = False) -> dict:
     """The Scaling page's numbers for ``runs``: read through the page's own loads and computed by the same
     functions (``dashboard.scaling``), so this table and the page cannot disagree. Returns ``per_run``
-    (throughput over steady steps), ``table`` (per family and run: speedup, efficiency), ``fits`` (per
-    family: the Amdahl verdict or why there is none) and ``note`` (why there is no family, if none)."""
+    (throughput over steady steps, the runs the families are built from), ``left_out`` (the runs that are
+    not clean, with their ``reason``; empty with ``include_unclean``), ``table`` (per family and run:
+    speedup, efficiency), ``fits`` (per family: the Amdahl verdict or why there is none) and ``note`` (why
+    there is no family, if none)."""
     # The store reader (DuckDB) and the dashboard's analysis, imported late: only this last step of the
     # sweep needs them.
     from meshscope.agent.store.reader import Store
     from meshscope.dashboard import scaling, views
 
-    per_run, _ = views.scaling_runs(views.direct_loader(Store.open(store)), runs=runs)
+    every, _ = views.scaling_runs(views.direct_loader(Store.open(store)), runs=runs)
+    per_run, left_out = scaling.family_runs(every, include_unclean=include_unclean)
     table = scaling.scaling_table(per_run)
-    return {"per_run": per_run, "table": table, "fits": scaling.amdahl_fits(table),
-            "note": "" if len(table) else scaling.no_family_reason(per_run)}
+    note = "" if len(table) else scaling.no_family_reason(per_run)
+    if per_run.empty and len(left_out):
+        note = (f"No scaling verdict: none of the {len(left_out)} runs is clean (--include-unclean compares them "
+                "anyway).")
+    return {"per_run": per_run, "left_out": left_out, "table": table,
+            "fits": scaling.amdahl_fits(table, clean=not include_unclean and "clean" in every), "note": note}
+
+
+def _marks(r) -> str:
+    """A row's trailing marks: not clean (included on request), CPU contention."""
+    out = []
+    if not getattr(r, "clean", True):
+        out.append(f"x not clean: {r.reason}")
+    if getattr(r, "cpu_contention", False):
+        out.append(f"CPU contention {r.cpu_wait_share:.0%}")
+    return ("  " + ", ".join(out)) if out else ""
 
 
 def format_report(rep: dict) -> str:
     """The terminal table: per family, its baseline, each run's throughput, speedup and efficiency against
-    it, and the fit verdict; then the runs that belong to no family."""
+    it (marked where the run is not clean or its ranks waited for a core), and the fit verdict; then the
+    runs that belong to no family, and the runs left out as not clean with why."""
     head = f"{'run':<44} {'ranks':>5} {'batch':>5} {'tokens/s':>10} {'speedup':>8} {'eff.':>6} {'exp.comm':>8}"
     lines = []
     table, fits = rep["table"], rep["fits"].set_index("family")
     for family, g in table.groupby("family", sort=True):
         lines += ["", f"{family}: baseline {g['baseline'].iloc[0]} (n0 = {int(g['n0'].iloc[0])})", head]
         lines += [f"{r.run:<44} {r.world_size:>5} {r.global_batch:>5.0f} {r.tokens_per_s:>10,.0f} {r.speedup:>8.3f} "
-                  f"{r.efficiency:>6.1%} {r.comm_fraction:>8.0%}" for r in g.itertuples()]
+                  f"{r.efficiency:>6.1%} {r.comm_fraction:>8.0%}{_marks(r)}" for r in g.itertuples()]
         lines.append(fits.loc[family, "note"])
     per_run = rep["per_run"]
     alone = per_run[~per_run["run"].isin(table["run"])] if len(table) else per_run
@@ -181,7 +207,15 @@ def format_report(rep: dict) -> str:
     if len(alone):
         lines += ["", "Runs in no family (throughput only):", head]
         lines += [f"{r.run:<44} {r.world_size:>5} {r.global_batch:>5.0f} {r.tokens_per_s:>10,.0f} {'':>8} {'':>6} "
-                  f"{r.comm_fraction:>8.0%}" for r in alone.itertuples()]
+                  f"{r.comm_fraction:>8.0%}{_marks(r)}" for r in alone.itertuples()]
+    left = rep.get("left_out")
+    if left is not None and len(left):
+        lines += ["", f"Left out, not clean ({len(left)}; --include-unclean to include them):"]
+        lines += [f"{r.run:<44} {r.world_size:>5} {r.global_batch:>5.0f} {r.tokens_per_s:>10,.0f}  {r.reason}"
+                  for r in left.itertuples()]
+    if "cpu_contention" in per_run and per_run["cpu_contention"].fillna(False).astype(bool).any():
+        lines += ["", "CPU contention: the marked runs' ranks waited for a core (that share of the time they were "
+                      "ready to run); their throughput is the machine's load as much as the job's."]
     return "\n".join(lines)
 
 
@@ -214,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         names[name] = point
     _ingest(store, env)
     print(f"\n{len(points)} runs in {time.monotonic() - t_start:.0f}s; store: {store}")
-    print(format_report(report(store, list(names))))
+    print(format_report(report(store, list(names), include_unclean=ns.include_unclean)))
     print("\nOpen the dashboard's Scaling page on this store to see the efficiency curves and the Amdahl fit.")
     return 0
 

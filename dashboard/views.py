@@ -19,10 +19,10 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from meshscope.agent.store.reader import Store
-from meshscope.dashboard import analysis, data, environment, figures, stragglers
+from meshscope.dashboard import analysis, data, environment, figures, runs_clean, stragglers
 from meshscope.dashboard.memory_model import memory_model, spec_from_meta, states_vs_tensors
 from meshscope.dashboard.pipeline_sim import replay
-from meshscope.dashboard.scaling import amdahl_fits, no_family_reason, run_throughput, scaling_table
+from meshscope.dashboard.scaling import amdahl_fits, family_runs, no_family_reason, run_throughput, scaling_table
 
 Loader = Callable[..., Any]
 _MODEL_FIELDS = ("n_params", "n_layers", "d_model", "seq_len", "global_batch")
@@ -223,7 +223,7 @@ def _overview_figures(view: Overview, d: dict, gpu_later: Pending | None, links:
     lk = links.result()
     link, _ = analysis.link_ratios(analysis.instance_busbw(lk["instances"]), members=lk["members"])
     view.stragglers = stragglers.straggler_table(verdicts, gpu=gpu, link=link)
-    view.warnings += environment.warnings(device=meta.get("device"), shares=environment.cpu_wait_share(steady),
+    view.warnings += environment.warnings(device=meta.get("device"), shares=environment.run_queue_share(steady),
                                           n_steady=view.verdict_steps, hosts=data.rank_hosts(meta.get("rank_hosts")),
                                           clocks=gpu)
     # The job's cost: per step, the largest wait a flagged rank caused (none flagged: nothing to blame).
@@ -393,7 +393,9 @@ def memory(load: Loader, *, run: str, steps) -> Memory:
 class Scaling:
     table: pd.DataFrame  # per (family, run): speedup and efficiency (scaling.scaling_table)
     runs: list[str]
-    per_run: pd.DataFrame | None = None  # per run: throughput over steady steps (scaling.run_throughput)
+    per_run: pd.DataFrame | None = None  # per run used: throughput over steady steps (scaling.run_throughput)
+    left_out: pd.DataFrame | None = None  # the runs of the model that are not clean, with their ``reason``
+    include_unclean: bool = False  # the families take every run (the left-out ones marked), not the clean only
     fits: pd.DataFrame | None = None  # per family: the Amdahl fit or why there is none (scaling.amdahl_fits)
     note: str = ""  # why there is no family, when there is none
     models: list[str] = field(default_factory=list)
@@ -401,9 +403,33 @@ class Scaling:
     frames: list[pd.DataFrame] = field(default_factory=list)
 
 
+def run_cleanliness(load: Loader, *, runs: list[str], table: pd.DataFrame | None = None) -> pd.DataFrame:
+    """``runs_clean.clean_runs`` of ``runs``: ``run``, ``clean``, ``reason``, ``cpu_contention``,
+    ``cpu_wait_share``, from two reads for all of them: their events (``data.run_events``) and, for the runs
+    on a CPU (the contention rule is for CPU devices), the rank-steps ``environment.run_queue_share`` takes
+    (``data.cpu_wait_steps``), warm-up left out as on the Overview (``steady_rank_steps``): the share the
+    Overview's CPU-contention warning states. ``table``: the
+    runs table, if already loaded. The Scaling page, ``meshscope sweep`` and the planner call this."""
+    table = load("runs_table") if table is None else table
+    table = table[table["run"].isin(runs)]
+    events = background(load, "run_events", runs=list(runs))
+    cpu = table.loc[table["device"].fillna("").astype(str).str.startswith("cpu"), "run"].tolist() \
+        if "device" in table else []
+    shares = []
+    try:
+        rows = load("cpu_wait_steps", runs=cpu) if cpu else None
+        for run, g in (rows.groupby("run", sort=False) if rows is not None else ()):
+            _, steady = steady_rank_steps(g, meta=meta_of(table, run))
+            shares.append(environment.run_queue_share(steady).assign(run=run))
+    finally:
+        ev = events.result()
+    return runs_clean.clean_runs(table, ev, shares=pd.concat(shares, ignore_index=True) if shares else None)
+
+
 def scaling_runs(load: Loader, *, runs: list[str]) -> tuple[pd.DataFrame, list[pd.DataFrame]]:
     """Per run of ``runs`` with step records: the runs table's metadata, MFU and exposed-communication
-    fraction (``data.run_summaries``) and the throughput over its steady steps (``scaling.run_throughput``),
+    fraction (``data.run_summaries``), the throughput over its steady steps (``scaling.run_throughput``) and
+    whether it is clean (``run_cleanliness``: ``clean``, ``reason``, ``cpu_contention``, ``cpu_wait_share``),
     plus the frames read (for the skipped-files warning). ``meshscope sweep`` reads its table through this
     too, so its numbers are the page's."""
     table = load("runs_table")
@@ -414,11 +440,15 @@ def scaling_runs(load: Loader, *, runs: list[str]) -> tuple[pd.DataFrame, list[p
     series = load("overview_data", run=runs[0], runs=runs, steps=None, max_ranks=1, max_steps=1,
                   budget=0)["series"] if runs else pd.DataFrame(columns=["run", "step", "step_time_s", "tokens_mean"])
     meta = table.merge(summaries[["run", "mfu", "comm_fraction"]], on="run", how="left")
-    return run_throughput(series, runs=meta), [summaries, series]
+    per_run = run_throughput(series, runs=meta)
+    clean = run_cleanliness(load, runs=per_run["run"].tolist(), table=table)
+    return per_run.merge(clean, on="run", how="left"), [summaries, series]
 
 
-def scaling(load: Loader, *, selected: list[str], focus: str | None, model: str | None = None) -> Scaling:
-    """Runs compared: the selection, or with fewer than two selected all runs of the focus run's model."""
+def scaling(load: Loader, *, selected: list[str], focus: str | None, model: str | None = None,
+            include_unclean: bool = False) -> Scaling:
+    """Runs compared: the selection, or with fewer than two selected all runs of the focus run's model;
+    of them the clean ones (``runs_clean``), or all with ``include_unclean``."""
     table = load("runs_table")
     chosen = list(selected)
     if len(chosen) < 2:
@@ -426,16 +456,23 @@ def scaling(load: Loader, *, selected: list[str], focus: str | None, model: str 
         if focus_model:
             chosen = table.loc[table["model"] == focus_model, "run"].tolist()
     per_run, frames = scaling_runs(load, runs=chosen)
-    view = Scaling(table=per_run.iloc[:0], runs=chosen, per_run=per_run, frames=frames)
+    view = Scaling(table=per_run.iloc[:0], runs=chosen, per_run=per_run, frames=frames,
+                   include_unclean=include_unclean)
     view.models = per_run["model"].dropna().unique().tolist() if "model" in per_run else []
     if per_run.empty or not view.models:
         view.note = no_family_reason(per_run.iloc[:0])
         return view
     per_run = per_run[per_run["model"] == (model if model in view.models else view.models[0])].reset_index(drop=True)
+    per_run, view.left_out = family_runs(per_run, include_unclean=include_unclean)
+    if per_run.empty:
+        view.per_run = per_run.assign(best=pd.Series(dtype=bool))
+        view.note = (f"No scaling verdict: none of the {len(view.left_out)} runs is clean (listed below with "
+                     "why); include them to compare them anyway.")
+        return view
     per_run["best"] = per_run.index == per_run["tokens_per_s"].idxmax()
     view.per_run = per_run
     view.table = scaling_table(per_run)
-    view.fits = amdahl_fits(view.table)
+    view.fits = amdahl_fits(view.table, clean=not include_unclean and "clean" in per_run)
     if view.table.empty:
         view.note = no_family_reason(per_run)
     else:

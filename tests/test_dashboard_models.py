@@ -125,7 +125,7 @@ def test_amdahl_fit_from_a_baseline_above_one():
 def test_amdahl_fit_constrains_c_and_needs_three_sizes():
     superlinear = amdahl_fit(n=np.array([1, 2, 4]), throughput=np.array([1.0, 2.2, 4.8]))
     assert superlinear.c == 0.0  # better than ideal: no serial part, not a negative one
-    flat = amdahl_fit(n=np.array([1, 2, 4]), throughput=np.array([1.0, 0.9, 0.8]))
-    assert flat.c == 1.0
+    # Time per token that does not fall with n: no parallel part, so no fit (not c clipped to 1 with R² 0).
+    assert amdahl_fit(n=np.array([1, 2, 4]), throughput=np.array([1.0, 0.9, 0.8])) is None
     assert amdahl_fit(n=np.array([8, 8]), throughput=np.array([1.0, 1.1])) is None
     assert amdahl_fit(n=np.array([1, 2, 2]), throughput=np.array([1.0, 1.5, 1.6])) is None  # two sizes fit anything

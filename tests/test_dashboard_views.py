@@ -208,3 +208,59 @@ def test_breakdown_at_scale_is_one_path_per_part_with_every_rank():
                                                                           for t in f.data)
     assert [t.type for t in figures.skew_by_rank(pd.DataFrame(
         {"rank": [0, 1], "mean_skew_s": [0.0, 0.001], "caused_wait_s": [0.0, 0.1]})).data] == ["bar", "scatter"]
+
+
+def _runs_table(n: int, *, apart_s: float = 3.0):
+    """A runs table (``data.runs_table``'s columns the timeline reads) of ``n`` runs that started ``apart_s``
+    seconds apart and ran 40 s each: a sweep's runs, back to back or overlapping. Newest first, as stored."""
+    import pandas as pd
+
+    t0 = 1.8e9
+    return pd.DataFrame({"run": [f"sweep-tiny-ddp-w{i}" for i in range(n)],
+                         "strategy": [("ddp", "fsdp", "tp")[i % 3] for i in range(n)],
+                         "world_size": [2.0 ** (i % 3) for i in range(n)], "ranks_stepping": 2.0, "steps": 10.0,
+                         "t_start": [t0 + i * apart_s for i in range(n)],
+                         "t_end": [t0 + i * apart_s + 40 for i in range(n)]}).iloc[::-1].reset_index(drop=True)
+
+
+@pytest.mark.parametrize("n", [2, 20])
+def test_runs_timeline_gives_every_run_a_row_of_its_own(n):
+    # Runs that started seconds apart printed their names over each other (text beside markers at the
+    # same x and world size). Now each run has a row of the y axis, its name the row's label, nothing
+    # printed inside the plot, and a row is tall enough for a line of text.
+    from meshscope.dashboard import figures
+
+    runs = _runs_table(n)
+    fig = figures.runs_timeline(runs)
+    assert all("text" not in (tr.mode or "") for tr in fig.data) and not fig.layout.annotations
+    row_of: dict[str, set] = {}
+    for tr in fig.data:
+        for x, y in zip(tr.x, tr.y):
+            if y is not None:
+                row_of.setdefault(y, set()).add(tr.name)
+    assert sorted(row_of) == sorted(runs["run"])  # a row per run, and each row holds one run only
+    assert all(len(strategies) == 1 for strategies in row_of.values())
+    axis = fig.layout.yaxis
+    oldest_first = runs.sort_values("t_start")["run"].tolist()
+    assert axis.type == "category" and list(axis.categoryarray) == oldest_first  # the newest at the top
+    assert list(axis.tickvals) == oldest_first and len(set(axis.ticktext)) == n
+    assert axis.ticktext[-1] == f"{oldest_first[-1]} ({runs['world_size'].iloc[0]:.0f} ranks)"
+    assert fig.layout.height >= 20 * n + 100  # at least 20 px per row: a 12 px label cannot reach the next
+
+
+def test_runs_timeline_keeps_the_newest_rows_and_draws_partial_runs():
+    import numpy as np
+
+    from meshscope.dashboard import figures
+
+    runs = _runs_table(figures.TIMELINE_LANES + 5)
+    runs.loc[0, ["strategy", "world_size", "ranks_stepping", "steps", "t_end"]] = [None, np.nan, np.nan, np.nan,
+                                                                                  np.nan]
+    fig = figures.runs_timeline(runs)
+    shown = [y for tr in fig.data for y in tr.y if y is not None]
+    assert len(set(shown)) == figures.TIMELINE_LANES and runs.loc[0, "run"] in shown
+    assert runs["run"].iloc[-1] not in shown  # the oldest left out, and the title says so
+    assert f"newest {figures.TIMELINE_LANES} of {len(runs)} runs" in fig.layout.title.text
+    partial = next(tr for tr in fig.data if tr.name == "no run record")
+    assert list(partial.y[:2]) == [runs.loc[0, "run"]] * 2 and partial.x[0] == partial.x[1]  # a dot at its start
+    assert fig.layout.yaxis.ticktext[-1] == runs.loc[0, "run"]  # no world size known: the name alone

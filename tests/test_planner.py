@@ -385,6 +385,10 @@ def test_ranking_names_a_fastest_layout_only_when_the_intervals_do_not_overlap()
                              _pred(4, 0.5, 0.45, 0.55)], cal=cal)
     assert close["fastest"] is None and close["tied"] == ["dp1", "dp2"] and close["measure"] == "dp2"
     assert "Not decided" in close["sentence"] and "--probe" in close["sentence"] and "dp4" not in close["sentence"]
+    # a run on the page that measured a shorter step than the first's interval allows: not named fastest
+    seen = planner.verdict([_pred(1, 0.10, 0.09, 0.11), _pred(2, 0.20, 0.18, 0.22)], cal=cal,
+                           measured=pd.DataFrame({"layout": ["dp2"], "measured_s": [0.08]}))
+    assert seen["fastest"] is None and "a run of dp2 measured 0.080 s" in seen["sentence"]
     # a calibration that had a TP run: nothing to probe, the layout to run is named
     with_tp = dataclasses.replace(cal, measured=pd.DataFrame([{**LAYOUT, "run": "r0", "tp": 2, "dp": 1}]))
     again = planner.verdict([_pred(1, 0.10, 0.09, 0.11), _pred(2, 0.105, 0.06, 0.30, ("rate:TP",))], cal=with_tp)

@@ -9,7 +9,9 @@ import pytest
 
 from meshscope.agent.store.reader import Store, read_table
 from meshscope.dashboard import views
-from meshscope.dashboard.scaling import MIN_FIT_SIZES, amdahl_fits, no_family_reason, run_throughput, scaling_table
+from meshscope.dashboard import figures
+from meshscope.dashboard.scaling import (MIN_FIT_SIZES, amdahl_fits, family_runs, no_family_reason, run_throughput,
+                                         scaling_table)
 from tests.support.store import SyntheticConfig, write_store
 from meshscope.dashboard import sweep
 
@@ -52,6 +54,65 @@ def test_no_fit_from_two_world_sizes_and_the_reason_is_said():
     t = table.set_index("run")
     assert t["n0"].tolist() == [1, 1] and set(t["baseline"]) == {"one"}
     assert t.loc["ddp-w2", "speedup"] == pytest.approx(0.37) and t.loc["ddp-w2", "efficiency"] == pytest.approx(0.185)
+
+
+def test_a_throughput_that_falls_gets_a_sentence_not_a_fit():
+    # The user's `meshscope sweep --strategies ddp --world-sizes 1,2,4` on a 2-core machine: 4 ranks on 2 cores
+    # are slower than 2. Before, c was clipped to 1 and R² read 0.000, a number that looked like a fit.
+    measured = [("w1", "single", 1, 8, 12974.0), ("w2", "ddp", 2, 8, 13579.0), ("w4", "ddp", 4, 8, 5818.0)]
+    fits = amdahl_fits(scaling_table(_runs(measured)))
+    assert fits["fit"].iloc[0] is None and np.isnan(fits["c"].iloc[0]) and np.isnan(fits["r2"].iloc[0])
+    assert fits["note"].iloc[0] == (
+        "No Amdahl fit: throughput does not rise with the world size beyond n=2 (speedup 1.05 at n=2, 0.45 at n=4 "
+        "against n=1); Amdahl's law has it rise towards a plateau, so a fit would describe nothing measured.")
+    # Never above the baseline: no "beyond".
+    flat = amdahl_fits(scaling_table(_runs([("w1", "single", 1, 8, 1000.0), ("w2", "ddp", 2, 8, 990.0),
+                                            ("w4", "ddp", 4, 8, 700.0)])))
+    assert flat["note"].iloc[0].startswith("No Amdahl fit: throughput does not rise with the world size (speedup 0.99")
+    # A plateau within noise (a 2 % dip at the largest size) still fits: Amdahl's law levels off too.
+    plateau = [(f"w{n}", "ddp", n, 8, _amdahl(n, c=0.5) * (0.98 if n == 16 else 1.0)) for n in (1, 2, 4, 8, 16)]
+    assert amdahl_fits(scaling_table(_runs(plateau)))["fit"].iloc[0] is not None
+
+
+def test_clean_runs_only_unless_asked():
+    rows = _runs([("w1", "single", 1, 8, 1000.0), ("w2", "ddp", 2, 8, 1800.0), ("w2-slow", "ddp", 2, 8, 900.0),
+                  ("w4", "ddp", 4, 8, 3000.0)])
+    rows = rows.assign(clean=[True, True, False, True],
+                       reason=["", "", "fault injected (straggler rank 1, +0.05 s/step)", ""])
+    used, left = family_runs(rows)
+    assert used["run"].tolist() == ["w1", "w2", "w4"] and left["run"].tolist() == ["w2-slow"]
+    every, none = family_runs(rows, include_unclean=True)
+    assert len(every) == 4 and none.empty
+    assert family_runs(rows.drop(columns="clean"))[0]["run"].tolist() == rows["run"].tolist()
+    # Fewer than MIN_FIT_SIZES clean world sizes: a sentence that says they are the clean ones.
+    two = amdahl_fits(scaling_table(used[used["world_size"] < 4]), clean=True)
+    assert two["note"].iloc[0].startswith("No Amdahl fit: 2 clean world sizes (1, 2); a two-parameter curve")
+
+
+def test_log_axis_labels_read_without_their_decade():
+    assert figures.log_ticks(0.08, 6.0) == [0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
+    assert figures.log_ticks(0.35, 4.6) == [0.5, 1.0, 2.0]
+    narrow = figures.log_ticks(0.9, 1.3)  # 1-2-5 leaves one tick: finer steps
+    assert len(narrow) >= 3 and 1.0 in narrow and all(0.9 <= t <= 1.3 for t in narrow)
+
+
+def test_the_amdahl_line_runs_through_the_points_it_fits():
+    # No 1-rank run: the family's baseline is n0 = 2, and speedup is relative to it; the line must be too.
+    noise = {2: 1.02, 4: 0.99, 8: 1.01, 16: 1.0}
+    rows = [(f"w{n}", "ddp", n, 8, _amdahl(n, c=0.1) * e) for n, e in noise.items()]
+    table = scaling_table(_runs(rows))
+    fits = amdahl_fits(table)
+    fig = figures.scaling_speedup(table, fits=fits)
+    line = next(t for t in fig.data if t.name and t.name.startswith("Amdahl fit c = "))
+    points = next(t for t in fig.data if t.mode == "markers" and t.name == table["family"].iloc[0])
+    on_line = np.interp(np.log(np.asarray(points.x, dtype=float)), np.log(np.asarray(line.x, dtype=float)), line.y)
+    assert np.allclose(on_line, points.y, rtol=0.03)  # within the 2 % noise, at every world size
+    assert min(line.x) == 2 and max(line.x) == 16
+    y = fig.layout.yaxis
+    assert y.type == "log" and list(y.ticktext) == [f"{v:g}" for v in y.tickvals]
+    assert set(y.tickvals) <= {0.5, 1.0, 2.0, 5.0, 10.0} and {1.0, 2.0, 5.0} <= set(y.tickvals)
+    x = fig.layout.xaxis
+    assert list(x.tickvals) == [2.0, 4.0, 8.0, 16.0] and list(x.ticktext) == ["2", "4", "8", "16"]
 
 
 def test_strong_and_weak_runs_are_not_mixed():

@@ -4,7 +4,7 @@ of that world size on the same chart. One computation with ``meshscope plan``.""
 
 import streamlit as st
 
-from meshscope.dashboard import ui
+from meshscope.dashboard import runs_clean, ui
 from meshscope.dashboard.planner import whatif
 from meshscope.dashboard.config import ConfigError
 
@@ -51,13 +51,24 @@ def main(ctx: ui.Context) -> None:
                                   value=_whole(runs.loc[ctx.focus, "world_size"] if ctx.focus in runs.index else 1)))
     batch = int(c[1].number_input("global batch (sequences)", min_value=1,
                                   value=_whole(runs.loc[ctx.focus, "global_batch"] if ctx.focus in runs.index else 1)))
+    include = st.checkbox("Include runs that are not clean", key="whatif.include_unclean", help=runs_clean.RULE)
     try:
-        view = whatif.whatif(ui.loader(ctx), runs=picked, world_size=world, global_batch=batch)
+        view = whatif.whatif(ui.loader(ctx), runs=picked, world_size=world, global_batch=batch,
+                             include_unclean=include)
     except ConfigError as e:  # what the selected runs cannot tell (no model shape, no steps): not a fault
         st.info(f"No prediction: {e}")
         return
     for w in view.calibration.warnings:
         st.warning(w)
+    unclean = view.cleanliness[~view.cleanliness["clean"]]
+    if len(unclean):
+        st.caption(("Included though not clean: " if include else "Left out, not clean: ")
+                   + "; ".join(f"`{r.run}` ({r.reason})" for r in unclean.itertuples()))
+    busy = view.cleanliness[view.cleanliness["cpu_contention"] & view.cleanliness["run"].isin(view.runs)]
+    if len(busy):
+        st.caption("Calibrated from runs with CPU contention (ranks waited for a core; kept: the planner models "
+                   "an oversubscribed host): " + ", ".join(f"`{r.run}` ({r.cpu_wait_share:.0%} wait)"
+                                                          for r in busy.itertuples()))
     if view.table.empty:
         st.info(f"No layout of {world} ranks divides this model (heads, layers) and a global batch of {batch}.")
         return

@@ -48,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="first run a few steps of the smallest layout with each parallelism kind (TP, FSDP, a "
                         "pipeline) the predictions need and no run measured (the reference trainer, into the store)")
     p.add_argument("--probe-steps", type=int, default=probe.PROBE_STEPS, metavar="N", help="steps per probe")
+    p.add_argument("--include-unclean", action="store_true",
+                   help="calibrate from named runs that are not clean too (injected faults, a crash, Ctrl-C or "
+                        "SIGTERM); by default they are left out and listed")
     p.add_argument("--json", action="store_true", help="print JSON")
     return p
 
@@ -70,8 +73,19 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"meshscope plan: {note}", file=sys.stderr)
         if a.probe_steps < 2:
             raise ConfigError(f"--probe-steps {a.probe_steps} must be >= 2")
-        runs = list(dict.fromkeys(a.run))
-        cal = whatif.calibrate_from(views.direct_loader(store), runs=runs)
+        named = list(dict.fromkeys(a.run))
+        load = views.direct_loader(store)
+        whatif.calibrate_from(load, runs=named, holdout=False)  # a bad name or run: its message first
+        runs, said = whatif.clean_choice(load, runs=named, include_unclean=a.include_unclean)
+        for r in said.itertuples():
+            if not r.clean:
+                what = "included though not clean" if a.include_unclean else "left out"
+                print(f"meshscope plan: {what}: {r.run}: {r.reason}"
+                      + ("" if a.include_unclean else " (--include-unclean to calibrate from it)"), file=sys.stderr)
+        if not runs:
+            raise ConfigError("every named run is left out as not clean (listed above): name clean runs, or give "
+                              "--include-unclean")
+        cal = whatif.calibrate_from(load, runs=runs)
         first = cal.measured.iloc[0]
         world = a.world_size or int(first["world_size"])
         if a.batch and spec.get("batch", a.batch) != a.batch:
@@ -99,8 +113,10 @@ def main(argv: list[str] | None = None) -> int:
                   "predictions need", file=sys.stderr)
         if a.json:
             listed = [{"run": p.run, "kind": p.kind, "layout": p.layout.label, "seconds": p.seconds} for p in probes]
-            out = [{**p.as_json(), "warnings": list(cal.warnings), "calibration_runs": list(cal.runs), "probes": listed}
-                   for p in preds]
+            left = [{"run": r.run, "reason": r.reason} for r in said.itertuples()
+                    if not r.clean and not a.include_unclean]
+            out = [{**p.as_json(), "warnings": list(cal.warnings), "calibration_runs": list(cal.runs), "probes": listed,
+                    "left_out": left} for p in preds]
             print(json.dumps(clean_json(out if a.rank_layouts else out[0]), indent=2))
         else:
             print(format_text(cal, preds, ranked=a.rank_layouts, probes=probes))

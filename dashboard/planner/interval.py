@@ -26,18 +26,26 @@ import pandas as pd
 NOISE = 0.05  # a 2-rank job on a 2-core VM drifts 5-15 % between runs minutes apart (bench/planner_grid.py)
 # kind -> (lowest, highest) measured / predicted seen when the calibration did not measure it. A compute
 # rate taken from runs without TP or FSDP misses their per-op cost (DTensor's dispatch; FSDP's copies):
-# TP 1.87 (tiny, batch 16) and 2.0-2.7 (tiny, batch 8), FSDP 1.38 and 1.3-1.8, calibrated from DDP and
-# PP-1F1B. A pipeline's host time per action from another schedule: 0.89 (GPipe) to 1.23 (zero-bubble).
+# TP 1.4-1.9 (tiny, batch 16) and 2.0-2.7 (tiny, batch 8), FSDP 1.38-1.45 and 1.3-1.8, calibrated from DDP
+# and PP-1F1B; the other way ("rate:-TP": a layout without TP from TP runs) the inverse, 0.59 seen for
+# FSDP at 4 ranks from FSDP×TP. A pipeline's host time per action from 1F1B runs, for another schedule:
+# 0.89 (GPipe) to 1.49 (interleaved zero-bubble); with no pipeline run at all, 1.28 (1F1B) to 2.12
+# (tiny, batch 16, 12 and 20 steps: bench/RESULTS.md).
 SPREAD: dict[str, tuple[float, float]] = {
     "rate:TP": (0.9, 3.0),
+    "rate:-TP": (0.33, 1.1),
     "rate:FSDP": (0.9, 2.0),
+    "rate:-FSDP": (0.5, 1.1),
     "rate:PP": (0.8, 1.3),
+    "rate:-PP": (0.77, 1.25),
     "rate:sharing cores": (0.8, 1.3),
+    "rate:-sharing cores": (0.77, 1.25),
     "exposure": (0.8, 1.5),  # a kind of traffic's exposure borrowed from another kind
     "links": (0.85, 1.25),  # a link's bandwidth or latency borrowed from another op, size or group
     "tp_count": (0.9, 1.3),  # TP's all-reduces per layer from Megatron's count
     "pipeline": (0.85, 1.2),  # a pipeline's hop or weight-gradient share not measured
-    "schedule": (0.85, 1.3),  # host time per action from another schedule's runs
+    "schedule": (0.85, 1.6),  # host time per action from another schedule's runs
+    "pipeline_host": (0.9, 2.2),  # host time per action with no pipeline run measured
     "model": (0.7, 1.5),  # a scaled model: the measured compute rate assumed
     "world": (0.8, 1.25),  # per doubling of the world size beyond the largest measured
 }

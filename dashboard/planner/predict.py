@@ -224,7 +224,10 @@ def _most_like(cal: Calibration, lay: Layout, *, shared: bool,
                          "shared": m["sharing"] > 1})
     score = sum((have[f] == want[f]).astype(int) * weights[f] for f in feats)
     best = m[score == score.max()]
-    differ = [{"shared": "sharing cores"}.get(f, f.upper()) for f in feats if (have.loc[best.index, f] != want[f]).any()]
+    # each as (its name, whether the layout has it and the runs lack it): a rate borrowed across a feature
+    # errs one way when the target has the costly feature and the other way when the runs had it
+    differ = [({"shared": "sharing cores"}.get(f, f.upper()), bool(want[f])) for f in feats
+              if (have.loc[best.index, f] != want[f]).any()]
     return best, differ
 
 
@@ -296,8 +299,8 @@ def rate_for(cal: Calibration, lay: Layout, *, held: float, shared: bool, notes:
     m = cal.measured
     best, differ = most_like(cal, lay, shared=shared)
     if differ:
-        _note(notes, f"compute rate from {', '.join(best['run'])} (which differ in {', '.join(differ)})",
-              *(f"rate:{d}" for d in differ))
+        _note(notes, f"compute rate from {', '.join(best['run'])} (which differ in {', '.join(d for d, _ in differ)})",
+              *(f"rate:{d}" if has else f"rate:-{d}" for d, has in differ))
     share = m.loc[m["pp"] > 1, "forward_share"].dropna()
     share = share if len(share) else m["forward_share"].dropna()
     split = m["weight_share"].dropna() if "weight_share" in m else pd.Series(dtype=float)
@@ -446,6 +449,8 @@ def _parts(cal: Calibration, lay: Layout, *, model: ModelShape, links: "Links", 
             gap = pipeline_gap
         else:
             gap, other = gap_for(cal, lay)
+            if not math.isfinite(gap):
+                _note(notes, "pipeline host time per action not measured (no pipeline run): none", "pipeline_host")
             if other:
                 _note(notes, f"pipeline host time per action from the {other} runs (no {lay.schedule} run measured)",
                       "schedule")
@@ -522,15 +527,29 @@ def unmeasured(cal: Calibration, kinds) -> list[str]:
     return sorted({PROBED_KINDS[k] for k in kinds if k in PROBED_KINDS and not had.get(PROBED_KINDS[k], False)})
 
 
-def verdict(preds: list[Prediction], *, cal: Calibration) -> dict:
+def verdict(preds: list[Prediction], *, cal: Calibration, measured: pd.DataFrame | None = None) -> dict:
     """Which layout of ``rank_layouts``' list is fastest, only where the intervals say so: ``fastest``
     (a label, or None), ``tied`` (the labels whose interval overlaps the first's), ``measure`` (the layout
-    whose measurement would narrow the question most: the widest interval among the tied) and ``sentence``."""
+    whose measurement would narrow the question most: the widest interval among the tied) and ``sentence``.
+    ``measured`` (``comparison``'s frame: ``layout``, ``measured_s``): runs shown beside the ranking; a
+    layout is not named fastest when another layout's run measured a shorter step than its own runs (or,
+    unmeasured, than its interval's low end)."""
     fits = [p for p in preds if p.memory_fits is not False]
     if not fits:
         return {"fastest": None, "tied": [], "measure": None, "sentence": "No layout fits in memory."}
     ok, tied = interval.decided([(p.layout.label, p.step_time_low_s, p.step_time_high_s) for p in fits])
     first = fits[0]
+    if ok and measured is not None and len(measured):
+        own = measured.loc[measured["layout"] == first.layout.label, "measured_s"]
+        bar = float(own.median()) if len(own) else first.step_time_low_s
+        faster = measured[(measured["layout"] != first.layout.label) & (measured["measured_s"] < bar)]
+        if len(faster):
+            r = faster.sort_values("measured_s").iloc[0]
+            return {"fastest": None, "tied": [first.layout.label, r["layout"]], "measure": first.layout.label,
+                    "sentence": f"Not decided: {first.layout.label} is predicted fastest, but a run of {r['layout']} "
+                                f"measured {r['measured_s']:.3f} s, faster than "
+                                + (f"{first.layout.label}'s runs" if len(own) else "its interval")
+                                + f"; a run of {first.layout.label} would decide."}
     if ok:
         return {"fastest": first.layout.label, "tied": [], "measure": None,
                 "sentence": f"Fastest: {first.layout.label} (its interval is below every other layout's)."}

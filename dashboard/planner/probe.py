@@ -9,7 +9,6 @@ calibrates from them too and lists them. A job that is not the reference trainer
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -19,9 +18,11 @@ from pathlib import Path
 
 from meshscope.agent.contract import layout as rules
 from meshscope.dashboard.config import ConfigError
+from meshscope.dashboard.data import parse_config
 from meshscope.dashboard.planner import layouts
 from meshscope.dashboard.planner.calibration import Calibration
 from meshscope.dashboard.planner.predict import Prediction, unmeasured
+from meshscope.dashboard.planner.whatif import flavor_name
 
 PROBE_STEPS = 10  # warm-up (2-3 steps) and at least MIN_STEADY_STEPS after it
 PROBE_TIMEOUT_S = 600.0
@@ -71,7 +72,7 @@ def run_probes(cal: Calibration, kinds: list[str], *, meta: dict, store: Path, s
     """Run one probe per kind into ``store`` (``meta``: the first calibration run's runs-table row, whose
     model, sequence length, batch, world size and device the probes take). ConfigError where the job is
     not the reference trainer's; RuntimeError (with the job's last output) where a probe fails."""
-    flavor = _flavor(meta)
+    flavor = flavor_name(meta)
     if flavor not in rules.FLAVORS:
         raise ConfigError(f"--probe runs the reference trainer, but run {meta.get('run')!r} is a "
                           f"{meta.get('model') or 'unknown'} job: run a few steps of your job with "
@@ -97,19 +98,7 @@ def run_probes(cal: Calibration, kinds: list[str], *, meta: dict, store: Path, s
     return out
 
 
-def _flavor(meta: dict) -> str:
-    try:
-        config = json.loads(meta.get("config") or "{}")
-    except (TypeError, ValueError):
-        config = {}
-    model = config.get("model") if isinstance(config, dict) else None
-    return str((model or {}).get("flavor") or meta.get("model") or "") if isinstance(model, (dict, type(None))) else ""
-
-
 def is_probe(meta: dict) -> bool:
     """Whether a runs-table row is a probe (``telemetry.purpose``)."""
-    try:
-        config = json.loads(meta.get("config") or "{}")
-    except (TypeError, ValueError):
-        return False
-    return isinstance(config, dict) and (config.get("telemetry") or {}).get("purpose") == "probe"
+    telemetry = parse_config(meta.get("config")).get("telemetry")
+    return isinstance(telemetry, dict) and telemetry.get("purpose") == "probe"

@@ -4,7 +4,6 @@ and what the What-if page shows. ``meshscope plan`` (``dashboard/planner/cli.py`
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 
@@ -15,9 +14,22 @@ from meshscope.dashboard import figures
 from meshscope.dashboard.planner import calibration, layouts
 from meshscope.dashboard.planner import predict as planner
 from meshscope.dashboard.config import ConfigError
+from meshscope.dashboard.data import parse_config
 from meshscope.dashboard.memory_model import spec_from_meta
-from meshscope.dashboard.views import Loader, meta_of
+from meshscope.dashboard.views import Loader, meta_of, run_cleanliness
 from meshscope.agent.contract.layout import FLAVORS
+
+
+def clean_choice(load: Loader, *, runs: list[str], include_unclean: bool = False) -> tuple[list[str], pd.DataFrame]:
+    """Of ``runs``, the ones a calibration takes: the clean ones (``dashboard/runs_clean.py``: no fault
+    injected, no crash or abort, finished), or every one with ``include_unclean``; and the cleanliness of
+    the others (``run``, ``reason``, ...: left out, or included though not clean) and of the runs with CPU
+    contention (kept: an oversubscribed host is a regime the planner models; ``cpu_contention`` says so)."""
+    clean = run_cleanliness(load, runs=runs)
+    named = clean.set_index("run")
+    kept = [r for r in runs if include_unclean or r not in named.index or bool(named.loc[r, "clean"])]
+    said = clean[~clean["clean"] | clean["cpu_contention"]].reset_index(drop=True)
+    return kept, said
 
 
 def calibrate_from(load: Loader, *, runs: list[str], holdout: bool = True) -> calibration.Calibration:
@@ -90,14 +102,17 @@ def _positive(v) -> bool:
         return False
 
 
+def flavor_name(meta: dict) -> str:
+    """The reference trainer's flavor a runs-table row names (its config's ``model.flavor``, else the
+    model's name); '' where neither."""
+    model = parse_config(meta.get("config")).get("model")
+    name = model.get("flavor") if isinstance(model, dict) else None
+    return str(name or meta.get("model") or "")
+
+
 def _flavor(meta: dict) -> dict:
     """n_heads and vocabulary of a run's model where it is the reference trainer's (a flavor it names)."""
-    try:
-        config = json.loads(meta.get("config") or "{}")
-    except (TypeError, ValueError):
-        config = {}
-    name = (config.get("model") or {}).get("flavor") if isinstance(config.get("model"), dict) else None
-    flavor = FLAVORS.get(name or str(meta.get("model") or ""))
+    flavor = FLAVORS.get(flavor_name(meta))
     return {"n_heads": flavor.n_heads, "vocab_size": flavor.vocab_size} if flavor else {}
 
 
@@ -118,36 +133,51 @@ class WhatIf:
     measured: pd.DataFrame  # planner.comparison of the measured runs at this world size
     figure: go.Figure
     verdict: dict  # planner.verdict: the fastest layout only where the intervals decide it
+    runs: list[str]  # the runs calibrated from
+    # the runs not clean (left out, or included with ``include_unclean``) and those with CPU contention
+    # (kept): ``clean_choice``'s frame
+    cleanliness: pd.DataFrame
 
 
-def whatif(load: Loader, *, runs: list[str], world_size: int, global_batch: int | None = None) -> WhatIf:
-    """What the What-if page shows: every candidate layout for ``world_size`` ranks predicted from
-    ``runs``, and the measured runs of that world size (from the store, any the user picked) overlaid."""
-    cal = calibrate_from(load, runs=runs)
+def whatif(load: Loader, *, runs: list[str], world_size: int, global_batch: int | None = None,
+           include_unclean: bool = False) -> WhatIf:
+    """What the What-if page shows: every candidate layout for ``world_size`` ranks predicted from the
+    clean runs of ``runs`` (all of them with ``include_unclean``), and the measured runs of that world size
+    (from the store, clean ones likewise) overlaid. ConfigError where no run is left to calibrate from."""
+    kept, said = clean_choice(load, runs=runs, include_unclean=include_unclean)
+    if not kept:
+        raise ConfigError("none of the runs is clean (" + "; ".join(f"{r.run}: {r.reason}" for r in said.itertuples())
+                          + "): include the runs that are not clean to calibrate from them")
+    cal = calibrate_from(load, runs=kept)
     batch = global_batch or int(cal.measured["global_batch"].iloc[0])
     preds = planner.rank_layouts(cal, world_size=world_size, global_batch=batch)
     table = prediction_table(preds)
-    comp = planner.comparison(cal, measured_runs(load, cal=cal, world_size=world_size, global_batch=batch))
+    comp = planner.comparison(cal, measured_runs(load, cal=cal, world_size=world_size, global_batch=batch,
+                                                 include_unclean=include_unclean))
     comp = comp if len(comp) else pd.DataFrame()
     # The chart: the fastest layouts and every layout a measured run has (the table lists them all).
     shown = table if table.empty else table[
         (table.index < CHART_LAYOUTS) | table["layout"].isin(set(comp["layout"]) if len(comp) else set())]
     return WhatIf(calibration=cal, predictions=preds, table=table, measured=comp,
-                  figure=figures.whatif_layouts(shown, measured=comp), verdict=planner.verdict(preds, cal=cal))
+                  figure=figures.whatif_layouts(shown, measured=comp), verdict=planner.verdict(preds, cal=cal, measured=comp),
+                  runs=kept, cleanliness=said)
 
 
 CHART_LAYOUTS = 24  # the fastest layouts drawn (the table has every one)
 MAX_OVERLAID = 12  # the newest measured runs of the world size drawn over the predictions
 
 
-def measured_runs(load: Loader, *, cal: calibration.Calibration, world_size: int, global_batch: int) -> pd.DataFrame:
-    """The store's runs of the calibration's model at ``world_size`` and ``global_batch`` (the newest
-    ``MAX_OVERLAID``), measured as the calibration measures its own: layout, step time, peak memory."""
+def measured_runs(load: Loader, *, cal: calibration.Calibration, world_size: int, global_batch: int,
+                  include_unclean: bool = False) -> pd.DataFrame:
+    """The store's (clean, unless ``include_unclean``) runs of the calibration's model at ``world_size``
+    and ``global_batch`` (the newest ``MAX_OVERLAID``), measured as the calibration measures its own:
+    layout, step time, peak memory."""
     table = load("runs_table")
     same = table[(table["model"] == cal.model.name) & (table["n_params"] == cal.model.n_params)
                  & (table["world_size"] == world_size) & (table["global_batch"] == global_batch)
                  & (table["seq_len"] == cal.model.seq_len)]
-    names = list(same["run"][:MAX_OVERLAID])  # the runs table is newest first
+    names = list(same["run"])  # the runs table is newest first
+    names = clean_choice(load, runs=names, include_unclean=include_unclean)[0][:MAX_OVERLAID] if names else names
     if not names:
         return pd.DataFrame()
     try:
