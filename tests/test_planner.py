@@ -354,11 +354,11 @@ def _holdout(*rows) -> pd.DataFrame:
 def test_interval_adds_noise_and_each_extrapolation_in_quadrature_and_widens_by_the_holdout():
     point = 0.1
     low, high = interval.bounds(point, kinds=(), holdout=_holdout())
-    assert (low, high) == pytest.approx((point / 1.05, point * 1.05))
+    assert (low, high) == pytest.approx((point / (1 + interval.NOISE), point * (1 + interval.NOISE)))
     lo_tp, hi_tp = interval.SPREAD["rate:TP"]
     lo_ex, hi_ex = interval.SPREAD["exposure"]
     low, high = interval.bounds(point, kinds=("rate:TP", "exposure"), holdout=_holdout())
-    n = np.log(1.05)
+    n = np.log1p(interval.NOISE)
     assert high == pytest.approx(point * np.exp(np.sqrt(n**2 + np.log(hi_tp) ** 2 + np.log(hi_ex) ** 2)))
     assert low == pytest.approx(point * np.exp(-np.sqrt(n**2 + np.log(lo_tp) ** 2 + np.log(lo_ex) ** 2)))
     # the user's own runs missed TP by 4x: their evidence, not the prior; a plain hold-out widens the noise

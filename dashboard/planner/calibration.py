@@ -132,6 +132,7 @@ class Calibration:
     # what the planner derived from this calibration and a layout's features (``predict.memo``): the same for
     # every layout with those features, and asked for by each of a ranking's dozens of predictions
     cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    host_cores: float | None = None  # the CPU host's cores before a run's sharing said its ranks had fewer
 
 
 # ----------------------------------------------------------------------------------------------- links
@@ -390,6 +391,7 @@ def calibrate(measured: list[dict], *, model: ModelShape, device: str, peak_flop
     if not measured:
         raise ValueError("no run to calibrate from")
     cpu = device.startswith("cpu")
+    host = float(cores) if cores else None
     if cpu and cores:
         # A run slowed more than its ranks' count on these cores explains had fewer of them (another load
         # on the host): the cores it had are what it says.
@@ -409,7 +411,7 @@ def calibrate(measured: list[dict], *, model: ModelShape, device: str, peak_flop
     mem = [m["memory"] for m in measured if m["memory"]]
     return Calibration(
         runs=tuple(m["run"] for m in measured), device=device, model=model, peak_flops=peak_flops,
-        cores=float(cores) if cpu and cores else None, spin=float(np.mean(spins)) if spins else 1.0,
+        cores=float(cores) if cpu and cores else None, host_cores=host if cpu and host else None, spin=float(np.mean(spins)) if spins else 1.0,
         # one fit per sharing regime: a link between oversubscribed ranks waits for both to be scheduled
         links=pd.concat([single_size_latency(
             fit_alpha_beta(pd.concat([m["instances"] for m in measured if (m["sharing"] > 1) == shared])))

@@ -23,7 +23,7 @@ import math
 
 import pandas as pd
 
-NOISE = 0.05  # a 2-rank job on a 2-core VM drifts 5-15 % between runs minutes apart (bench/planner_grid.py)
+NOISE = 0.10  # a 2-rank job on a 2-core VM drifts 5-15 % between runs minutes apart (bench/planner_grid.py)
 # kind -> (lowest, highest) measured / predicted seen when the calibration did not measure it. A compute
 # rate taken from runs without TP or FSDP misses their per-op cost (DTensor's dispatch; FSDP's copies):
 # TP 1.4-1.9 (tiny, batch 16) and 2.0-2.7 (tiny, batch 8), FSDP 1.38-1.45 and 1.3-1.8, calibrated from DDP
@@ -46,6 +46,9 @@ SPREAD: dict[str, tuple[float, float]] = {
     "pipeline": (0.85, 1.2),  # a pipeline's hop or weight-gradient share not measured
     "schedule": (0.85, 1.6),  # host time per action from another schedule's runs
     "pipeline_host": (0.9, 2.2),  # host time per action with no pipeline run measured
+    # a CPU host's cores inferred from a calibration run's sharing: a 2-rank DDP run's own threads read as
+    # another load (tiny-wide: 1.45 of 2 cores), and 4 ranks then measured 0.40-0.60 of the prediction
+    "cores": (0.4, 1.1),
     "model": (0.7, 1.5),  # a scaled model: the measured compute rate assumed
     "world": (0.8, 1.25),  # per doubling of the world size beyond the largest measured
 }

@@ -174,6 +174,9 @@ def predict(cal: Calibration, lay: Layout, *, ranks_per_host: int | None = None,
             break
         phi = settled
     step = parts["step_s"]
+    if phi > 1 and cal.cores and cal.host_cores and cal.cores < cal.host_cores - 1e-6 and not _measured(cal, lay):
+        _note(notes, f"the host's cores taken as {cal.cores:.2f} of its {cal.host_cores:g} (a calibration run's "
+                     "sharing said its ranks had fewer): the slowdown of ranks sharing them", "cores")
     kinds = notes.all_kinds()
     low, high = interval.bounds(step, kinds=kinds, holdout=cal.holdout, noise=cal_noise(cal), doublings=doublings)
     peak, fits = _memory(cal, model, lay, device_bytes if device_bytes is not None else cal.device_bytes,
@@ -184,6 +187,18 @@ def predict(cal: Calibration, lay: Layout, *, ranks_per_host: int | None = None,
         breakdown={"compute_s": parts["compute_s"], "optimizer_s": parts["optimizer_s"], "bubble_s": parts["bubble_s"],
                    "other_s": parts["other_s"], "exposed_comm_s": parts["comm"], "sharing": phi},
         extrapolated=tuple(notes), step_time_low_s=low, step_time_high_s=high, extrapolation_kinds=kinds)
+
+
+def _measured(cal: Calibration, lay: Layout) -> bool:
+    """Whether a calibration run had exactly this layout (its own prediction reproduces it)."""
+    m = cal.measured
+    if m.empty:
+        return False
+    same = ((m["dp"] == lay.dp) & (m["tp"] == lay.tp) & (m["pp"] == lay.pp) & (m["world_size"] == lay.world_size)
+            & (m["global_batch"] == lay.global_batch) & ((m["fsdp"].astype(bool) & (m["dp"] > 1)) == lay.fsdp)
+            & (m["schedule"].fillna("") == lay.schedule) & (m["microbatches"] == lay.microbatches)
+            & (m["virtual_stages"] == lay.virtual_stages))
+    return bool(same.any()) and lay.n_layers == cal.model.n_layers and lay.d_model == cal.model.d_model
 
 
 def cal_noise(cal: Calibration) -> float:
