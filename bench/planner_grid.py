@@ -31,6 +31,7 @@ import pandas as pd
 from meshscope.agent.store.reader import Store
 from meshscope.dashboard import report, views
 from meshscope.dashboard.planner import calibration, whatif
+from meshscope.dashboard.planner.layouts import measured_layout
 from meshscope.dashboard.planner import predict as planner
 
 # name -> (ranks, trainer arguments)
@@ -127,6 +128,21 @@ def every_pair(store: Path, *, names: list[str], repeats: int, calibration_repea
     return pd.DataFrame(rows).sort_values("median").reset_index(drop=True)
 
 
+def each_alone(store: Path, *, names: list[str], repeats: int) -> pd.DataFrame:
+    """Each run calibrated from itself alone and its own layout predicted: ``report``'s step time against
+    the prediction (the self-consistency every schedule must meet within 5 %)."""
+    load = views.direct_loader(Store.open(store))
+    rows = []
+    for run in (run_name(n, r) for n in names for r in range(1, repeats + 1)):
+        cal = whatif.calibrate_from(load, runs=[run], holdout=False)
+        row = cal.measured.iloc[0].to_dict()
+        p = planner.predict(cal, measured_layout(row, model=cal.model))
+        measured = report.build(load, run=run)["step_time_s"]
+        rows.append({"run": run, "layout": p.layout.label, "measured_s": measured, "predicted_s": p.step_time_s,
+                     "error": p.step_time_s / measured - 1, "extrapolated": "; ".join(p.extrapolated)})
+    return pd.DataFrame(rows)
+
+
 def summary(comp: pd.DataFrame) -> dict:
     others = comp[~comp["calibration"]]
     fam = others.assign(cal=others["error"].abs(), tb=others["textbook_error"].abs()).groupby("family")[["cal", "tb"]].median()
@@ -154,6 +170,7 @@ def main() -> int:
                     help="runs of each calibration layout the calibration uses (default: all --repeats)")
     ap.add_argument("--only", default="", help="grid names to run (default: all)")
     ap.add_argument("--pairs", action="store_true", help="also: every pair of layouts as the calibration")
+    ap.add_argument("--each-alone", action="store_true", help="also: each run's own layout from itself alone")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     store = Path(a.store or tempfile.mkdtemp(prefix="meshscope-planner-"))
@@ -215,6 +232,13 @@ def main() -> int:
           f"{s['load_average_after']:.2f} after")
     for r in comp[comp["extrapolated"] != ""].itertuples():
         print(f"  {r.run}: extrapolated: {r.extrapolated}")
+    if a.each_alone:
+        alone = each_alone(store, names=names, repeats=a.repeats)
+        print(f"\neach run from itself alone: |error| median {alone['error'].abs().median():.1%}, worst "
+              f"{alone['error'].abs().max():.1%} ({alone.loc[alone['error'].abs().idxmax(), 'run']}); "
+              f"{int((alone['error'].abs() <= 0.05).sum())} of {len(alone)} within 5 %")
+        print(alone.assign(error=alone["error"].map("{:+.1%}".format)).drop(columns="extrapolated")
+              .to_string(index=False, float_format=lambda x: f"{x:.4f}"))
     if a.pairs:
         pairs = every_pair(store, names=names, repeats=a.repeats, calibration_repeats=cal_reps)
         ok = (pairs["median"] <= 0.10) & (pairs["worst"] <= 0.25)

