@@ -18,8 +18,8 @@ mean over ranks (every rank's wall is the step's, so the means add up to the mea
   it sleeps through (gloo spins a while before it sleeps), so φ = k·u/C (``planner.sharing``)
   with k ranks on the host; each oversubscribed run gives γ = 1 − (u₀ − φ·C/k)·step / exposed, u₀ its
   share outside pipeline idle. C is the cores of the machine the planner runs on (the runs' host, as
-  the CPU path is used here), or fewer where a run's sharing says it had fewer (k·u₀/φ: another load
-  on the host); on GPUs φ = 1.
+  the CPU path is used here), or fewer where a run whose ranks outnumbered them says it had fewer
+  (k·u₀/φ: another load on the host); on GPUs φ = 1.
 - **Links**: per (op, group size) and sharing regime (runs with φ > 1 or not), t = α + bytes·f(op, n)/β
   (``fit_alpha_beta``; f the nccl-tests bus factor, so β is a bus bandwidth and one fit carries to other
   group sizes of the same op). An instance's time is the least over its ranks (the rank that arrived
