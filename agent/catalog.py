@@ -135,6 +135,11 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("rank_info", "info", "", RANK, "Where the rank runs; attempt is the torchrun restart count.",
        "run record of the rank's newest attempt", "rank", per_rank="fixed",
        info_labels=("host", "local_rank", "attempt")),
+    _m("rank_hang_in_collective", "gauge", "", RANK,
+       "While the rank's hang watchdog reports a stall: 1 if its training thread waits in a collective, 0 if it "
+       "is outside any (in synchronous training, the rank its peers wait for: the culprit).",
+       "hang.in_collective (newest)", "rank", per_rank="fixed",
+       when="from the rank's hang record until a step of the rank ends after it"),
     # --- per rank: collectives (from `collective` records) --------------------------------------------
     _m("rank_collective_last_seq", "gauge", "", RANK + ("dim",),
        "Sequence number of the last collective the rank completed on its group of this dim "

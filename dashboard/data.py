@@ -159,6 +159,16 @@ def run_events(store: Store, *, runs: list[str]) -> pd.DataFrame:
                        kinds=("event",), runs=runs)
 
 
+def hang_rows(store: Store, *, run: str) -> dict[str, pd.DataFrame]:
+    """The input of ``hang.analyse``: the run's hang records (``hangs``, the newest attempt's) and each
+    rank's last step end (``last_steps``: rank, step, t_end)."""
+    hangs, last = store.query_all(
+        [("SELECT rank, t, step, since_s, phase, in_collective, op, \"where\", groups, stacks FROM hang ORDER BY t", None),
+         ("SELECT rank, max(step) AS step, max(t_end) AS t_end FROM step GROUP BY rank ORDER BY rank", None)],
+        kinds=("hang", "step"), runs=[run])
+    return {"hangs": hangs, "last_steps": last}
+
+
 def cpu_wait_steps(store: Store, *, runs: list[str], budget: int = RAW_BUDGET) -> pd.DataFrame:
     """Per run of ``runs``, rank and step: ``wall_s``, ``compute_s``, ``other_s``, ``cpu_s``, ``cpu_wait_s``
     (``environment.run_queue_share``'s input), for each run's latest steps whose rows fit an equal share of

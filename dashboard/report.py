@@ -19,7 +19,7 @@ from typing import Any
 from meshscope.agent.cliargs import ArgParser, run_command
 from meshscope.agent.collector.catchup import catch_up
 from meshscope.agent.store.reader import Store, StoreError
-from meshscope.dashboard import analysis, environment, stragglers, views
+from meshscope.dashboard import analysis, environment, hang, stragglers, views
 from meshscope.dashboard.config import ConfigError
 
 
@@ -54,6 +54,10 @@ def build(load: views.Loader, *, run: str, steps: tuple[int, int] | None = None)
                            "steps": [int(a["first_step"]), int(a["last_step"])]}
                           for a in load("attempts", run=run).to_dict("records")],
     }
+    # the watchdogs' stalls (dashboard.hang): None when no rank reported one
+    rows = load("hang_rows", run=run)
+    stall = hang.analyse(rows["hangs"], rows["last_steps"], world_size=out["world_size"] or 0)
+    out["hang"] = None if stall["status"] == "none" else stall
     if ov.step_time is not None:
         out["figures_steps"] = [ov.step_time["first_step"], ov.step_time["last_step"]]
         out["figures_rank_steps"] = ov.step_time["rank_steps"]
@@ -153,6 +157,9 @@ def format_text(rep: dict[str, Any]) -> str:
         lines.append(f"  attempts: {rep['attempts']} (a restart, or a launch with --new-attempt)" +
                      (f": {parts}" if parts else "") + "; a step run by several attempts counts once, the newest "
                      "attempt's")
+    if rep.get("hang"):
+        lines.append(f"  HANG{'' if rep['hang']['status'] == 'hung' else ' (resolved)'}: {rep['hang']['verdict']} "
+                     f"(meshscope hang: every rank's state and stack)")
     for w in rep["warnings"]:
         lines.append(f"  WARNING {w}")
     return "\n".join(lines)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import json
 import time
 
 import pytest
@@ -133,7 +134,7 @@ def test_config_names_bad_values():
 
 
 def test_hang_watchdog_says_where_the_training_thread_is_stuck():
-    tel, w = make(hang_after_s=0.3, flush_interval_s=0.05)
+    tel, w = make(hang_after_s=0.3, hang_first_step_s=0.3, flush_interval_s=0.05)
     with tel.step(0), tel.phase("forward"):
         time.sleep(0.6)  # no progress: the watchdog fires once, from the flusher thread
     time.sleep(0.1)
@@ -143,6 +144,40 @@ def test_hang_watchdog_says_where_the_training_thread_is_stuck():
     msg = hangs[0]["message"]
     assert msg.startswith("not in a collective: test_hang_watchdog_says_where"), msg
     assert "step 0 phase forward" in msg and hangs[0]["step"] == 0
+    (rec,) = w.table("hang")  # the record: every thread's stack, the training thread first
+    assert rec["step"] == 0 and rec["phase"] == "forward" and not rec["in_collective"] and rec["op"] == ""
+    assert rec["since_s"] >= 0.3 and rec["where"].startswith("test_hang_watchdog_says_where")
+    threads = json.loads(rec["stacks"])
+    assert threads[0]["training"] and threads[0]["frames"][-1][2] == "test_hang_watchdog_says_where_the_training_thread_is_stuck"
+    assert "meshscope-flush" in {t["thread"] for t in threads[1:]}
+    assert json.loads(rec["groups"]) == []  # no collective tracer, no op
+
+
+def test_hang_threshold_waits_for_the_first_step_then_follows_the_steps():
+    """Before any step has ended the watchdog waits hang_first_step_s (compilation is not a hang); then
+    HANG_STEPS median steps, at least hang_min_s, at most hang_after_s."""
+    from meshscope.agent.instrument.hangdump import HANG_STEPS, hang_threshold_s
+
+    assert hang_threshold_s(after_s=60, first_step_s=300, min_s=10, walls=[]) == 300
+    assert hang_threshold_s(after_s=60, first_step_s=300, min_s=10, walls=[0.2, 0.3, 0.25]) == 10
+    assert hang_threshold_s(after_s=60, first_step_s=300, min_s=10, walls=[3.0, 2.0]) == HANG_STEPS * 2.5
+    assert hang_threshold_s(after_s=60, first_step_s=300, min_s=10, walls=[20.0]) == 60
+    assert hang_threshold_s(after_s=2, first_step_s=300, min_s=10, walls=[0.1]) == 2
+    assert hang_threshold_s(after_s=0, first_step_s=300, min_s=10, walls=[0.1]) == 0  # off
+    tel, w = make(hang_after_s=5.0, hang_min_s=0.3, hang_first_step_s=5.0, flush_interval_s=0.05)
+    with tel.step(0):
+        time.sleep(0.8)  # the first step: slower than the later threshold, not a hang
+    for step in (1, 2, 3):
+        with tel.step(step):
+            time.sleep(0.01)
+    t0 = time.perf_counter()
+    with tel.step(4):
+        while not [e for e in w.table("hang")] and time.perf_counter() - t0 < 3.0:
+            time.sleep(0.02)
+    waited = time.perf_counter() - t0
+    tel.close()
+    assert [e["step"] for e in w.table("event") if e["kind"] == "hang"] == [4]
+    assert 0.3 <= waited < 1.5, waited  # hang_min_s, not hang_after_s
 
 
 def test_sigterm_during_close_is_held_until_the_records_are_written():

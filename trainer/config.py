@@ -151,17 +151,25 @@ class FaultConfig:
     crash_rank: int = -1
     crash_step: int = -1
     nan_step: int = -1  # the loss becomes non-finite at this step (that optimizer step is skipped)
+    # desync: at this step every rank issues one more collective on the world group, this rank an
+    # all-gather where the others issue an all-reduce (the classic mismatch)
+    desync_rank: int = -1
+    desync_step: int = -1
+    # every rank's first step takes this many seconds longer (in its first forward): what a
+    # torch.compile or a lazy initialisation does to the first step, which is no hang
+    first_step_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         self.straggler_ranks = tuple(int(r) for r in self.straggler_ranks)
         _check(self.straggler_seconds >= 0, f"straggler_seconds={self.straggler_seconds} must be >= 0")
+        _check(self.first_step_seconds >= 0, f"first_step_seconds={self.first_step_seconds} must be >= 0")
         _check(all(r >= 0 for r in self.straggler_ranks), f"straggler_ranks={list(self.straggler_ranks)} must be >= 0")
-        for name in ("hang", "crash"):
+        for name in ("hang", "crash", "desync"):
             rank, step = getattr(self, f"{name}_rank"), getattr(self, f"{name}_step")
             _check((rank < 0) == (step < 0), f"{name}_rank={rank} and {name}_step={step} must be set together")
 
     def check_world(self, world_size: int) -> None:
-        for r in (*self.straggler_ranks, self.hang_rank, self.crash_rank):
+        for r in (*self.straggler_ranks, self.hang_rank, self.crash_rank, self.desync_rank):
             _check(r < world_size, f"fault rank {r} does not exist in a world of size {world_size}")
 
 
@@ -179,6 +187,8 @@ class TelemetrySection:
     peak_flops: float = 0.0  # override the per-device peak (FLOP/s); 0: table (GPU) or calibrated (CPU)
     purpose: str = ""  # why the run was started: "" (training) or "probe" (``meshscope plan --probe``)
     hang_after_s: float = _TELEMETRY_DEFAULTS["hang_after_s"]
+    hang_min_s: float = _TELEMETRY_DEFAULTS["hang_min_s"]
+    hang_first_step_s: float = _TELEMETRY_DEFAULTS["hang_first_step_s"]
     spool_hold_bytes: int = _TELEMETRY_DEFAULTS["spool_hold_bytes"]
 
     def __post_init__(self) -> None:
@@ -192,6 +202,7 @@ class TelemetrySection:
     def instrumentation(self, *, run: str, store: str | None = None) -> TelemetryConfig:
         """The instrumentation's config for one run of this trainer."""
         return TelemetryConfig(store=store or self.store, run=run, hang_after_s=self.hang_after_s,
+                               hang_min_s=self.hang_min_s, hang_first_step_s=self.hang_first_step_s,
                                spool_hold_bytes=self.spool_hold_bytes)
 
 
@@ -359,6 +370,9 @@ FLAGS: dict[str, tuple[str, type, str]] = {
     "--crash-rank": ("faults.crash_rank", int, "fault: rank that exits"),
     "--crash-step": ("faults.crash_step", int, "fault: step at which it exits"),
     "--nan-step": ("faults.nan_step", int, "fault: step with a non-finite loss"),
+    "--desync-rank": ("faults.desync_rank", int, "fault: rank that issues an all-gather where the others all-reduce"),
+    "--desync-step": ("faults.desync_step", int, "fault: step of the desync"),
+    "--first-step-seconds": ("faults.first_step_seconds", float, "fault: every rank's first step this much slower"),
 }
 SWITCHES: dict[str, tuple[str, str]] = {
     "--fsdp": ("parallel.fsdp", "shard the dp dimension with FSDP2 (default: DDP)"),

@@ -5,7 +5,11 @@
   a slow GPU or a thermally throttled device would put it);
 - hang: a rank stops making progress at a step (its peers then block in their next collective);
 - crash: a rank exits abruptly at a step (after flushing what telemetry it has, as an exception would);
-- non-finite loss: the loss becomes NaN at a step; the trainer then skips that optimizer step.
+- non-finite loss: the loss becomes NaN at a step; the trainer then skips that optimizer step;
+- desync: at a step every rank issues one more collective on the world group, one rank an all-gather where
+  the others issue an all-reduce (ranks in different ops on one group: the classic mismatch);
+- slow first step: every rank's first forward takes longer (a ``torch.compile``'s first step, which a hang
+  watchdog must not take for a hang).
 """
 
 from __future__ import annotations
@@ -24,10 +28,18 @@ class Faults:
         self.cfg, self.rank = cfg, rank
         self._step = -1
         self._straggled_step = -1
+        self._first_step: int | None = None
 
     def install(self, module: nn.Module) -> None:
         if self.rank in self.cfg.straggler_ranks and self.cfg.straggler_seconds > 0:
             module.register_forward_pre_hook(self._straggle)
+        if self.cfg.first_step_seconds > 0:
+            module.register_forward_pre_hook(self._slow_first)
+
+    def _slow_first(self, module: nn.Module, args) -> None:
+        if self._first_step is None:  # the first forward of the first step (a resumed run's too)
+            self._first_step = self._step
+            time.sleep(self.cfg.first_step_seconds)
 
     def _straggle(self, module: nn.Module, args) -> None:
         # Once per step, however many microbatches or stages run through this module.
@@ -46,6 +58,17 @@ class Faults:
             tel.flush()
             while True:  # an injected hang: only a signal ends it
                 time.sleep(1.0)
+        if c.desync_step == step and c.desync_rank >= 0:
+            self._desync()
+
+    def _desync(self) -> None:
+        import torch.distributed as dist
+
+        x = torch.ones(4)
+        if self.rank == self.cfg.desync_rank:
+            dist.all_gather_into_tensor(torch.empty(4 * dist.get_world_size()), x)
+        else:
+            dist.all_reduce(x)
 
     def poison(self, loss: torch.Tensor, *, step: int) -> torch.Tensor:
         # The step comes from the caller, never from ``before_step``'s state: a loop that calls

@@ -93,6 +93,8 @@ def _collect_run(f: Families, run: str, rs) -> None:
         f.add("rank_nonfinite_loss_total", lab, r.nonfinite)
         f.add("rank_skipped_steps_total", lab, r.skipped)
         f.add("rank_dropped_records_total", lab, r.dropped)
+        if r.hang is not None:
+            f.add("rank_hang_in_collective", lab, float(r.hang[0]))
         if r.last_step is not None:
             f.add("rank_last_step", lab, r.last_step)
             f.add("rank_last_step_timestamp_seconds", lab, r.last_step_t)

@@ -30,7 +30,7 @@ EXPECTED_OPS: dict[str, tuple[str, ...]] = {
 }
 # The record field holding each kind's record time (for lag and the run's newest-record time).
 TIME_FIELD = {"run": "t_start", "step": "t_end", "collective": "t_end", "span": "t_end", "memory": "t",
-              "event": "t", "gpu": "t"}
+              "event": "t", "gpu": "t", "hang": "t"}
 
 
 @dataclass(slots=True)
@@ -93,6 +93,8 @@ class RankState:
     high_step: int = -1  # highest step counted: steps re-executed after a restart are not counted again
     memory: dict[str, float] | None = None
     seq: dict[str, int] = field(default_factory=dict)
+    # the newest hang record's (in_collective, t) while no step ended after it (the watchdog's stall)
+    hang: tuple[bool, float] | None = None
     # (op, dim) -> [seconds, bytes, count]
     coll: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     series: int = rank_budget().fixed  # series this rank exports at most (admission control)
@@ -281,6 +283,8 @@ def _on_step(st: MetricsState, rs: RunState, r: RankState, table: pa.Table, *, r
         i = int(np.argmax(steps[::-1]))  # the newest of the highest step
         i = len(steps) - 1 - i
         r.last_step, r.last_step_t = int(steps[i]), float(t_end[i])
+        if r.hang is not None and r.last_step_t > r.hang[1]:  # progress again: the stall is over
+            r.hang = None
         r.mfu = float(_col(table, "mfu")[i])
         r.loss = float(_col(table, "loss")[i])
         dropped = _nanmax(_col(table, "dropped_records_total"))
@@ -355,5 +359,16 @@ def _on_run(st: MetricsState, rs: RunState, r: RankState, table: pa.Table, *, ra
 
 
 _EVENT_KINDS = frozenset(EVENT_KINDS)
-_HANDLERS = {"step": _on_step, "collective": _on_collective, "memory": _on_memory, "event": _on_event,
+def _on_hang(st: MetricsState, rs: RunState, r: RankState, table: pa.Table, *, rank: int, current: bool,
+             now: float) -> None:
+    if not current:
+        return
+    t = _col(table, "t")
+    i = int(np.nanargmax(t)) if np.isfinite(t).any() else table.num_rows - 1
+    t_i = float(t[i]) if np.isfinite(t[i]) else now
+    if r.last_step_t is None or t_i > r.last_step_t:
+        r.hang = (bool(table.column("in_collective")[i].as_py()), t_i)
+
+
+_HANDLERS = {"hang": _on_hang, "step": _on_step, "collective": _on_collective, "memory": _on_memory, "event": _on_event,
              "run": _on_run}

@@ -28,8 +28,8 @@ from meshscope.agent.contract.names import (
     PACK_RE, PART_RE, SPOOL_NAME, check_run_name, is_run_name, pack_name, part_name, spool_path,
 )
 from meshscope.agent.contract.records import (
-    FACTORIES, RECORDS, TAGS, CollectiveRecord, EventRecord, GpuRecord, MemoryRecord, RunRecord, SpanRecord, StepRecord,
-    collective_record, event_record, gpu_record, memory_record, record_types, run_record, span_record, step_record,
+    FACTORIES, RECORDS, TAGS, CollectiveRecord, EventRecord, GpuRecord, HangRecord, MemoryRecord, RunRecord, SpanRecord,
+    StepRecord, collective_record, event_record, gpu_record, hang_record, memory_record, record_types, run_record, span_record, step_record,
 )
 from meshscope.agent.contract.schema import (
     DIMS, EVENT_KINDS, KINDS, OPS, SCHEMA_VERSION, SCHEMAS, SCHEMAS_BY_VERSION, SPAN_KINDS,
@@ -39,7 +39,7 @@ __all__ = [
     "DIMS", "EVENT_KINDS", "KINDS", "OPS", "PACK_RE", "PART_RE", "RECORDS", "SCHEMAS", "SCHEMAS_BY_VERSION", "SCHEMA_VERSION",
     "SPAN_KINDS", "SPOOL_NAME", "AnchoredClock", "Clock", "CollectiveRecord", "EventRecord", "GpuRecord",
     "MemoryRecord", "RunRecord", "SpanRecord", "StepRecord", "algbw", "busbw", "busbw_factor", "check_run_name", "is_run_name",
-    "pack_name", "part_name", "record_types", "spool_path", "FACTORIES", "TAGS", "collective_record", "event_record", "gpu_record",
+    "pack_name", "part_name", "record_types", "spool_path", "FACTORIES", "TAGS", "collective_record", "event_record", "gpu_record", "hang_record", "HangRecord",
     "memory_record", "run_record", "span_record", "step_record", "canonical_strategy", "strategy_name",
     "training_flops_per_token", "bubble_theory", "mfu", "normalize_schedule",
 ]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 # The parallel dimensions a collective can belong to (taken from the DeviceMesh dim names).
 DIMS = ("dp", "fsdp", "tp", "pp", "cp", "ep", "world", "other")
@@ -108,6 +108,21 @@ SCHEMAS: dict[str, pa.Schema] = {
     "event": pa.schema([
         ("t", _f64), ("step", _i64), ("kind", _str), ("message", _str),
     ]),
+    # v5: one per rank and stall, written by the rank's hang watchdog (agent.instrument.hangdump) when its
+    # training thread made no progress for the hang threshold: where that thread is, which op it waits in,
+    # each group's last entered and completed sequence number, and every thread's Python stack. What
+    # dashboard.hang names the culprit from.
+    "hang": pa.schema([
+        ("t", _f64), ("step", _i64), ("since_s", _f64),  # no progress for since_s when taken at t
+        ("phase", _str), ("in_collective", _bool),
+        ("op", _str),  # the op the training thread waits in, read from its stack ("" when not in one)
+        ("where", _str),  # the stack's frame that says so ("function (file:line)")
+        # JSON list: per group {group, dim, mesh_dim, size, ranks, entered, completed, completed_op, completed_t}
+        ("groups", _str),
+        # JSON list: per thread {thread, training, frames: [[file, line, function], ...] outermost first},
+        # the training thread first
+        ("stacks", _str),
+    ]),
     # Agent-side GPU samples (NVML). rank = -1; the gpu index is a column.
     "gpu": pa.schema([
         ("t", _f64), ("host", _str), ("gpu", _i32), ("uuid", _str), ("name", _str),
@@ -124,12 +139,15 @@ KINDS = tuple(SCHEMAS)
 # ``memory.grad_bytes`` and ``memory.optimizer_bytes``; version 4 ``run.flops_method`` and ``collective.mesh_dim``.
 _ADDED = {2: {"step": ("cpu_s", "cpu_wait_s")}, 3: {"memory": ("param_bytes", "grad_bytes", "optimizer_bytes")},
           4: {"run": ("flops_method",), "collective": ("mesh_dim",)}}
+# Kinds added since version 1 (version 5 added ``hang``): an older writer never wrote one.
+_KINDS_ADDED = {5: ("hang",)}
 
 
 def _before(version: int) -> dict[str, pa.Schema]:
     later = [added for v, added in _ADDED.items() if v > version]
+    absent = {kind for v, kinds in _KINDS_ADDED.items() if v > version for kind in kinds}
     return {kind: pa.schema([f for f in schema if not any(f.name in a.get(kind, ()) for a in later)])
-            for kind, schema in SCHEMAS.items()}
+            for kind, schema in SCHEMAS.items() if kind not in absent}
 
 
 # Every version a reader accepts, the current one included (agent.transport.frame lifts the older ones).

@@ -16,7 +16,12 @@ class TelemetryConfig:
     max_rows_per_kind: int = 200_000  # bound on buffered rows per kind between flushes
     flush_interval_s: float = 0.25  # how often the flusher drains (hang visibility bound)
     memory_every: int = 1  # memory sample every N steps
-    hang_after_s: float = 60.0  # no progress for this long: one 'hang' event saying where the thread is; 0: off
+    # The hang watchdog (agent.instrument.hangdump): no progress for the threshold → one ``hang`` event and
+    # one ``hang`` record per stall. The threshold is hangdump.HANG_STEPS median steps within
+    # [hang_min_s, hang_after_s]; before the first step has ended (compilation, loading), hang_first_step_s.
+    hang_after_s: float = 60.0  # the most the threshold gets; 0: the watchdog is off
+    hang_min_s: float = 10.0  # the least (a loaded machine's scheduling hiccups are not hangs)
+    hang_first_step_s: float = 300.0  # until a step has ended
     spool_hold_bytes: int = 8 * 1024 * 1024  # records held in memory while the spool cannot be written
     # DDP's gradient buckets recorded (per-bucket records, exposed time): by a kernel in torch's dispatcher
     # that leaves DDP's C++ built-in all-reduce in place, in a process without CUDA where it is built
@@ -47,8 +52,9 @@ class TelemetryConfig:
             bad.append(f"flush_interval_s={self.flush_interval_s}")
         if self.memory_every < 1:
             bad.append(f"memory_every={self.memory_every}")
-        if self.hang_after_s < 0:
-            bad.append(f"hang_after_s={self.hang_after_s}")
+        for name in ("hang_after_s", "hang_min_s", "hang_first_step_s"):
+            if not getattr(self, name) >= 0:  # NaN too
+                bad.append(f"{name}={getattr(self, name)}")
         if self.spool_hold_bytes < 0:
             bad.append(f"spool_hold_bytes={self.spool_hold_bytes}")
         if self.flops not in FLOPS_MODES:

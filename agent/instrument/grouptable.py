@@ -90,3 +90,16 @@ class GroupTable:
         else:
             hit = self.entries[id(group)] = (group, info, counter, key)
         return hit
+
+    def issued(self) -> list[tuple[GroupInfo, int | None]]:
+        """Each group this table has numbered ops on, with the sequence number of its last op issued
+        (``native.issued``; None where the counter cannot be read): what the hang watchdog says was
+        entered. Read off the training thread; the maps are copied under the lock."""
+        from meshscope.agent.instrument import native
+
+        with self._lock:
+            infos, counters = list(self.infos), dict(self._counters)
+        seen: dict[str, GroupInfo] = {}
+        for info in infos:
+            seen.setdefault(info.name, info)
+        return [(info, native.issued(counters[name])) for name, info in seen.items() if name in counters]

@@ -43,10 +43,37 @@ def switched_on() -> bool:
     return _switched_on()
 
 
+# SharedCount (by id) → (itself, the address of the int64 it counts in): what ``issued`` reads
+_SHARED: dict[int, tuple[Any, int]] = {}
+
+
 def shared_count(counter: Any) -> Any:
     """A functional-collective kernels' group counter (``funcol_kernels.Bound.counter``) as the sites take it:
     ``_hot.SharedCount`` over the int64 it counts in where the C module is built, else the counter itself."""
-    return counter if _hot is None else _hot.SharedCount(counter.address, counter)
+    if _hot is None:
+        return counter
+    shared = _hot.SharedCount(counter.address, counter)
+    _SHARED[id(shared)] = (shared, counter.address)  # one per group and process: never grows past them
+    return shared
+
+
+def issued(counter: Any) -> int | None:
+    """The last number a group's issue counter gave (its last op's sequence number; 0: none yet), read
+    without taking one: an ``itertools.count``, a kernels' counter, or a ``SharedCount`` over one. None
+    for a counter of another kind. Read by the hang watchdog on its own thread while the training thread
+    is blocked; never on a hot path."""
+    import ctypes
+    import itertools
+    import re
+
+    hit = _SHARED.get(id(counter))
+    address = hit[1] if hit is not None and hit[0] is counter else getattr(counter, "address", None)
+    if isinstance(address, int) and address:
+        return int(ctypes.c_int64.from_address(address).value)
+    if type(counter) is itertools.count:  # its repr is the next number it gives: count(N)
+        m = re.fullmatch(r"count\((-?\d+)\)", repr(counter))
+        return int(m[1]) - 1 if m else None
+    return None
 
 
 def set_site_depth(address: int) -> bool:

@@ -51,7 +51,7 @@ MAX_PAYLOAD = 256 * 1024 * 1024
 HEADER_KIND = "header"
 # Fixed codes (never derived from dict order: the codes are on disk).
 KIND_CODES: dict[str, int] = {
-    HEADER_KIND: 0, "run": 1, "step": 2, "collective": 3, "span": 4, "memory": 5, "event": 6, "gpu": 7,
+    HEADER_KIND: 0, "run": 1, "step": 2, "collective": 3, "span": 4, "memory": 5, "event": 6, "gpu": 7, "hang": 8,
 }
 CODE_KINDS: dict[int, str] = {code: kind for kind, code in KIND_CODES.items()}
 assert set(KIND_CODES) - {HEADER_KIND} == set(SCHEMAS), "every schema kind needs a frame code"
@@ -189,7 +189,9 @@ def decode_payload(kind: str, version: int, payload: memoryview, crc: int) -> pa
         table = ipc.open_stream(pa.py_buffer(payload)).read_all()
     except Exception as exc:  # noqa: BLE001 - untrusted bytes into a C++ decoder: any failure is a reject
         raise FrameError("decode_error", f"{kind}: {type(exc).__name__}: {exc}") from None
-    expected = KNOWN_SCHEMAS[version][kind]
+    expected = KNOWN_SCHEMAS[version].get(kind)
+    if expected is None:  # a kind its version did not have (a damaged or forged frame)
+        raise FrameError("schema_mismatch", f"{kind} did not exist in schema v{version}")
     if not table.schema.equals(expected, check_metadata=False):
         raise FrameError("schema_mismatch", f"{kind} v{version}: got {table.schema.names}")
     return _lift(table, SCHEMAS[kind])
