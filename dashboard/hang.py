@@ -198,5 +198,5 @@ def verdict(h: dict) -> str:
     silent = [r for r in culprits if r in (h.get("missing_ranks") or [])]
     tail = f" (rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} sent no hang record: dead, or its telemetry is stuck)" if silent else ""
     return (f"Rank{'s' if len(culprits) > 1 else ''} {names} {'hold' if len(culprits) > 1 else 'holds'} the job: "
-            f"rank{'s' if len(w['ranks']) > 1 else ''} {waiting} wait in {w['op']} on {dim} (group {w['group']}, "
+            f"rank{'s' if len(w['ranks']) > 1 else ''} {waiting} wait{'' if len(w['ranks']) > 1 else 's'} in {w['op']} on {dim} (group {w['group']}, "
             f"seq {w['seq']}){tail}" + (f"; {where}" if where else "") + f"; {lasting}.")

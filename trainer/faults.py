@@ -66,7 +66,8 @@ class Faults:
 
         x = torch.ones(4)
         if self.rank == self.cfg.desync_rank:
-            dist.all_gather_into_tensor(torch.empty(4 * dist.get_world_size()), x)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the older name
+            gather(torch.empty(4 * dist.get_world_size()), x)
         else:
             dist.all_reduce(x)
 

@@ -1,0 +1,140 @@
+"""Why a job hangs, named while it is alive (issue 43): real torchrun jobs of the reference trainer on gloo
+hang on purpose (``trainer.faults``), and ``meshscope hang`` — over the store the ranks' watchdogs write,
+with the default thresholds — must name, within 30 s of the hang's start and with the job still running:
+
+- the culprit rank (the one the injected fault stopped),
+- the collective the others wait in (op, group, sequence number: one past the last the culprit completed),
+- a frame of the culprit's stack inside the trainer's fault injection;
+
+for a 4-rank FSDP2 job, a 2-rank DDP job and a 2-rank pipeline (a stage that stops sending), and a desync
+(rank 1 all-gathers where the others all-reduce) as a mismatch on that group and sequence number. A clean
+run whose first step takes 20 s (a ``torch.compile``-like first step) gets no hang.
+
+The independent truth is the fault itself (which rank, which step, where in the code) and the collective
+records of the ranks (the seq they completed before the hang).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from meshscope.agent.collector.catchup import catch_up
+from meshscope.agent.store.reader import Store, read_table
+from meshscope.dashboard import hangcli, views
+from tests.support.harness import Job, poll_until, private_dir
+
+pytestmark = pytest.mark.gloo
+
+HANG_STEP = 6
+DETECT_S = 30.0  # the acceptance bound: from the hang's start to the verdict
+# name → (ranks, trainer arguments, culprit, the op the others wait in)
+CASES = {
+    "fsdp4": (4, ("--fsdp", "--hang-rank", "2", "--hang-step", str(HANG_STEP)), 2, "all_gather"),
+    "ddp2": (2, ("--hang-rank", "1", "--hang-step", str(HANG_STEP)), 1, "all_reduce"),
+    "pp2": (2, ("--pp", "2", "--hang-rank", "1", "--hang-step", str(HANG_STEP)), 1, "send/recv"),
+    "desync3": (3, ("--desync-rank", "1", "--desync-step", str(HANG_STEP)), 1, "all_reduce"),
+}
+
+
+def _verdict(store, run: str) -> dict:
+    catch_up(store)  # what the CLI does without an agent: the spools' new records into the store
+    return hangcli.build(views.direct_loader(Store.open_many([str(store)])), run=run, now=time.time())
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def hung(request):
+    name = request.param
+    world, args, culprit, op = CASES[name]
+    with private_dir() as store:
+        job = Job(world, "--steps", 400, "--batch-size", 4 * world, "--log-every", 1, "--store", store,
+                  "--run-name", name, *args, log=store / "job.log")
+        try:
+            # the hang starts when the last step before it has ended: rank 0 prints it
+            poll_until(lambda: (HANG_STEP - 1) in job.printed_steps(), timeout_s=120,
+                       what=lambda: f"step {HANG_STEP - 1} printed; log: {job.tail(600)}")
+            t0 = time.time()
+
+            def named():
+                try:
+                    h = _verdict(store, name)
+                except hangcli.ConfigError:  # the run's first records not in the store yet
+                    return None
+                return h if h["status"] == "hung" and h["culprit_ranks"] and len(h["ranks"]) == world else None
+
+            h = poll_until(named, timeout_s=DETECT_S + 30, interval_s=1.0, what=f"{name}: a hang verdict")
+            detected_s = time.time() - t0
+            alive = job.running()
+            cli = subprocess.run([sys.executable, "-m", "meshscope.cli", "hang", "--store", str(store), "--run", name,
+                                  "--json"], capture_output=True, text=True, timeout=60)
+            colls = read_table(store, "collective", run=name)
+            yield {"name": name, "world": world, "culprit": culprit, "op": op, "h": h, "detected_s": detected_s,
+                   "alive": alive, "cli": cli, "colls": colls}
+        finally:
+            job.kill()
+
+
+def test_the_culprit_and_the_collective_the_others_wait_in_are_named_while_the_job_lives(hung):
+    h, culprit, world = hung["h"], hung["culprit"], hung["world"]
+    print(f"\n{hung['name']}: named after {hung['detected_s']:.1f} s: {h['verdict']}")
+    assert hung["alive"], "the verdict must come while the job still runs"
+    assert hung["detected_s"] <= DETECT_S, hung["detected_s"]
+    assert h["culprit_ranks"] == [culprit], h["verdict"]
+    others = [r for r in range(world) if r != culprit]
+    w = h["waiting"]
+    if hung["name"] == "desync3":  # every rank is in a collective: the odd one is named by its op
+        m = h["mismatch"]
+        assert m is not None and m["odd_ranks"] == [culprit] and m["ops"][str(culprit)] == "all_gather"
+        assert {m["ops"][str(r)] for r in others} == {"all_reduce"} and m["dim"] == "dp"
+        assert sorted(w["ranks"]) == list(range(world))
+    else:
+        assert h["mismatch"] is None
+        assert w["ranks"] == others and w["op"] == hung["op"]
+    # the sequence number waited for is one past the last the group completed before the hang (the
+    # collective records: every rank's last seq on that group; the culprit's too, which it never passed)
+    c = hung["colls"]
+    done = c[c["group"] == w["group"]].groupby("rank")["seq"].max()
+    if hung["name"] != "pp2":  # P2P: each rank numbers its own sends and receives
+        assert set(done) == {w["seq"] - 1}, (done.to_dict(), w)
+    else:
+        assert int(done[others[0]]) == w["seq"] - 1
+    # a frame of the culprit's stack inside the trainer's fault injection
+    assert any("meshscope/trainer/faults.py" in f and (" before_step" in f or " _desync" in f)
+               for f in h["stacks"][str(culprit)]), h["stacks"][str(culprit)]
+    assert h["culprit_frames"][str(culprit)].startswith(("meshscope/trainer/faults.py", "torch/distributed/"))
+
+
+def test_the_cli_prints_the_same_verdict_as_json(hung):
+    cli = hung["cli"]
+    assert cli.returncode == 0, cli.stderr
+    out = json.loads(cli.stdout)
+    assert out["culprit_ranks"] == hung["h"]["culprit_ranks"] and out["waiting"]["seq"] == hung["h"]["waiting"]["seq"]
+    assert out["status"] == "hung" and out["since_s"] >= hung["h"]["since_s"] - 1.0
+    assert re.search(rf"Rank {hung['culprit']} holds the job|rank {hung['culprit']} differs", out["verdict"])
+
+
+def test_a_slow_first_step_is_no_hang_and_a_clean_run_reports_none():
+    """Every rank's first step takes 20 s longer (``--first-step-seconds``): with the default thresholds no
+    watchdog fires, the run ends, and ``meshscope hang`` says there is none (exit 0)."""
+    with private_dir() as store:
+        run = "slow-first"
+        job = Job(2, "--steps", 12, "--batch-size", 8, "--log-every", 1, "--store", store, "--run-name", run,
+                  "--first-step-seconds", 20, log=store / "job.log")
+        try:
+            assert job.proc.wait(timeout=150) == 0, job.tail()
+        finally:
+            job.kill()
+        catch_up(store)
+        assert read_table(store, "hang", run=run).empty
+        ev = read_table(store, "event", run=run)
+        assert "hang" not in set(ev["kind"])
+        steps = read_table(store, "step", run=run)
+        assert steps[steps["step"] == 0]["wall_s"].min() >= 20.0  # the slow first step did happen
+        cli = subprocess.run([sys.executable, "-m", "meshscope.cli", "hang", "--store", str(store), "--run", run],
+                             capture_output=True, text=True, timeout=60)
+        assert cli.returncode == 0 and "No hang" in cli.stdout, cli.stdout + cli.stderr
