@@ -414,13 +414,16 @@ FAILURE_KINDS = ("crash", "hang", "aborted_step", "restart", "nonfinite_loss")
 def event_summary(ev: pd.DataFrame, *, kinds: tuple[str, ...] | None = None) -> dict:
     """Events (``data.events``: newest first; ``kind``, ``rank``, ``step``, ``message``), those of ``kinds``
     if given: ``counts`` per kind and the ``key_event`` (kind, rank, step, message): the newest crash or
-    hang before anything else, since the other ranks' aborted steps follow from it; else the newest."""
+    hang before anything else, since the other ranks' aborted steps follow from it — of the hangs, one whose
+    training thread was not in a collective (the rank the others wait for: ``dashboard.hang``); else the
+    newest."""
     if kinds is not None:
         ev = ev[ev["kind"].isin(kinds)]
     out = {"counts": {str(k): int(n) for k, n in ev["kind"].value_counts().sort_index().items()}, "key_event": None}
     if len(ev):
         causes = ev[ev["kind"].isin(["crash", "hang"])]
-        r = (causes if len(causes) else ev).iloc[0]
+        held = causes[(causes["kind"] == "hang") & causes["message"].astype(str).str.startswith("not in a collective")]
+        r = (held if len(held) and not (causes["kind"] == "crash").any() else causes if len(causes) else ev).iloc[0]
         out["key_event"] = {"kind": str(r["kind"]), "rank": None if pd.isna(r["rank"]) else int(r["rank"]),
                             "step": None if pd.isna(r["step"]) else int(r["step"]), "message": str(r["message"])[:300]}
     return out

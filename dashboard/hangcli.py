@@ -15,7 +15,7 @@ import time
 from meshscope.agent.cliargs import ArgParser, run_command
 from meshscope.agent.collector.catchup import catch_up
 from meshscope.agent.store.reader import Store, StoreError
-from meshscope.dashboard import hang, views
+from meshscope.dashboard import views
 from meshscope.dashboard.config import ConfigError
 
 
@@ -25,10 +25,7 @@ def build(load: views.Loader, *, run: str, now: float | None = None) -> dict:
     if run not in set(table["run"]):
         known = ", ".join(sorted(table["run"])) or "none"
         raise ConfigError(f"no run {run!r} in the store (runs: {known})")
-    meta = views.meta_of(table, run)
-    rows = load("hang_rows", run=run)
-    return {"run": run, **hang.analyse(rows["hangs"], rows["last_steps"], world_size=int(meta.get("world_size") or 0),
-                                       now=now)}
+    return {"run": run, **views.hang_view(load, run=run, now=now)}
 
 
 def format_text(h: dict) -> str:

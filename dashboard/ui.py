@@ -29,7 +29,7 @@ CACHE_TTL_S = 30  # the agent appends while a run is live; a short TTL keeps pag
 
 # The data functions the pages may load through the cache (the name is the cache key's first part).
 LOADERS: dict[str, Callable] = {name: getattr(data, name) for name in (
-    "runs_table", "events", "overview_data", "gpu_by_rank", "gpu_by_device", "collective_rows", "collective_links",
+    "runs_table", "events", "hang_rows", "overview_data", "gpu_by_rank", "gpu_by_device", "collective_rows", "collective_links",
     "pipeline_data", "memory_data", "gpu_data", "run_summaries", "planner_data", "rank_steps", "attempts",
     "collective_counts", "run_events", "cpu_wait_steps")}
 
@@ -238,3 +238,21 @@ def window_note(ctx: Context, window: tuple[int, int] | None, *, what: str, budg
 def missing(what: str, *, run: str) -> None:
     """One clear line for a kind of record a (partial) run does not have."""
     st.info(f"No {what} in run `{run}` (for the selected steps).")
+
+
+def hang_panel(h: dict) -> None:
+    """The Hang panel (Overview, Live): the verdict, each rank's state, the culprits' stacks."""
+    if h.get("status") in (None, "none"):
+        return
+    if h["status"] == "hung":
+        st.error(f"**Hang.** {h['verdict']}", icon=":material/block:")
+    else:
+        st.info(f"**Hang (resolved).** {h['verdict']}", icon=":material/history:")
+    st.dataframe(views.hang_table(h), hide_index=True, use_container_width=True)
+    for r in h["culprit_ranks"]:
+        frames = h["stacks"].get(str(r)) or []
+        if frames:
+            with st.expander(f"Rank {r}'s training thread (innermost last)", expanded=True):
+                st.code("\n".join(frames), language="text")
+    st.caption("From each rank's hang watchdog (no progress for 10 median steps, 10-60 s; the first step 300 s): "
+               "`meshscope hang --store ... --run ...` prints the same, `--json` with every rank's stack.")

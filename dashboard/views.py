@@ -517,6 +517,30 @@ def gpu(load: Loader, *, run: str, pick: list[str] | None = None) -> Gpu:
 
 
 # ------------------------------------------------------------------------------------------ runs
+def hang_view(load: Loader, *, run: str, now: float | None = None) -> dict:
+    """``hang.analyse`` of ``run`` (the Hang panel of the Overview and Live pages, ``meshscope hang``)."""
+    from meshscope.dashboard import hang
+
+    meta = meta_of(load("runs_table"), run)
+    rows = load("hang_rows", run=run)
+    return hang.analyse(rows["hangs"], rows["last_steps"], world_size=int(meta.get("world_size") or 0), now=now)
+
+
+def hang_table(h: dict) -> pd.DataFrame:
+    """The Hang panel's table: one row per rank (state, op, group and seq waited on, step, phase, where)."""
+    rows = []
+    for r, info in sorted((h.get("ranks") or {}).items(), key=lambda kv: int(kv[0])):
+        open_ = [g for g in h.get("groups") or () if int(r) in g["ranks"]]
+        rows.append({"rank": int(r), "culprit": "✕" if int(r) in h["culprit_ranks"] else "",
+                     "state": f"waits in {info['op'] or '?'}" if info["in_collective"] else "NOT in a collective",
+                     "group": open_[0]["group"] if open_ else "", "seq": open_[0]["seq"] if open_ else None,
+                     "step": info["step"], "phase": info["phase"], "where": info["where"]})
+    for r in h.get("missing_ranks") or ():
+        rows.append({"rank": int(r), "culprit": "✕" if int(r) in h["culprit_ranks"] else "",
+                     "state": "no hang record", "group": "", "seq": None, "step": None, "phase": "", "where": ""})
+    return pd.DataFrame(rows, columns=["rank", "culprit", "state", "group", "seq", "step", "phase", "where"])
+
+
 def runs_view(load: Loader) -> tuple[pd.DataFrame, go.Figure]:
     table = load("runs_table")
     return table, figures.runs_timeline(table)

@@ -6,7 +6,7 @@ from datetime import datetime, timezone
 
 import streamlit as st
 
-from meshscope.dashboard import figures, ui
+from meshscope.dashboard import figures, ui, views
 from meshscope.dashboard.live import METRICS, STALE_AFTER_S, LiveError, history, live_runs, run_status, snapshot
 
 MINUTES = 10
@@ -71,6 +71,8 @@ def main(ctx: ui.Context) -> None:
             st.warning(str(e))
             return
         _status(status, now)
+        if status["state"] != "ended" and run in set(ui.load("runs_table", ctx.store)["run"]):
+            ui.hang_panel(views.hang_view(ui.loader(ctx), run=run, now=now))  # the store's hang records
         c = st.columns(3)
         c[0].metric("ranks reporting", f"{len(snap)}")
         c[1].metric("latest step", f"{snap['step'].max():.0f}" if snap["step"].notna().any() else "n/a")

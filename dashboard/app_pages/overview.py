@@ -1,6 +1,8 @@
 """Overview: throughput, MFU and loss over steps; per-rank time breakdown; rank x step compute heatmap;
 stragglers (each rank against its peers in the same step), what they cost their peers and a cause hint."""
 
+import time
+
 import pandas as pd
 import streamlit as st
 
@@ -30,6 +32,7 @@ def main(ctx: ui.Context) -> None:
         st.warning(f"This run had failures: {counts}. Key event: rank {key['rank']} at step {key['step']}, "
                    f"{key['kind'].replace('_', ' ')}: {key['message'][:200]}. The Events table below lists them "
                    "all.", icon="⚠️")
+    ui.hang_panel(views.hang_view(ui.loader(ctx), run=run, now=time.time()))  # a stall: who holds the job, first
     if view.stragglers is not None and len(view.stragglers):  # the headline verdict; details below
         st.warning(_verdict(view) + " Details under Stragglers below.", icon="🐢")
     over = (f"over steps {view.first_steady_step}–{view.step_time['last_step']} (warm-up left out)"
