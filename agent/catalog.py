@@ -139,7 +139,7 @@ CATALOG: tuple[MetricSpec, ...] = (
        "While the rank's hang watchdog reports a stall: 1 if its training thread waits in a collective, 0 if it "
        "is outside any (in synchronous training, the rank its peers wait for: the culprit).",
        "hang.in_collective (newest)", "rank", per_rank="fixed",
-       when="from the rank's hang record until a step of the rank ends after it"),
+       when="from the rank's hang record until one of its steps ends after it"),
     # --- per rank: collectives (from `collective` records) --------------------------------------------
     _m("rank_collective_last_seq", "gauge", "", RANK + ("dim",),
        "Sequence number of the last collective the rank completed on its group of this dim "

@@ -301,6 +301,12 @@ def test_straggler_then_hang_are_delivered(e2e):
         assert [(r["metric"]["run"], r["metric"]["rank"], r["value"][1]) for r in result
                 if r["metric"]["run"] == run] == [(run, "1", "1")]
 
+        # The hang's culprit, named by the ranks' watchdogs (rank 2 stops before step 40; its peers wait)
+        culprit = poll_until(lambda: e2e.webhook.find("MeshscopeRankHang", run=run), timeout_s=120,
+                             what=f"the hang's culprit notification\n{_log(e2e, run)}")
+        assert culprit["labels"]["rank"] == "2" and "rank 2 holds" in culprit["annotations"]["summary"]
+        assert not e2e.webhook.find("MeshscopeRankHang", run=run, rank="0")
+        assert not e2e.webhook.find("MeshscopeRankHang", run=run, rank="1")
         alert = poll_until(lambda: e2e.webhook.find("MeshscopeRunNoProgress", run=run), timeout_s=120,
                            what=f"the no-progress notification\n{_log(e2e, run)}")
         assert alert["labels"]["severity"] == "critical"
