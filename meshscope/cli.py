@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "sweep": ("meshscope.dashboard.sweep", "main", "run one model over a grid of world sizes / strategies (scaling study)"),
     "export-trace": ("meshscope.agent.trace", "main", "write a Perfetto / Chrome-trace JSON of a step range"),
     "report": ("meshscope.dashboard.report", "main", "a run's verdicts in the terminal (--json for scripts): what the pages say"),
+    "hang": ("meshscope.dashboard.hangcli", "main", "why a run hangs, while it is alive: culprit ranks, the collective the others wait in, stacks"),
     "plan": ("meshscope.dashboard.planner.cli", "main", "predict step time, MFU and memory of other layouts from measured runs"),
     "dashboard": ("meshscope.dashboard.cli", "main", "serve the Streamlit dashboard over a store (and Prometheus)"),
     "stack": ("meshscope.agent.stack", "main", "run Prometheus + Alertmanager (+ an agent) on 127.0.0.1 with meshscope's rules"),

@@ -189,6 +189,7 @@ class TelemetrySection:
     hang_after_s: float = _TELEMETRY_DEFAULTS["hang_after_s"]
     hang_min_s: float = _TELEMETRY_DEFAULTS["hang_min_s"]
     hang_first_step_s: float = _TELEMETRY_DEFAULTS["hang_first_step_s"]
+    flight_recorder_dir: str = _TELEMETRY_DEFAULTS["flight_recorder_dir"]
     spool_hold_bytes: int = _TELEMETRY_DEFAULTS["spool_hold_bytes"]
 
     def __post_init__(self) -> None:
@@ -203,6 +204,7 @@ class TelemetrySection:
         """The instrumentation's config for one run of this trainer."""
         return TelemetryConfig(store=store or self.store, run=run, hang_after_s=self.hang_after_s,
                                hang_min_s=self.hang_min_s, hang_first_step_s=self.hang_first_step_s,
+                               flight_recorder_dir=self.flight_recorder_dir,
                                spool_hold_bytes=self.spool_hold_bytes)
 
 

@@ -22,6 +22,9 @@ class TelemetryConfig:
     hang_after_s: float = 60.0  # the most the threshold gets; 0: the watchdog is off
     hang_min_s: float = 10.0  # the least (a loaded machine's scheduling hiccups are not hangs)
     hang_first_step_s: float = 300.0  # until a step has ended
+    # where each rank also writes torch's Flight Recorder buffer when its watchdog fires (agent.instrument.
+    # flightrec: torch's analyser reads the folder); "": not written
+    flight_recorder_dir: str = ""
     spool_hold_bytes: int = 8 * 1024 * 1024  # records held in memory while the spool cannot be written
     # DDP's gradient buckets recorded (per-bucket records, exposed time): by a kernel in torch's dispatcher
     # that leaves DDP's C++ built-in all-reduce in place, in a process without CUDA where it is built

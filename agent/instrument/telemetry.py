@@ -47,10 +47,10 @@ from typing import Any, Iterator
 
 from meshscope.agent import version
 from meshscope.agent.contract import (
-    SCHEMAS, AnchoredClock, Clock, StepRecord, collective_record, event_record, run_record, span_record, algbw,
-    busbw_factor, spool_path,
+    SCHEMAS, AnchoredClock, Clock, StepRecord, collective_record, event_record, hang_record, run_record, span_record,
+    algbw, busbw_factor, spool_path,
 )
-from meshscope.agent.instrument import memory
+from meshscope.agent.instrument import flightrec, hangdump, memory
 from meshscope.agent.instrument.cpu import ThreadCPU
 from meshscope.agent.instrument.config import TelemetryConfig
 from meshscope.agent.instrument.readout import hang_message, take_all, tracer_losses
@@ -109,6 +109,10 @@ class Telemetry:
         self._hang_reported = False
         self._loss_bad = False  # the last built step's loss was non-finite (one event per streak)
         self._last_coll: tuple[str, str, int] | None = None
+        # per group name: the last completed op's (op, seq, t_end, dim, size), and the recent steps' walls
+        # (the flusher's own): what the hang record and the adaptive threshold read
+        self._completed: dict[str, tuple] = {}
+        self._walls: collections.deque[float] = collections.deque(maxlen=hangdump.RECENT_STEPS)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._census = memory.TensorCensus(on_error=self.record_error)
@@ -341,6 +345,9 @@ class Telemetry:
             t_end=t_end, duration_s=duration, wait_s=wait_s, algbw=alg, busbw=bus, peer=peer, source=source,
             mesh_dim=mesh_dim))
         self._last_coll = (op, dim, seq)
+        done = self._completed.get(group)
+        if done is None or seq >= done[1]:
+            self._completed[group] = (op, seq, t_end, dim, group_size)
         self._progress(t_end)
 
     def record_span(self, *, stage: int, microbatch: int, kind: str, t_start: float, t_end: float) -> None:
@@ -423,6 +430,8 @@ class Telemetry:
             for row in span_rows:
                 self._push("span", row)
             self._push("step", step_row)
+            if state.t_end is not None:
+                self._walls.append(state.t_end - state.t_start)
             bad = bool(step_row[_NONFINITE])
             if bad and not self._loss_bad:  # the first of a streak: a diverged job is one event, not one a step
                 self.event("nonfinite_loss", f"loss {step_row[_LOSS]} at step {state.step}", step=state.step)
@@ -469,22 +478,40 @@ class Telemetry:
             self._progress_t, self._hang_reported = t, False
 
     def _check_hang(self) -> None:
-        """Runs on the flusher thread. After ``hang_after_s`` without progress, one ``hang`` event per
-        stall that says where the training thread is: blocked in a collective (a torch.distributed frame
-        is on its stack, or the autograd engine, where DDP's reducer waits) or not in a collective. In
-        synchronous training the rank that is NOT in a collective is the one the others wait for."""
-        limit = self.config.hang_after_s
-        if not limit or self._hang_reported or self.clock.now() - self._progress_t < limit:
+        """Runs on the flusher thread. After the hang threshold (``hangdump.hang_threshold_s``) without
+        progress, one ``hang`` event per stall that says where the training thread is: blocked in a
+        collective (a torch.distributed frame is on its stack, or the autograd engine, where DDP's reducer
+        waits) or not in a collective — in synchronous training the rank that is NOT in a collective is
+        the one the others wait for — and one ``hang`` record with every thread's stack and each group's
+        entered and completed sequence numbers (``hangdump``), from which dashboard.hang names the culprit."""
+        if self._hang_reported:
+            return
+        c = self.config
+        stalled = self.clock.now() - self._progress_t
+        limit = hangdump.hang_threshold_s(after_s=c.hang_after_s, first_step_s=c.hang_first_step_s,
+                                          min_s=c.hang_min_s, walls=tuple(self._walls))
+        if not limit or stalled < limit:
             return
         self._hang_reported = True
         try:
             state = self._cur
+            step = state.step if state else self._last_step
             self.event("hang", hang_message(sys._current_frames().get(self._train_thread), state=state,
                                             last_step=self._last_step, last_coll=self._last_coll,
-                                            stalled_s=self.clock.now() - self._progress_t),
-                       step=state.step if state else self._last_step)
+                                            stalled_s=stalled), step=step)
+            tables = [t.groups for t in self._tracers if hasattr(t, "groups")]
+            self._push("hang", hang_record(t=self.clock.now(), step=step, since_s=stalled,
+                                           phase=(state.phase or "") if state else "",
+                                           **hangdump.hang_fields(train_thread=self._train_thread, tables=tables,
+                                                                  completed=dict(self._completed))))
+            self._wake.set()
         except Exception as exc:
             self.record_error("hang_watchdog", exc)
+        if c.flight_recorder_dir:  # torch's own record of the same stall, for its analyser
+            try:
+                flightrec.dump(c.flight_recorder_dir, rank=self.rank)
+            except Exception as exc:
+                self.record_error("flight_recorder", exc)
 
     def _drain(self) -> None:
         # Records whose building was deferred off the training thread. The ended steps are taken first: every
