@@ -25,6 +25,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -81,7 +82,7 @@ def hung(request):
             colls = read_table(store, "collective", run=name)
             poll_until(lambda: len(list(fr.glob("rank_*"))) == world, timeout_s=30,
                        what=lambda: f"every rank's Flight Recorder dump: {sorted(p.name for p in fr.glob('*'))}")
-            yield {"fr": torch_findings(fr),"name": name, "world": world, "culprit": culprit, "op": op, "h": h, "detected_s": detected_s,
+            yield {"fr": torch_findings(fr), "store": store,"name": name, "world": world, "culprit": culprit, "op": op, "h": h, "detected_s": detected_s,
                    "alive": alive, "cli": cli, "colls": colls}
         finally:
             job.kill()
@@ -139,6 +140,26 @@ def test_the_cli_prints_the_same_verdict_as_json(hung):
     assert out["culprit_ranks"] == hung["h"]["culprit_ranks"] and out["waiting"]["seq"] == hung["h"]["waiting"]["seq"]
     assert out["status"] == "hung" and out["since_s"] >= hung["h"]["since_s"] - 1.0
     assert re.search(rf"Rank {hung['culprit']} holds the job|rank {hung['culprit']} differs", out["verdict"])
+
+
+def test_the_overview_page_shows_the_hang_panel(hung, monkeypatch):
+    """What the Overview's Hang panel says on the hung run's store (Streamlit's AppTest runs the page)."""
+    if hung["name"] != "fsdp4":
+        pytest.skip("one page run is enough: the panel renders the same view for every case")
+    from streamlit.testing.v1 import AppTest
+
+    app = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
+    monkeypatch.setattr(sys, "argv", ["app.py", "--store", str(hung["store"])])
+    at = AppTest.from_file(str(app), default_timeout=90)
+    at.run()
+    at.switch_page("app_pages/overview.py")
+    at.run()
+    assert not at.exception, at.exception
+    errors = [e.value for e in at.error]
+    assert any("Hang." in e and f"Rank {hung['culprit']} holds the job" in e and "all_gather" in e for e in errors), errors
+    table = at.dataframe[0].value
+    assert table.loc[table["culprit"] == "✕", "rank"].tolist() == [hung["culprit"]]
+    assert any("faults.py" in c.value for c in at.code)
 
 
 def test_a_slow_first_step_is_no_hang_and_a_clean_run_reports_none():
