@@ -73,3 +73,15 @@ def test_a_two_rank_mismatch_names_both_ranks_and_the_since_grows_with_now():
     assert m == {"group": "0", "dim": "dp", "seq": 13, "ops": {"0": "all_reduce", "1": "all_gather"}, "odd_ranks": [0, 1]}
     assert h["culprit_ranks"] == [0, 1]  # two ranks, two ops: neither is the odd one
     assert h["since_s"] == 12.0 + 30.0
+
+
+def test_the_cli_names_a_bad_store_or_run_in_one_line_and_exits_2(tmp_path, capsys):
+    from meshscope.dashboard import hangcli
+
+    assert hangcli.main(["--store", str(tmp_path / "nowhere"), "--run", "r"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nowhere" in err[0] and "Traceback" not in err[0]
+    (tmp_path / "empty").mkdir()
+    assert hangcli.main(["--store", str(tmp_path / "empty"), "--run", "r"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no run 'r'" in err[0]
