@@ -11,6 +11,8 @@ Also the cost of a watchdog that does not fire: the first step of a clean run ma
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import shutil
 import subprocess
@@ -82,7 +84,8 @@ def one(name: str, work: Path) -> dict:
         alive = proc.poll() is None
         while len(list(fr.glob("rank_*"))) < world and time.time() - t0 < 120:
             time.sleep(0.5)
-        found = torch_findings(fr) if len(list(fr.glob("rank_*"))) == world else []
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+            found = torch_findings(fr) if len(list(fr.glob("rank_*"))) == world else []  # its report: stderr
         colls = read_table(store, "collective", run=name)
         w = (h or {}).get("waiting") or {}
         done = colls[colls["group"] == w.get("group")].groupby("rank")["seq"].max() if w else None
@@ -113,6 +116,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-slow-first", action="store_true")
     a = p.parse_args()
+    logging.disable(logging.WARNING)  # torch's analyser logs its findings: the table below has them
     print(f"load average before: {os.getloadavg()}")
     work = Path(tempfile.mkdtemp(prefix="meshscope-hangbench-"))
     try:
