@@ -7,7 +7,8 @@ A run is **clean** when nothing but the job itself shaped its step times:
 - **no fault injected**: the trainer's config (``run.config`` JSON, section ``faults``,
   ``trainer.config.FaultConfig``) names no straggler (ranks with ``straggler_seconds`` > 0 from a step
   before the run's last), no hang, no crash and no non-finite loss at a step the run reached;
-- **no failure event**: no ``crash``, ``hang``, ``restart`` (a resumed attempt), ``nonfinite_loss`` or
+- **no failure event**: no ``crash``, ``hang`` (unless every rank ended: a stall the job got over, such
+  as a long checkpoint save, is no hang), ``restart`` (a resumed attempt), ``nonfinite_loss`` or
   ``skipped_step`` (a non-finite gradient) event;
 - **it finished**: every rank that wrote a ``start`` event wrote an ``end`` event, and no step was aborted.
   What an interrupted run leaves in the store, seen on real torchrun jobs (2 gloo ranks): Ctrl-C (SIGINT to
@@ -58,10 +59,13 @@ def faults_of(config: str | None) -> list[str]:
     start = int(f.get("straggler_from_step") or 0)
     if ranks and extra > 0 and reached(start):
         out.append(f"straggler {_ranks(ranks)}, +{extra:g} s/step" + (f" from step {start}" if start > 0 else ""))
-    for name in ("hang", "crash"):
+    for name in ("hang", "crash", "desync"):
         rank, step = int(f.get(f"{name}_rank", -1)), int(f.get(f"{name}_step", -1))
         if rank >= 0 and step >= 0 and reached(step):
             out.append(f"{name} of rank {rank} at step {step}")
+    slow = float(f.get("first_step_seconds") or 0.0)
+    if slow > 0:
+        out.append(f"first step +{slow:g} s")
     nan = int(f.get("nan_step", -1))
     if nan >= 0 and reached(nan):
         out.append(f"non-finite loss at step {nan}")
@@ -120,6 +124,11 @@ def _event_reasons(ev: pd.DataFrame | None) -> list[str]:
         return ["not known to have finished (no start or end event recorded)"]
     out = []
     kinds = {k: g for k, g in ev.groupby("kind", sort=False)}
+    started = set(kinds["start"]["rank"]) if "start" in kinds else set()
+    ended = set(kinds["end"]["rank"]) if "end" in kinds else set()
+    missing = sorted((started or set(ev["rank"])) - ended)
+    if "hang" in kinds and not missing:  # every rank ended: a stall the job got over (a long save), no hang
+        kinds.pop("hang")
     for kind, what in (("crash", "crashed"), ("hang", "hung")):
         if kind in kinds:
             out.append(f"{what} ({_where(kinds[kind])})")
@@ -128,9 +137,6 @@ def _event_reasons(ev: pd.DataFrame | None) -> list[str]:
     bad = [kinds[k] for k in ("nonfinite_loss", "skipped_step") if k in kinds]
     if bad:
         out.append(f"non-finite loss (from step {int(pd.concat(bad)['step'].min())})")
-    started = set(kinds["start"]["rank"]) if "start" in kinds else set()
-    ended = set(kinds["end"]["rank"]) if "end" in kinds else set()
-    missing = sorted((started or set(ev["rank"])) - ended)
     if "aborted_step" in kinds and not {"crash", "hang"} & set(kinds):
         a = kinds["aborted_step"]
         causes = sorted({c for c in map(stop_cause, a["message"].astype(str)) if c})

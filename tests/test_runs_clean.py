@@ -232,3 +232,23 @@ def test_families_take_clean_runs_and_list_the_others(tmp_path, monkeypatch, ref
     page = whatif.whatif(load, runs=runs, world_size=2)
     assert set(page.runs) == {"ddp", "w1"} and "straggler" not in set(page.measured["run"])
     assert set(page.cleanliness.loc[~page.cleanliness["clean"], "run"]) == {"straggler", "stopped"}
+
+
+def test_a_stall_the_job_got_over_is_no_hang_and_the_new_faults_are_faults():
+    # A hang event on a rank of a run every rank of which ended (a long checkpoint save, an evaluation
+    # pass beyond the watchdog's threshold) is a stall, not a hang; one without every end is a hang.
+    ends = {"run": ["a"] * 5, "rank": [0, 0, 1, 1, 1], "step": [-1, 9, -1, 4, 9],
+            "kind": ["start", "end", "start", "hang", "end"], "message": ""}
+    stuck = {"run": ["b"] * 4, "rank": [0, 0, 1, 1], "step": [-1, 9, -1, 4],
+             "kind": ["start", "end", "start", "hang"], "message": ""}
+    table = pd.DataFrame({"run": ["a", "b", "c", "d"], "config": [
+        None, None, '{"steps": 20, "faults": {"desync_rank": 1, "desync_step": 6}}',
+        '{"steps": 20, "faults": {"first_step_seconds": 20.0}}']})
+    raw = pd.concat([pd.DataFrame(ends), pd.DataFrame(stuck),
+                     *(pd.DataFrame({"run": [r] * 2, "rank": [0, 0], "step": [-1, 19], "kind": ["start", "end"],
+                                     "message": ""}) for r in ("c", "d"))])
+    got = runs_clean.clean_runs(table, raw).set_index("run")
+    assert got.loc["a", "clean"], got.loc["a", "reason"]
+    assert not got.loc["b", "clean"] and got.loc["b", "reason"].startswith("hung (rank 1")
+    assert got.loc["c", "reason"] == "fault injected (desync of rank 1 at step 6)"
+    assert got.loc["d", "reason"] == "fault injected (first step +20 s)"
