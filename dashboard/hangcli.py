@@ -13,9 +13,7 @@ import sys
 import time
 
 from meshscope.agent.cliargs import ArgParser, run_command
-from meshscope.agent.collector.catchup import catch_up
-from meshscope.agent.store.reader import Store, StoreError
-from meshscope.dashboard import views
+from meshscope.dashboard import report, views
 from meshscope.dashboard.config import ConfigError
 
 
@@ -60,10 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     p = ArgParser(prog="meshscope hang", description=(
         "Why a run hangs, while it is alive: the culprit ranks, the collective the others wait in and each "
         "rank's stack, from the ranks' hang watchdogs; --json prints one object."))
-    p.add_argument("--store", action="append", required=True, metavar="DIR",
-                   help="run store directory or s3://bucket/prefix; repeatable")
-    p.add_argument("--run", required=True, help="run name")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    report.run_args(p)
     return p
 
 
@@ -71,13 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def body(a: argparse.Namespace) -> int:
-        try:
-            store = Store.open_many(a.store)
-        except StoreError as e:
-            raise ConfigError(str(e)) from None
-        for root in store.local_roots():
-            if note := catch_up(root).message():
-                print(f"meshscope hang: {note}", file=sys.stderr)
+        store = report.open_stores(a.store, prog="meshscope hang")
         h = build(views.direct_loader(store), run=a.run, now=time.time())
         print(json.dumps(h, indent=2) if a.json else format_text(h))
         return 0

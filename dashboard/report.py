@@ -169,12 +169,30 @@ def _parser() -> argparse.ArgumentParser:
     p = ArgParser(prog="meshscope report", description=(
         "A run's verdicts in the terminal, computed by the same views the dashboard's pages render; --json "
         "prints one object for scripts and CI."))
+    run_args(p)
+    p.add_argument("--steps", default=None, metavar="A:B", help="step range, inclusive (default: the whole run)")
+    return p
+
+
+def run_args(p: argparse.ArgumentParser) -> None:
+    """``--store`` (repeatable), ``--run`` and ``--json``: the flags of the commands about one run."""
     p.add_argument("--store", action="append", required=True, metavar="DIR",
                    help="run store directory or s3://bucket/prefix (the agent's --upload); repeatable")
     p.add_argument("--run", required=True, help="run name")
-    p.add_argument("--steps", default=None, metavar="A:B", help="step range, inclusive (default: the whole run)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    return p
+
+
+def open_stores(stores: list[str], *, prog: str) -> Store:
+    """The stores, records still only in spools (no agent ran) ingested first, each note on stderr; a store
+    that cannot be opened is the user's mistake (ConfigError)."""
+    try:
+        store = Store.open_many(stores)
+    except StoreError as e:
+        raise ConfigError(str(e)) from None
+    for root in store.local_roots():
+        if note := catch_up(root).message():
+            print(f"{prog}: {note}", file=sys.stderr)
+    return store
 
 
 def parse_steps(text: str | None) -> tuple[int, int] | None:
@@ -191,13 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def body(a: argparse.Namespace) -> int:
         steps = parse_steps(a.steps)
-        try:
-            store = Store.open_many(a.store)
-        except StoreError as e:
-            raise ConfigError(str(e)) from None
-        for root in store.local_roots():  # records still only in spools (no agent ran) count too
-            if note := catch_up(root).message():
-                print(f"meshscope report: {note}", file=sys.stderr)
+        store = open_stores(a.store, prog="meshscope report")
         rep = build(views.direct_loader(store), run=a.run, steps=steps)
         print(json.dumps(rep, indent=2) if a.json else format_text(rep))
         return 0
