@@ -538,7 +538,8 @@ def hang_table(h: dict) -> pd.DataFrame:
     for r in h.get("missing_ranks") or ():
         rows.append({"rank": int(r), "culprit": "✕" if int(r) in h["culprit_ranks"] else "",
                      "state": "no hang record", "group": "", "seq": None, "step": None, "phase": "", "where": ""})
-    return pd.DataFrame(rows, columns=["rank", "culprit", "state", "group", "seq", "step", "phase", "where"])
+    return pd.DataFrame(rows, columns=["rank", "culprit", "state", "group", "seq", "step", "phase", "where"]).astype(
+        {"seq": "Int64", "step": "Int64"})  # a rank in no group: blank, not "None"
 
 
 def runs_view(load: Loader) -> tuple[pd.DataFrame, go.Figure]:
