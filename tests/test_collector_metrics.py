@@ -16,7 +16,7 @@ from prometheus_client.registry import CollectorRegistry
 from meshscope.agent import catalog
 from meshscope.agent.collector.exposition import MeshscopeCollector
 from meshscope.agent.collector.state import MetricsState
-from meshscope.agent.contract import CollectiveRecord, EventRecord, GpuRecord, MemoryRecord, StepRecord
+from meshscope.agent.contract import CollectiveRecord, EventRecord, GpuRecord, HangRecord, MemoryRecord, StepRecord
 from meshscope.agent.transport.frame import rows_to_batch
 from tests.support.spools import ALL_OPS_DIMS, collective_table, run_table
 
@@ -50,6 +50,11 @@ def mem(i, *, t, **fields):
 
 def ev(t, step, kind, message):
     return EventRecord(t=t, step=step, kind=kind, message=message)
+
+
+def hang(t, *, in_collective, step=5):
+    return HangRecord(t=t, step=step, since_s=12.0, phase="", in_collective=in_collective,
+                      op="all_reduce" if in_collective else "", where="x", groups="[]", stacks="[]")
 
 
 def scrape(state: MetricsState) -> tuple[CollectorRegistry, str]:
@@ -208,3 +213,22 @@ def test_every_exported_name_is_in_the_catalog():
     assert names <= catalog.sample_names()
     assert "meshscope_gpu_ecc_errors_total" not in names  # -1: not supported, not exported
     assert "meshscope_gpu_power_watts" in names and "meshscope_agent_info" in names
+
+
+def test_a_hang_record_sets_the_ranks_hang_gauge_until_a_later_step_ends():
+    st = MetricsState()
+    st.observe("step", table("step", [step(0), step(1)]), run="r", rank=0, attempt=0, now=1.0)
+    st.observe("step", table("step", [step(0), step(1)]), run="r", rank=1, attempt=0, now=1.0)
+    st.observe("hang", table("hang", [hang(500.0, in_collective=True)]), run="r", rank=0, attempt=0, now=2.0)
+    st.observe("hang", table("hang", [hang(501.0, in_collective=False)]), run="r", rank=1, attempt=0, now=2.0)
+    reg, _ = scrape(st)
+    assert reg.get_sample_value("meshscope_rank_hang_in_collective", {"run": "r", "rank": "0"}) == 1.0
+    assert reg.get_sample_value("meshscope_rank_hang_in_collective", {"run": "r", "rank": "1"}) == 0.0
+    # an older hang record (a rank's stall before its last step) sets nothing; a step after the stall clears it
+    st.observe("step", table("step", [step(0)]), run="q", rank=0, attempt=0, now=2.0)
+    st.observe("hang", table("hang", [hang(50.0, in_collective=False)]), run="q", rank=0, attempt=0, now=2.0)
+    st.observe("step", table("step", [step(2, t0=600.0)]), run="r", rank=1, attempt=0, now=3.0)
+    reg, _ = scrape(st)
+    assert reg.get_sample_value("meshscope_rank_hang_in_collective", {"run": "q", "rank": "0"}) is None
+    assert reg.get_sample_value("meshscope_rank_hang_in_collective", {"run": "r", "rank": "1"}) is None
+    assert reg.get_sample_value("meshscope_rank_hang_in_collective", {"run": "r", "rank": "0"}) == 1.0

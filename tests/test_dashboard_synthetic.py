@@ -79,6 +79,8 @@ def _read(root, kind, run="pp") -> pd.DataFrame:
 def test_layout_and_schema_are_the_agents(pp_store):
     root, cfg, rows = pp_store
     for kind, schema in SCHEMAS.items():
+        if kind == "hang":  # a watchdog's record of a stall: a healthy run has none
+            continue
         files = sorted((root / "tables" / kind / "run=pp").glob("rank=*/part-*.parquet"))
         assert files, kind
         ranks = {f.parent.name for f in files}

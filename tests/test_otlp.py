@@ -32,7 +32,7 @@ from meshscope.agent.collector.otlp import UNITS, OtlpConfig, OtlpPusher, StartT
 from meshscope.agent.collector.state import MetricsState
 from meshscope.agent.contract import AnchoredClock, GpuRecord
 from tests.support.spools import run_table, write_run
-from tests.test_collector_metrics import coll, ev, mem, step, table
+from tests.test_collector_metrics import coll, ev, hang, mem, step, table
 from tests.test_collector_process import fetch, poll_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,6 +114,7 @@ def populated_state() -> MetricsState:
     st.observe("collective", table("collective", [coll(1, nbytes=64), coll(2, op="all_gather", dim="fsdp")]),
                run="r", rank=0, attempt=0, now=2.0)
     st.observe("event", table("event", [ev(2.0, 1, "crash", "x")]), run="r", rank=0, attempt=0, now=2.0)
+    st.observe("hang", table("hang", [hang(1e3, in_collective=False)]), run="r", rank=0, attempt=0, now=2.0)
     st.gpus[0] = GpuRecord(t=1.0, host="node0", gpu=0, uuid="GPU-x", name="H100", util_ratio=0.5,
                            mem_util_ratio=0.1, mem_used_bytes=1, mem_total_bytes=2, power_watts=300.0,
                            temperature_celsius=60.0, sm_clock_hz=1.9e9, sm_clock_max_hz=2e9, throttle_reasons=4,
