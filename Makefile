@@ -43,6 +43,10 @@ install: $(filter $(VENV)/bin/python,$(PY))
 	@$(PY) -c "import torchtitan, torchdata, torch_checkpointing, spmd_types, datasets, tokenizers, safetensors, tyro, tensorboard, einops, triton" 2>/dev/null \
 		|| { $(PIP) install -q --no-deps torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1 spmd_types==0.2.3 \
 			&& $(PIP) install -e '.[test]'; }
+	@# HTA (tests/test_deeptrace.py reads `meshscope trace`'s traces with it) without its jupyterlab, which it
+	@# never imports: its other dependencies are in the test extra
+	@$(PY) -c "import hta, networkx, pydot" 2>/dev/null \
+		|| { $(PIP) install -q --no-deps HolisticTraceAnalysis==0.5.0 && $(PIP) install -e '.[test]'; }
 	@$(PY) -m meshscope.agent.instrument.funcol_kernels --check >/dev/null 2>&1 || ! command -v c++ >/dev/null \
 		|| $(PY) -m meshscope.agent.instrument.funcol_kernels
 

@@ -15,6 +15,7 @@ PUBLIC = (
     "meshscope.agent.instrument.flops",  # device peak FLOP/s, MFU's denominator
     "meshscope.agent.store.reader",  # the one reader of the run store
     "meshscope.agent.collector.catchup",  # readers take in what the spools hold beyond the store
+    "meshscope.agent.deeptrace",  # meshscope trace: arm torch.profiler on a running job, collect, merge
     "meshscope.agent.zerocode",  # observe(): zero-code observation of an unmodified loop
     "meshscope.agent.zerocode.frameworks",  # the Hugging Face and Lightning callbacks
     "meshscope.agent.security",  # PromQL quoting of label values built from run names

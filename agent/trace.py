@@ -91,13 +91,32 @@ def build_trace(store: Store | str | os.PathLike, *, run: str,
                          f"({what})")
     spans = read_table(store, "span", run=run, steps=steps)
     coll = read_table(store, "collective", run=run, steps=steps)
-    t0 = float(min(step_df["t_start"].min(), spans["t_start"].min() if len(spans) else math.inf,
-                   coll["t_start"].min() if len(coll) else math.inf))
-    events: list[dict] = []
     hosts = {}
     info = read_table(store, "run", run=run)
     for row in info.sort_values("t_start").itertuples(index=False):
         hosts[int(row.rank)] = row.host
+    events, t0 = trace_events(step_df, spans=spans, collectives=coll,
+                              events=read_table(store, "event", run=run, steps=steps), hosts=hosts)
+    lo, hi = steps
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "metadata": {"run": run, "steps": f"{'' if lo is None else lo}:{'' if hi is None else hi}",
+                     "t0_unix_s": t0, "ranks": int(step_df["rank"].nunique()), "source": "meshscope"},
+    }
+
+
+def trace_events(step_df, *, spans, collectives, events, hosts: dict[int, str],
+                 t0: float | None = None) -> tuple[list[dict], float]:
+    """The trace events of meshscope's records (frames of the store's columns, ``rank`` included, as
+    ``read_table`` gives them) in the layout of the module docstring, and the origin of their timestamps
+    (Unix seconds): ``t0``, or the earliest step, span or collective start. ``meshscope trace`` lays the
+    profiler's ops of the same steps beside them (``agent.tracemerge``)."""
+    coll, event_rows = collectives, events
+    if t0 is None:
+        t0 = float(min(step_df["t_start"].min(), spans["t_start"].min() if len(spans) else math.inf,
+                       coll["t_start"].min() if len(coll) else math.inf))
+    events: list[dict] = []
     named_threads: set[tuple[int, int]] = set()
 
     def thread(pid: int, tid: int, name: str) -> None:
@@ -157,19 +176,12 @@ def build_trace(store: Store | str | os.PathLike, *, run: str,
                            "wait_s": _clean(c["wait_s"]),
                            "peer": int(c["peer"]), "source": _clean(c["source"])}})
 
-    for e in read_table(store, "event", run=run, steps=steps).to_dict("records"):
+    for e in event_rows.to_dict("records"):
         pid = int(e["rank"])
         thread(pid, TID_EVENTS, "events")
         events.append({"ph": "i", "s": "p", "name": e["kind"], "cat": "event", "pid": pid, "tid": TID_EVENTS,
                        "ts": _us(e["t"], t0), "args": {"step": int(e["step"]), "message": _clean(e["message"])}})
-
-    lo, hi = steps
-    return {
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "metadata": {"run": run, "steps": f"{'' if lo is None else lo}:{'' if hi is None else hi}",
-                     "t0_unix_s": t0, "ranks": int(step_df["rank"].nunique()), "source": "meshscope"},
-    }
+    return events, t0
 
 
 def main(argv: list[str] | None = None) -> int:

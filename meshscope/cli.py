@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("meshscope.trainer.demo", "main", "train every strategy instrumented, then serve the dashboard (make demo)"),
     "sweep": ("meshscope.dashboard.sweep", "main", "run one model over a grid of world sizes / strategies (scaling study)"),
     "export-trace": ("meshscope.agent.trace", "main", "write a Perfetto / Chrome-trace JSON of a step range"),
+    "trace": ("meshscope.agent.deeptrace", "main", "torch.profiler on a running job's ranks for N steps: Kineto traces + one merged timeline"),
     "report": ("meshscope.dashboard.report", "main", "a run's verdicts in the terminal (--json for scripts): what the pages say"),
     "hang": ("meshscope.dashboard.hangcli", "main", "why a run hangs, while it is alive: culprit ranks, the collective the others wait in, stacks"),
     "plan": ("meshscope.dashboard.planner.cli", "main", "predict step time, MFU and memory of other layouts from measured runs"),

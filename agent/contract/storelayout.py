@@ -8,6 +8,9 @@ Layout (hive partitions; ``run``/``rank`` are not columns of the files, readers 
     <store>/tables/<kind>/run=<run>/rank=<rank>/part-*.parquet     ingested records (rank=-1: GPU samples)
     <store>/tables/<kind>/run=<run>/packs/pack-<id>.parquet        many parts packed into one (agent.store.packs)
     <store>/agent/offsets.json                                     the agent's durable spool offsets
+    <store>/spool/<run>/deeptrace/request.json                     an armed deep trace (agent.contract.deeptrace)
+    <store>/spool/<run>/deeptrace/<id>/rank<k>.json, .done.json    what each rank's profiler wrote for it
+    <store>/traces/<run>/<id>/rank<k>.json, merged.json            collected deep traces (meshscope trace)
 
 An object store holds ``tables/...`` under its prefix with the same keys (``StoreLayout.keys()``), so a
 local and a remote store are read by the same code.
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath, PurePosixPath
 
 SPOOL, TABLES, AGENT, PACKS = "spool", "tables", "agent", "packs"
+DEEPTRACE, TRACES = "deeptrace", "traces"
 OFFSETS, LOCK = "offsets.json", "agent.lock"
 PARTITION_KEYS = ("run", "rank")  # the hive keys, outer first
 _RUN, _RANK = "run=", "rank="
@@ -87,6 +91,20 @@ class StoreLayout:
 
     def spool_file(self, *, run: str, rank: int, attempt: int) -> PurePath:
         return self.spool / run / f"rank-{int(rank)}.a{int(attempt)}.spool"
+
+    def deeptrace(self, run: str) -> PurePath:
+        """Where ``meshscope trace`` arms a run's ranks and they answer (beside their spools, where every rank
+        of the run writes; the agent reads only spool files there)."""
+        return self.spool / run / DEEPTRACE
+
+    # ------------------------------------------------------------------------------------ traces
+    @property
+    def traces(self) -> PurePath:
+        return self.root / TRACES
+
+    def trace(self, run: str, trace_id: str) -> PurePath:
+        """One collected deep trace of a run: ``rank<k>.json`` per rank and ``merged.json``."""
+        return self.traces / run / trace_id
 
     # ------------------------------------------------------------------------------- agent state
     @property

@@ -52,6 +52,7 @@ from meshscope.agent.contract import (
 )
 from meshscope.agent.instrument import flightrec, hangdump, memory
 from meshscope.agent.instrument.cpu import ThreadCPU
+from meshscope.agent.instrument.deeptrace import for_telemetry as deeptrace_for
 from meshscope.agent.instrument.config import TelemetryConfig
 from meshscope.agent.instrument.readout import hang_message, take_all, tracer_losses
 from meshscope.agent.instrument.recorder import DIRECT
@@ -116,6 +117,10 @@ class Telemetry:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._census = memory.TensorCensus(on_error=self.record_error)
+        # ``meshscope trace``: the flusher looks for a request and arms a session here, which the training
+        # thread runs at its step boundaries (agent.instrument.deeptrace); None costs one check per boundary
+        self._tracing: Any = None
+        self._deeptrace = deeptrace_for(self)
         self._flusher = threading.Thread(target=self._flush_loop, name="meshscope-flush", daemon=True)
         self._flusher.start()
 
@@ -186,6 +191,7 @@ class Telemetry:
         self._index_tracers()
 
     def close(self, timeout_s: float = 5.0) -> None:
+        self._call_each((self._deeptrace.close,), "deeptrace")  # a trace still running ends with what it has
         self.detach()
         self._census.close()
         self._stop.set()
@@ -201,6 +207,8 @@ class Telemetry:
     # ------------------------------------------------------------------------------------ step API
     def begin_step(self, step: int) -> StepContext:
         """Start step ``step`` now (the explicit ``step()`` and the zero-code driver both use this)."""
+        if self._tracing is not None:  # a deep trace armed or running: its profiler starts before the clock read
+            self._tracing = self._tracing.begin_step(step)
         t_start, last, self._last_end = self.clock.now(), self._last_end, None
         if last is not None and t_start - last[0] <= SHARED_BOUNDARY_S and last[2] == threading.get_ident():
             # Back to back with the step that just ended (same thread): it begins at that end, with that
@@ -416,6 +424,8 @@ class Telemetry:
             self._last_step = state.step
             self._cur = self.live.step = self.live.key = None
             self._progress(state.t_end or self.clock.now())  # the end just read: no third clock reading per step
+            if self._tracing is not None:  # a deep trace's step ends after the clock read; its N-th stops it
+                self._tracing = self._tracing.end_step(state.step)
 
     def _build_step(self, state: StepState, *, memory_now: dict) -> None:
         """Runs on the flusher thread: the step's span rows, its step row (the accounting of the module
@@ -472,6 +482,7 @@ class Telemetry:
             self._wake.clear()
             self._drain()
             self._check_hang()
+            self._call_each((self._deeptrace.poll,), "deeptrace")  # one stat a second at most
 
     def _progress(self, t: float) -> None:
         if t >= self._progress_t:  # records drained late carry older times: progress never goes back

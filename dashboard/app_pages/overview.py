@@ -7,6 +7,7 @@ import pandas as pd
 import streamlit as st
 
 from meshscope.dashboard import analysis, environment, stragglers, ui, views
+from meshscope.dashboard.tracepanel import panel as deeptrace_panel
 
 
 def _fmt(value: float, spec: str) -> str:
@@ -16,6 +17,7 @@ def _fmt(value: float, spec: str) -> str:
 def main(ctx: ui.Context) -> None:
     run = ctx.focus
     st.title(f"Overview · {run}")
+    deeptrace_panel(ctx, run)  # torch.profiler on the running job, from this page
     threshold = st.session_state.get("overview.threshold", stragglers.STRAGGLER_REL)
     view = views.overview(ui.loader(ctx), run=run, runs=list(ctx.selected), steps=ctx.steps, threshold=threshold)
     ui.warn_skipped(*view.frames)
