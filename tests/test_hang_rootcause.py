@@ -182,3 +182,73 @@ def test_a_slow_first_step_is_no_hang_and_a_clean_run_reports_none():
         cli = subprocess.run([sys.executable, "-m", "meshscope.cli", "hang", "--store", str(store), "--run", run],
                              capture_output=True, text=True, timeout=60)
         assert cli.returncode == 0 and "No hang" in cli.stdout, cli.stdout + cli.stderr
+
+
+def test_a_frozen_rank_of_an_unmodified_hugging_face_job_is_named():
+    """Third-party code under ``meshscope run``: Hugging Face's Trainer (tests/jobs/hf_trainer.py, no meshscope
+    in it) on 2 DDP ranks, and rank 1's process frozen (SIGSTOP: a host swapping, a stuck driver call). The
+    frozen rank writes nothing, its watchdog included; rank 0's names the all-reduce it waits in, and the
+    verdict names rank 1 as the rank that sent no record."""
+    import os
+    import signal
+
+    import psutil
+
+    jobs = Path(__file__).resolve().parent / "jobs"
+    with private_dir() as store:
+        run = "hf-frozen"
+        cmd = [sys.executable, "-m", "meshscope", "run", "--store", str(store / "s"), "--run", run, "--",
+               sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(jobs / "hf_trainer.py"), "--out", str(store / "out"), "--steps", "100000"]
+        log = open(store / "job.log", "w")
+        proc = subprocess.Popen(cmd, cwd=store, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        frozen = None
+        try:
+            def ranks() -> dict[int, psutil.Process] | None:
+                found = {}
+                for p in psutil.Process(proc.pid).children(recursive=True):
+                    try:
+                        if "hf_trainer.py" in " ".join(p.cmdline()) and "RANK" in p.environ():
+                            found[int(p.environ()["RANK"])] = p
+                    except psutil.Error:
+                        continue
+                return found if len(found) == 2 else None
+
+            procs = poll_until(ranks, timeout_s=90, interval_s=0.5, what="the job's two ranks")
+
+            def stepping() -> bool:
+                catch_up(store / "s")
+                steps = read_table(store / "s", "step", run=run) if (store / "s" / "tables").exists() else None
+                return steps is not None and len(steps) and steps.groupby("rank")["step"].max().min() >= 20
+
+            poll_until(stepping, timeout_s=120, interval_s=1.0, what=lambda: (store / "job.log").read_text()[-2000:])
+            frozen = procs[1]
+            frozen.send_signal(signal.SIGSTOP)
+            t0 = time.time()
+
+            def named():
+                h = _verdict(store / "s", run)
+                return h if h["status"] == "hung" and h["culprit_ranks"] else None
+
+            h = poll_until(named, timeout_s=60, interval_s=1.0, what="a verdict on the frozen rank")
+            print(f"\nfrozen HF rank named after {time.time() - t0:.1f} s: {h['verdict']}")
+            assert time.time() - t0 <= DETECT_S
+            assert h["culprit_ranks"] == [1] and h["missing_ranks"] == [1]
+            # where the freeze lands: DDP's gradient all-reduce, or the Trainer's gather of the loss it logs
+            assert h["waiting"]["ranks"] == [0] and h["waiting"]["op"] in ("all_reduce", "all_gather")
+            assert "sent no hang record" in h["verdict"]
+        finally:
+            if frozen is not None:
+                try:
+                    frozen.send_signal(signal.SIGCONT)
+                except psutil.Error:
+                    pass
+            for p in psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []:
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+            proc.kill()
+            proc.wait(timeout=30)
+            log.close()
