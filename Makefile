@@ -38,7 +38,7 @@ install: $(filter $(VENV)/bin/python,$(PY))
 	@$(PY) -c "import os, meshscope.agent; assert os.path.realpath(meshscope.agent.__file__).startswith(os.path.realpath('agent') + os.sep)" 2>/dev/null \
 		|| $(PIP) install -q --no-deps -e .
 	@$(NATIVE_CURRENT) || ! command -v cc >/dev/null || $(PIP) install -q --no-deps --no-build-isolation -e .
-	@$(PY) -c "import meshscope.agent, meshscope.dashboard, streamlit, duckdb, pyarrow, prometheus_client, pytest_timeout, hypothesis, playwright, yaml, cryptography, psutil, plotly, pynvml, tqdm, ninja, setuptools.command.bdist_wheel, transformers, accelerate, lightning, moto.server, opentelemetry.sdk, opentelemetry.exporter.otlp.proto.http" 2>/dev/null \
+	@$(PY) -c "import meshscope.agent, meshscope.dashboard, streamlit, duckdb, pyarrow, prometheus_client, pytest_timeout, xdist, filelock, hypothesis, playwright, yaml, cryptography, psutil, plotly, pynvml, tqdm, ninja, setuptools.command.bdist_wheel, transformers, accelerate, lightning, moto.server, opentelemetry.sdk, opentelemetry.exporter.otlp.proto.http" 2>/dev/null \
 		|| $(PIP) install -e '.[test]'
 	@$(PY) -c "import torchtitan, torchdata, torch_checkpointing, spmd_types, datasets, tokenizers, safetensors, tyro, tensorboard, einops, triton" 2>/dev/null \
 		|| { $(PIP) install -q --no-deps torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1 spmd_types==0.2.3 \
@@ -60,9 +60,18 @@ install-servers:
 demo: install install-servers
 	$(PY) -m meshscope demo
 
-# Every test's duration goes to artifacts/junit.xml (CI keeps it; bench/suite_durations.py reads it).
+# Two phases. Most of the suite waits on servers, sleeps or its own torchrun jobs with a core to spare, so it
+# runs on TEST_WORKERS pytest-xdist workers, a test file per worker at a time (a file's module fixtures are
+# its own jobs); then the tests marked `serial` (a time or CPU cost held to a fixed bound, one phase of a run
+# against another) run alone. Both phases read the same reference runs, made once (artifacts/reference,
+# emptied first). Every test's duration goes to artifacts/junit*.xml (bench/suite_durations.py reads them).
+TEST_WORKERS ?= 2
 test: install install-servers
-	$(PY) -m pytest tests --junitxml=artifacts/junit.xml
+	@rm -rf artifacts/reference
+	@rc=0; export TESTS_REFERENCE_DIR=$(abspath artifacts/reference); \
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile -m "not serial" --junitxml=artifacts/junit.xml || rc=$$?; \
+	$(PY) -m pytest tests -m serial --junitxml=artifacts/junit-serial.xml || rc=$$?; \
+	exit $$rc
 
 test-fast: install
 	$(PY) -m pytest tests -m "not gloo and not server and not browser and not packaging"

@@ -16,8 +16,13 @@ from tests.support.jobs import ROOT, ReferenceRuns
 
 @pytest.fixture(scope="session")
 def reference_runs(tmp_path_factory) -> ReferenceRuns:
-    """The session's shared reference runs (tests/support/jobs.py): ``reference_runs["ddp"]``."""
-    return ReferenceRuns(tmp_path_factory.mktemp("reference"))
+    """The session's shared reference runs (tests/support/jobs.py): ``reference_runs["ddp"]``, run once for
+    all of the session's pytest-xdist workers (their base folders' parent is the session's), and under
+    ``make test`` once for both of its phases (``TESTS_REFERENCE_DIR``, which make empties first)."""
+    if os.environ.get("TESTS_REFERENCE_DIR"):  # make test: shared by its parallel and its serial phase
+        return ReferenceRuns(Path(os.environ["TESTS_REFERENCE_DIR"]))
+    base = tmp_path_factory.getbasetemp()
+    return ReferenceRuns((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "reference")
 
 
 @pytest.fixture

@@ -34,7 +34,8 @@ from tests.support.harness import (
     AgentProcess, Job, compare_store_to_truth, poll_until, private_dir, spool_sizes_of, spool_truth,
 )
 
-pytestmark = pytest.mark.gloo
+# serial: step times while the agent is stopped against those before and after it
+pytestmark = [pytest.mark.gloo, pytest.mark.serial]
 
 # The newest record is at most one pipeline old when the agent has caught up: the telemetry flusher
 # (0.25 s), the spool writer's flush (0.5 s) and the agent's poll (1 s, the production default below),

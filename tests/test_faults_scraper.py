@@ -35,6 +35,9 @@ from tests.support.harness import (
     AgentProcess, Job, compare_store_to_truth, poll_until, private_dir, self_signed, spool_truth,
 )
 
+# serial: a scrape's latency against a deadline, and the training's step times while scraped against calm ones
+pytestmark = pytest.mark.serial
+
 
 @pytest.fixture
 def tmp_path():

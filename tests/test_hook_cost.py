@@ -29,6 +29,9 @@ import pytest
 
 from tests.support.hookcost import per_call_isolated
 
+# serial: per-op CPU cost against a fixed goal: a neighbour's load would be read as the hook's
+pytestmark = pytest.mark.serial
+
 GOAL_US = {"pipeline_span": 0.3}  # every other path: 2 µs
 # Paths above their goal, guarded against their floor in the same run instead (see the module docstring).
 FLOOR_LIMIT = {"funcol_all_reduce_wait": ("floor_funcol", 4.0),

@@ -23,6 +23,9 @@ from meshscope.trainer import config as trainer_config
 from meshscope.agent.contract.layout import FLAVORS, LayoutError
 from tests.support.jobs import REFERENCE_ARGS, REFERENCE_LAYOUTS, REFERENCE_NPROC, ingest, run_job, torchrun
 
+# serial: predictions from probe runs against runs timed at another moment: both must see the same machine
+pytestmark = pytest.mark.serial
+
 TINY_WIDE = FLAVORS["tiny-wide"]
 
 

@@ -14,6 +14,9 @@ from meshscope.agent.instrument.telemetry import Telemetry, TelemetryConfig
 from meshscope.agent.transport.frame import rows_to_batch
 from tests.support.harness import poll_until
 
+# serial: the step breakdown of timed sleeps to ±10-15 ms
+pytestmark = pytest.mark.serial
+
 
 class MemoryWriter:
     """Stands in for the spool writer (the transport has its own tests): keeps rows per kind."""

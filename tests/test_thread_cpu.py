@@ -8,7 +8,12 @@ import os
 import threading
 import time
 
+import pytest
+
 from meshscope.agent.instrument.cpu import ThreadCPU, parse
+
+# serial: a thread's CPU + wait against its wall time, to 10 %
+pytestmark = pytest.mark.serial
 
 
 def _spin(seconds: float) -> None:

@@ -60,6 +60,7 @@ def test_large_submits_are_split_into_frames(tmp_path):
     assert w.close()
 
 
+@pytest.mark.serial  # 10,000 submits against 50 µs each
 def test_full_queue_drops_and_counts_without_blocking(tmp_path):
     w = make(tmp_path, start=False, max_pending_batches=4)  # no thread: nothing drains the queue
     t0 = time.perf_counter()

@@ -105,20 +105,32 @@ class ReferenceRun:
 
 
 class ReferenceRuns:
-    """The session's reference runs, each started the first time it is asked for (``runs["ddp"]``)."""
+    """The session's reference runs, each started the first time it is asked for (``runs["ddp"]``).
+
+    ``base`` may be shared by the session's pytest-xdist workers: the first worker to ask for a run starts
+    it under a file lock, and the others wait for it and read the same store (its job's output is kept
+    beside it, ``<name>.stdout``, written last: a run whose job failed is started again by the next ask)."""
 
     def __init__(self, base: Path) -> None:
         self._base = base
         self._runs: dict[str, ReferenceRun] = {}
 
     def __getitem__(self, name: str) -> ReferenceRun:
+        from filelock import FileLock
+
         if name not in REFERENCE_LAYOUTS:
             raise KeyError(f"no reference run {name!r} (one of {', '.join(REFERENCE_LAYOUTS)})")
         if name not in self._runs:
-            store = self._base / name
-            proc = run_job(store, name, REFERENCE_NPROC, *REFERENCE_ARGS, *REFERENCE_LAYOUTS[name],
-                           "--profile-dir", str(store / "prof"), "--profile-steps", f"{PROFILED[0]}:{PROFILED[1]}")
-            self._runs[name] = ReferenceRun(name=name, store=store, stdout=proc.stdout)
+            self._base.mkdir(parents=True, exist_ok=True)
+            store, done = self._base / name, self._base / f"{name}.stdout"
+            with FileLock(str(self._base / f"{name}.lock"), timeout=900):
+                if not done.is_file():
+                    shutil.rmtree(store, ignore_errors=True)  # a job that failed under another worker
+                    proc = run_job(store, name, REFERENCE_NPROC, *REFERENCE_ARGS, *REFERENCE_LAYOUTS[name],
+                                   "--profile-dir", str(store / "prof"),
+                                   "--profile-steps", f"{PROFILED[0]}:{PROFILED[1]}")
+                    done.write_text(proc.stdout)
+            self._runs[name] = ReferenceRun(name=name, store=store, stdout=done.read_text())
         return self._runs[name]
 
     def store_of(self, *names: str, into: Path) -> Path:
