@@ -60,18 +60,20 @@ install-servers:
 demo: install install-servers
 	$(PY) -m meshscope demo
 
-# Two phases. Most of the suite waits on servers, sleeps or its own torchrun jobs with a core to spare, so it
-# runs on TEST_WORKERS pytest-xdist workers, a test file per worker at a time (a file's module fixtures are
-# its own jobs); then the tests marked `serial` (a time or CPU cost held to a fixed bound, one phase of a run
-# against another) run alone. Both phases read the same reference runs, made once (artifacts/reference,
-# emptied first). Every test's duration goes to artifacts/junit*.xml (bench/suite_durations.py reads them).
-TEST_WORKERS ?= 2
+# Every test's duration goes to artifacts/junit.xml (bench/suite_durations.py reads it). On one worker by
+# default: gloo ranks spin while they wait, so on 2 cores two pytest-xdist workers' jobs burn each other's CPU
+# (measured: 45.5 min and 77.6 CPU-min against 40.3 and 46.6 on one; bench/results/suite-2026-11-29-1945-xdist2.txt).
+# On a machine with cores to spare, TEST_WORKERS=N runs the suite on N workers, a test file per worker at a
+# time (a file's module fixtures are its own jobs), then the tests marked `serial` (a time or CPU cost held to
+# a fixed bound, one phase of a run against another) alone (artifacts/junit-serial.xml). Both phases read the
+# same reference runs, made once (artifacts/reference, emptied first).
+TEST_WORKERS ?= 1
 test: install install-servers
 	@rm -rf artifacts/reference
-	@rc=0; export TESTS_REFERENCE_DIR=$(abspath artifacts/reference); \
+	@export TESTS_REFERENCE_DIR=$(abspath artifacts/reference); rm -f artifacts/junit-serial.xml; \
+	if [ "$(TEST_WORKERS)" -le 1 ]; then $(PY) -m pytest tests --junitxml=artifacts/junit.xml; else rc=0; \
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile -m "not serial" --junitxml=artifacts/junit.xml || rc=$$?; \
-	$(PY) -m pytest tests -m serial --junitxml=artifacts/junit-serial.xml || rc=$$?; \
-	exit $$rc
+	$(PY) -m pytest tests -m serial --junitxml=artifacts/junit-serial.xml || rc=$$?; exit $$rc; fi
 
 test-fast: install
 	$(PY) -m pytest tests -m "not gloo and not server and not browser and not packaging"

@@ -1,11 +1,13 @@
-"""Where the suite's time goes: per test file and the slowest tests, from the junit XML that `make test`
-writes (artifacts/junit.xml). pytest's junit time of a test is its setup + call + teardown, so a
-module-scoped fixture (a shared reference run) counts in the first test that uses it. ``cores`` is the CPU
-the test and the processes it reaped used per second of wall time (tests/conftest.py records it): on 2
-cores, a file at 2.0 is CPU-bound and one at 0.3 mostly waits. ``--asserts DIR`` counts the assert
-statements of the suite's files (the "same or more assertions" count of a change to the suite).
+"""Where the suite's time goes: per test file and the slowest tests, from the junit XML files that `make
+test` writes (artifacts/junit.xml for its parallel phase, artifacts/junit-serial.xml for its serial one).
+pytest's junit time of a test is its setup + call + teardown, so a module-scoped fixture (a shared reference
+run) counts in the first test that uses it; under pytest-xdist the tests' times overlap, so each phase's own
+wall time (the junit suite's) is printed beside their sum. ``cores`` is the CPU the test and the processes
+it reaped used per second of its wall time (tests/conftest.py records it): on 2 cores, a file at 2.0 is
+CPU-bound and one at 0.3 mostly waits. ``--asserts DIR`` counts the assert statements of the suite's files
+(the "same or more assertions" count of a change to the suite).
 
-    python bench/suite_durations.py [artifacts/junit.xml] [--top 15] [--asserts tests]
+    python bench/suite_durations.py [artifacts/junit.xml artifacts/junit-serial.xml] [--top 15] [--asserts tests]
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def assert_counts(folder: Path) -> dict[str, int]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("junit", nargs="?", default="artifacts/junit.xml")
+    ap.add_argument("junit", nargs="*", help="junit files (default: artifacts/junit.xml, and artifacts/junit-serial.xml "
+                    "where make test ran on several workers)")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--asserts", type=Path, help="count the assert statements under this folder instead")
     ns = ap.parse_args(argv)
@@ -50,11 +53,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{n:>6}  {file}")
         print(f"{sum(counts.values()):>6}  assert statements in {len(counts)} files under {ns.asserts}")
         return 0
-    path = Path(ns.junit)
-    if not path.is_file():
-        print(f"meshscope: no junit file {str(path)!r} (run make test first)", file=sys.stderr)
+    paths = [Path(p) for p in ns.junit] or [p for p in (Path("artifacts/junit.xml"), Path("artifacts/junit-serial.xml"))
+                                            if p.is_file() or p.name == "junit.xml"]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        print(f"meshscope: no junit file {missing[0]!r} (run make test first)", file=sys.stderr)
         return 2
-    rows = durations(path)
+    for p in paths:
+        suite = ET.parse(p).getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        print(f"{p}: {float(suite.get('time', 0.0)) / 60:.1f} min wall, started {suite.get('timestamp', '?')}")
+    rows = [row for p in paths for row in durations(p)]
     total = sum(r[2] for r in rows)
     by_file: dict[str, list[float]] = defaultdict(list)
     cpu_by_file: dict[str, float] = defaultdict(float)
