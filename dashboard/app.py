@@ -25,6 +25,7 @@ PAGES = [
     st.Page("app_pages/communication.py", title="Communication", url_path="communication"),
     st.Page("app_pages/memory.py", title="Memory", url_path="memory"),
     st.Page("app_pages/scaling.py", title="Scaling", url_path="scaling"),
+    st.Page("app_pages/compare.py", title="Compare", url_path="compare"),
     st.Page("app_pages/whatif.py", title="What-if", url_path="whatif"),
     st.Page("app_pages/gpu.py", title="GPU", url_path="gpu"),
     st.Page("app_pages/live.py", title="Live", url_path="live"),

@@ -497,3 +497,21 @@ def planner_data(store: Store, *, run: str, last_steps: int = PLANNER_STEPS) -> 
          "max(device_total_bytes) AS device_total_bytes FROM memory GROUP BY rank ORDER BY rank", None),
     ], kinds=("step", "collective", "span", "memory"), runs=[run])
     return {"steps": steps, "instances": instances, "comm": comm, "spans": spans, "memory": memory}
+
+
+# ------------------------------------------------------------------------------------- compare
+def diff_data(store: Store, *, run: str) -> dict[str, pd.DataFrame]:
+    """What ``dashboard.diff`` compares of ``run``: its rank-steps (the step parts, ``optimizer_s`` and
+    ``tokens`` too), the exposed wait per step, op and dim summed over ranks (``wait_s`` of the collective
+    records), its run record (the latest attempt's, lowest rank: versions and config included) and its
+    peak memory per rank (the largest of the allocator's peak and the RSS peak)."""
+    steps, exposed, record, memory = store.query_all([
+        ("SELECT rank, step, wall_s, compute_s, exposed_comm_s, bubble_s, other_s, optimizer_s, tokens, mfu "
+         "FROM step ORDER BY step, rank", None),
+        ("SELECT step, op, dim, coalesce(mesh_dim, '') AS mesh_dim, sum(wait_s) AS wait_s FROM collective "
+         "WHERE wait_s = wait_s GROUP BY ALL ORDER BY ALL", None),
+        ("SELECT * EXCLUDE (run) FROM run ORDER BY attempt DESC, rank LIMIT 1", None),
+        ("SELECT rank, max(greatest(allocated_peak_bytes, rss_peak_bytes)) AS peak_bytes FROM memory "
+         "GROUP BY rank ORDER BY rank", None),
+    ], kinds=("step", "collective", "run", "memory"), runs=[run])
+    return {"rank_steps": steps, "exposed": exposed, "record": record, "memory": memory}

@@ -536,3 +536,44 @@ def whatif_layouts(table: pd.DataFrame, *, measured: pd.DataFrame) -> go.Figure:
     fig.update_layout(barmode="stack")
     return _layout(fig, title="Predicted step time by layout (fastest first)", x="seconds per step", y="",
                    height=max(300, 60 + 26 * len(t)))
+
+
+# --------------------------------------------------------------------------------------- compare
+def diff_waterfall(parts: list[dict], *, unit: str = "step") -> go.Figure:
+    """A's mean step time, each part's change (B − A, with its bootstrap interval as an error bar), and B's:
+    the parts sum to the difference (``dashboard.diff``)."""
+    whole = next(p for p in parts if p["part"] == "step")
+    rest = [p for p in parts if p["part"] != "step"]
+    scale, label = (1e3, "ms per step") if unit == "step" else (1e6, "µs per token")
+    x = ["A", *[p["part"] for p in rest], "B"]
+    y = [whole["a_s"] * scale, *[p["diff_s"] * scale for p in rest], whole["b_s"] * scale]
+    fig = go.Figure(go.Waterfall(x=x, y=y, measure=["absolute", *["relative"] * len(rest), "total"],
+                                 increasing=dict(marker_color=COLORS["exposed_comm_s"]),
+                                 decreasing=dict(marker_color=COLORS["compute_s"]),
+                                 totals=dict(marker_color=COLORS["other_s"]), connector=dict(line=dict(width=1))))
+    # The intervals of the parts, at each bar's end (a waterfall bar has no error bars of its own)
+    ends = np.cumsum([whole["a_s"] * scale, *[p["diff_s"] * scale for p in rest]])[1:]
+    fig.add_trace(go.Scatter(x=[p["part"] for p in rest], y=ends, mode="markers", marker=dict(size=1, opacity=0),
+                             error_y=dict(type="data", symmetric=False,
+                                          array=[(p["hi_s"] - p["diff_s"]) * scale for p in rest],
+                                          arrayminus=[(p["diff_s"] - p["lo_s"]) * scale for p in rest]),
+                             name="95 % interval", showlegend=False))
+    return _layout(fig, title=f"Where the difference goes: A, each part's change B − A (interval), B", x="",
+                   y=label, height=420)
+
+
+def diff_distributions(a: pd.Series, b: pd.Series, *, names: tuple[str, str]) -> go.Figure:
+    """The steady steps' times of the two runs, side by side (box with every step)."""
+    fig = go.Figure([go.Box(y=a * 1e3, name=names[0], boxpoints="all", jitter=0.4, marker_color=_PALETTE[0]),
+                     go.Box(y=b * 1e3, name=names[1], boxpoints="all", jitter=0.4, marker_color=_PALETTE[1])])
+    return _layout(fig, title="Steady step times (mean over ranks)", x="run", y="ms per step")
+
+
+def diff_comm(parts: list[dict], *, names: tuple[str, str]) -> go.Figure:
+    """Exposed communication per op and dim in each run, side by side (ms per step)."""
+    comm = [p for p in parts if p["part"].startswith("exposed")]
+    x = [p["part"].removeprefix("exposed ") for p in comm]
+    fig = go.Figure([go.Bar(x=x, y=[p["a_s"] * 1e3 for p in comm], name=names[0], marker_color=_PALETTE[0]),
+                     go.Bar(x=x, y=[p["b_s"] * 1e3 for p in comm], name=names[1], marker_color=_PALETTE[1])])
+    fig.update_layout(barmode="group")
+    return _layout(fig, title="Exposed communication per op and dim", x="op on dim", y="ms per step")

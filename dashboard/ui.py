@@ -31,7 +31,7 @@ CACHE_TTL_S = 30  # the agent appends while a run is live; a short TTL keeps pag
 LOADERS: dict[str, Callable] = {name: getattr(data, name) for name in (
     "runs_table", "events", "hang_rows", "overview_data", "gpu_by_rank", "gpu_by_device", "collective_rows", "collective_links",
     "pipeline_data", "memory_data", "gpu_data", "run_summaries", "planner_data", "rank_steps", "attempts",
-    "collective_counts", "run_events", "cpu_wait_steps")}
+    "collective_counts", "run_events", "cpu_wait_steps", "diff_data")}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "trace": ("meshscope.agent.deeptrace", "main", "torch.profiler on a running job's ranks for N steps: Kineto traces + one merged timeline"),
     "report": ("meshscope.dashboard.report", "main", "a run's verdicts in the terminal (--json for scripts): what the pages say"),
     "hang": ("meshscope.dashboard.hangcli", "main", "why a run hangs, while it is alive: culprit ranks, the collective the others wait in, stacks"),
+    "diff": ("meshscope.dashboard.diffcli", "main", "compare run B with run A: how much slower, with what confidence, which part and which change (a CI gate with --fail-above)"),
     "plan": ("meshscope.dashboard.planner.cli", "main", "predict step time, MFU and memory of other layouts from measured runs"),
     "dashboard": ("meshscope.dashboard.cli", "main", "serve the Streamlit dashboard over a store (and Prometheus)"),
     "stack": ("meshscope.agent.stack", "main", "run Prometheus + Alertmanager (+ an agent) on 127.0.0.1 with meshscope's rules"),
