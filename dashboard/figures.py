@@ -550,7 +550,8 @@ def diff_waterfall(parts: list[dict], *, unit: str = "step") -> go.Figure:
     fig = go.Figure(go.Waterfall(x=x, y=y, measure=["absolute", *["relative"] * len(rest), "total"],
                                  increasing=dict(marker_color=COLORS["exposed_comm_s"]),
                                  decreasing=dict(marker_color=COLORS["compute_s"]),
-                                 totals=dict(marker_color=COLORS["other_s"]), connector=dict(line=dict(width=1))))
+                                 totals=dict(marker_color=COLORS["other_s"]), connector=dict(line=dict(width=1)),
+                                 showlegend=False))
     # The intervals of the parts, at each bar's end (a waterfall bar has no error bars of its own)
     ends = np.cumsum([whole["a_s"] * scale, *[p["diff_s"] * scale for p in rest]])[1:]
     fig.add_trace(go.Scatter(x=[p["part"] for p in rest], y=ends, mode="markers", marker=dict(size=1, opacity=0),
@@ -569,11 +570,13 @@ def diff_distributions(a: pd.Series, b: pd.Series, *, names: tuple[str, str]) ->
     return _layout(fig, title="Steady step times (mean over ranks)", x="run", y="ms per step")
 
 
-def diff_comm(parts: list[dict], *, names: tuple[str, str]) -> go.Figure:
-    """Exposed communication per op and dim in each run, side by side (ms per step)."""
+def diff_comm(parts: list[dict], *, names: tuple[str, str], unit: str = "step") -> go.Figure:
+    """Exposed communication per op and dim in each run, side by side (ms per step, or µs per token where the
+    runs are compared per token)."""
     comm = [p for p in parts if p["part"].startswith("exposed")]
     x = [p["part"].removeprefix("exposed ") for p in comm]
-    fig = go.Figure([go.Bar(x=x, y=[p["a_s"] * 1e3 for p in comm], name=names[0], marker_color=_PALETTE[0]),
-                     go.Bar(x=x, y=[p["b_s"] * 1e3 for p in comm], name=names[1], marker_color=_PALETTE[1])])
+    scale, label = (1e3, "ms per step") if unit == "step" else (1e6, "µs per token")
+    fig = go.Figure([go.Bar(x=x, y=[p["a_s"] * scale for p in comm], name=names[0], marker_color=_PALETTE[0]),
+                     go.Bar(x=x, y=[p["b_s"] * scale for p in comm], name=names[1], marker_color=_PALETTE[1])])
     fig.update_layout(barmode="group")
-    return _layout(fig, title="Exposed communication per op and dim", x="op on dim", y="ms per step")
+    return _layout(fig, title="Exposed communication per op and dim", x="op on dim", y=label)

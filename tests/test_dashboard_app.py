@@ -15,7 +15,7 @@ from tests.support.store import Straggler, SyntheticConfig, write_store
 from fake_prometheus import FakePrometheus
 
 APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
-PAGES = ["runs", "overview", "pipeline", "communication", "memory", "scaling", "whatif", "gpu", "live"]
+PAGES = ["runs", "overview", "pipeline", "communication", "memory", "scaling", "compare", "whatif", "gpu", "live"]
 TIMEOUT = 60  # seconds per script run; a run here takes well under one
 
 

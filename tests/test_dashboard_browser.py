@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SHOTS = ROOT / "artifacts" / "screenshots"
 PAGES = ["",  # the root URL opens the Runs page
          "runs",
-         "overview", "pipeline", "communication", "memory", "scaling", "whatif", "gpu", "live"]
+         "overview", "pipeline", "communication", "memory", "scaling", "compare", "whatif", "gpu", "live"]
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 # A chart counts when Plotly has drawn it and at least one trace has data points. Plotly 6 ships numpy

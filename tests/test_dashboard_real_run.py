@@ -16,7 +16,7 @@ from tests.support.jobs import REFERENCE_STEPS as STEPS
 
 pytestmark = pytest.mark.gloo
 APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
-PAGES = ["runs", "overview", "pipeline", "communication", "memory", "scaling", "whatif", "gpu", "live"]
+PAGES = ["runs", "overview", "pipeline", "communication", "memory", "scaling", "compare", "whatif", "gpu", "live"]
 
 
 @pytest.fixture(scope="module")

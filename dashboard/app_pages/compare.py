@@ -8,9 +8,16 @@ import streamlit as st
 
 from meshscope.dashboard import diffcli, figures, ui
 
-PART_COLUMNS = {"part": ("part", None), "a_ms": ("A (ms)", "%.3f"), "b_ms": ("B (ms)", "%.3f"),
-                "diff_ms": ("B − A (ms)", "%.3f"), "diff_pct": ("% of A", "%+.1f"), "lo_pct": ("interval from (%)", "%+.1f"),
-                "hi_pct": ("to (%)", "%+.1f"), "significant": ("interval excludes 0", None)}
+def _part_columns(unit: str) -> dict[str, tuple[str, str | None]]:
+    u = "ms" if unit == "step" else "µs per token"
+    return {"part": ("part", None), "a_x": (f"A ({u})", "%.3f"), "b_x": (f"B ({u})", "%.3f"),
+            "diff_x": (f"B − A ({u})", "%+.3f"), "diff_pct": ("% of A", "%+.1f"),
+            "lo_pct": ("interval from (%)", "%+.1f"), "hi_pct": ("to (%)", "%+.1f"),
+            "significant": ("interval excludes 0", None)}
+
+
+RUN_COLUMNS = {"run": ("run", None), "mfu": ("MFU", "percent"), "tokens_per_s": ("tokens/s", "int"),
+               "peak_gib": ("peak memory (GiB)", "%.2f"), "stragglers": ("stragglers", None)}
 
 
 def main(ctx: ui.Context) -> None:
@@ -29,29 +36,32 @@ def main(ctx: ui.Context) -> None:
         return
     load = ui.loader(ctx)
     c = diffcli.build(load, load, run_a=a, run_b=b)
-    (st.error if diffcli.diff.gate(c, fail_above_pct=0.0) else st.success)(c["verdict"])
+    w = diffcli.diff.whole(c)
+    (st.error if w is not None and w["significant"] and w["diff_s"] > 0 else st.success)(c["verdict"])
     if not c["parts"]:
         return
     unit = "per token" if c["unit"] == "token" else "per step"
     st.caption(f"Means {unit} over {c['steps'][0]} (A) and {c['steps'][1]} (B) steady steps; {c['level']:.0%} "
-               "bootstrap intervals (steps resampled in blocks); the parts sum to the whole.")
+               "bootstrap intervals (steps resampled in blocks); the parts sum to the whole. The whole's interval "
+               f"includes run-to-run noise of {c['run_noise']['rel_sd']:.1%} per run, from {c['run_noise']['source']}.")
     ui.chart(figures.diff_waterfall(c["parts"], unit=c["unit"]))
-    parts = pd.DataFrame(c["parts"]).assign(a_ms=lambda d: d["a_s"] * 1e3, b_ms=lambda d: d["b_s"] * 1e3,
-                                            diff_ms=lambda d: d["diff_s"] * 1e3)
-    ui.table(parts, PART_COLUMNS)
+    scale = 1e3 if c["unit"] == "step" else 1e6
+    parts = pd.DataFrame(c["parts"]).assign(a_x=lambda d: d["a_s"] * scale, b_x=lambda d: d["b_s"] * scale,
+                                            diff_x=lambda d: d["diff_s"] * scale)
+    ui.table(parts, _part_columns(c["unit"]))
     one, two = st.columns(2)
     with one:
-        ui.chart(figures.diff_comm(c["parts"], names=(a, b)))
+        ui.chart(figures.diff_comm(c["parts"], names=(a, b), unit=c["unit"]))
     with two:
         fa, _, _ = diffcli.run_frame(load, run=a)
         fb, _, _ = diffcli.run_frame(load, run=b)
         ui.chart(figures.diff_distributions(fa["wall_s"], fb["wall_s"], names=(a, b)))
     s = c["summary"]
     st.subheader("Figures of each run")
-    st.dataframe(pd.DataFrame([{"run": name, "MFU": s[k]["mfu"], "tokens/s": s[k]["tokens_per_s"],
-                                "peak memory (bytes)": s[k]["peak_memory_bytes"],
-                                "stragglers": ", ".join(f"rank {x['rank']}" for x in s[k]["stragglers"]) or "none"}
-                               for k, name in (("a", a), ("b", b))]), hide_index=True)
+    ui.table(pd.DataFrame([{"run": name, "mfu": s[k]["mfu"], "tokens_per_s": s[k]["tokens_per_s"],
+                            "peak_gib": None if s[k]["peak_memory_bytes"] is None else s[k]["peak_memory_bytes"] / 2**30,
+                            "stragglers": ", ".join(f"rank {x['rank']}" for x in s[k]["stragglers"]) or "none"}
+                           for k, name in (("a", a), ("b", b))]), RUN_COLUMNS)
     st.subheader("What changed")
     if c["changes"]:
         st.dataframe(pd.DataFrame([{"field": ch["key"], "A": str(ch["a"]), "B": str(ch["b"])} for ch in c["changes"]]),
