@@ -56,11 +56,10 @@ def part_name(op: str, mesh_dim: str, dim: str = "") -> str:
     return f"exposed {op}" + (f" on {where}" if where else "")
 
 
-def step_parts(rank_steps: pd.DataFrame, exposed: pd.DataFrame) -> pd.DataFrame:
+def step_parts(rank_steps: pd.DataFrame, exposed: pd.DataFrame, *, dp: int = 1) -> pd.DataFrame:
     """Per steady step (index ``step``): ``wall_s`` and the parts (columns named as the module says), each
-    the mean over the ranks that recorded the step; ``tokens`` (the step's global tokens: the sum over
-    ranks / the ranks that share a replica is not known here, so the sum over ranks, consistent in a
-    comparison of runs with the same layout; ``per_token`` divides by ``global_tokens`` instead).
+    the mean over the ranks that recorded the step; ``tokens``, the step's global tokens: a rank's record
+    holds its replica's (global / dp), so the mean over ranks times ``dp`` (the data-parallel degree).
 
     ``rank_steps``: ``rank``, ``step``, ``wall_s``, ``compute_s``, ``exposed_comm_s``, ``bubble_s``, ``other_s``,
     ``optimizer_s``; ``exposed``: ``step``, ``op``, ``mesh_dim``, ``dim``, ``wait_s`` (summed over the ranks)."""
@@ -88,7 +87,7 @@ def step_parts(rank_steps: pd.DataFrame, exposed: pd.DataFrame) -> pd.DataFrame:
     out["bubble"] = g["bubble_s"].mean()
     out["other"] = g["other_s"].mean()
     if "tokens" in r:
-        out["tokens"] = g["tokens"].sum()
+        out["tokens"] = g["tokens"].mean() * dp
     return out
 
 

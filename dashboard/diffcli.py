@@ -32,7 +32,7 @@ def run_frame(load: views.Loader, *, run: str) -> tuple[Any, dict, dict]:
     rank_steps = d["rank_steps"]
     if len(rank_steps):
         _, rank_steps = views.steady_rank_steps(rank_steps, meta=meta)
-    frame = diff.step_parts(rank_steps, d["exposed"])
+    frame = diff.step_parts(rank_steps, d["exposed"], dp=views._dp(meta, fallback=1) if "mesh" in meta else 1)
     peak = d["memory"]["peak_bytes"].max() if len(d["memory"]) else None
     return frame, meta, {"peak_bytes": None if views._isna(peak) else int(peak)}
 

@@ -36,7 +36,7 @@ META = {"model": "tiny", "global_batch": 8, "seq_len": 64, "n_params": 1000, "n_
 
 def test_parts_of_each_step_sum_to_its_wall_time_and_p2p_is_not_exposed():
     rs, ex = _rank_steps(12)
-    f = diff.step_parts(rs, ex)
+    f = diff.step_parts(rs, ex, dp=2)
     parts = diff.parts_of(f)
     assert "exposed send on pp" not in parts  # the pipeline's waits are its bubble
     assert {"compute", "optimizer", "exposed all_gather on dp_shard", "exposed reduce_scatter on dp_shard",
@@ -45,7 +45,8 @@ def test_parts_of_each_step_sum_to_its_wall_time_and_p2p_is_not_exposed():
     np.testing.assert_allclose(f["exposed all_gather on dp_shard"], 0.006, atol=1e-12)
     np.testing.assert_allclose(f["exposed, unattributed"], 0.0, atol=1e-12)
     np.testing.assert_allclose(f["optimizer"], 0.005)
-    assert (f["tokens"] == 1024).all()
+    assert (f["tokens"] == 1024).all()  # each rank's record holds its replica's 512: two replicas
+    assert (diff.step_parts(rs, ex, dp=1)["tokens"] == 512).all()  # one replica (TP): its 512
 
 
 def test_a_known_slowdown_is_inside_its_interval_and_carried_by_its_part():
