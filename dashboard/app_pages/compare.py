@@ -37,7 +37,8 @@ def main(ctx: ui.Context) -> None:
     load = ui.loader(ctx)
     c = diffcli.build(load, load, run_a=a, run_b=b)
     w = diffcli.diff.whole(c)
-    (st.error if w is not None and w["significant"] and w["diff_s"] > 0 else st.success)(c["verdict"])
+    # a slowdown is a finding, not a failure of the page: a warning box (error boxes are for broken pages)
+    (st.warning if w is not None and w["significant"] and w["diff_s"] > 0 else st.success)(c["verdict"])
     if not c["parts"]:
         return
     unit = "per token" if c["unit"] == "token" else "per step"
