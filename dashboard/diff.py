@@ -10,7 +10,8 @@ wall time (``analysis.step_time``'s figures are the means of these):
 - ``exposed <op> on <mesh dim>`` per collective kind and the job's own dim (``wait_s`` of the step's
   collective records; point-to-point waits are the pipeline's bubble, as the telemetry counts them),
 - ``exposed, unattributed`` (``exposed_comm_s`` less the per-op sum: records dropped or not timed, ~0),
-- ``bubble`` and ``other``.
+- ``bubble`` and ``other``,
+- ``unattributed``: the wall time the step record's parts leave (0 for the telemetry's own records).
 
 The difference B − A of the mean step time and of every part comes with a bootstrap interval: steps are
 resampled in blocks (a circular block bootstrap: slow drift and periodic steps such as a checkpoint stay
@@ -86,6 +87,9 @@ def step_parts(rank_steps: pd.DataFrame, exposed: pd.DataFrame, *, dp: int = 1) 
     out["exposed, unattributed"] = exposed_total - attributed
     out["bubble"] = g["bubble_s"].mean()
     out["other"] = g["other_s"].mean()
+    # what the four parts of a writer's step records leave of its wall time (0 for the telemetry's own)
+    out["unattributed"] = out["wall_s"] - (out["compute"] + out["optimizer"] + exposed_total + out["bubble"]
+                                           + out["other"])
     if "tokens" in r:
         out["tokens"] = g["tokens"].mean() * dp
     return out
@@ -282,7 +286,7 @@ def _z(level: float) -> float:
 
 
 def _part_order(name: str) -> tuple[int, str]:
-    order = {"compute": 0, "optimizer": 1, "bubble": 8, "other": 9, "exposed, unattributed": 7}
+    order = {"compute": 0, "optimizer": 1, "bubble": 8, "other": 9, "exposed, unattributed": 7, "unattributed": 10}
     return (order.get(name, 5 if name.startswith("exposed ") else 6), name)
 
 

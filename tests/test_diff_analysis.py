@@ -40,10 +40,11 @@ def test_parts_of_each_step_sum_to_its_wall_time_and_p2p_is_not_exposed():
     parts = diff.parts_of(f)
     assert "exposed send on pp" not in parts  # the pipeline's waits are its bubble
     assert {"compute", "optimizer", "exposed all_gather on dp_shard", "exposed reduce_scatter on dp_shard",
-            "exposed, unattributed", "bubble", "other"} == set(parts)
+            "exposed, unattributed", "bubble", "other", "unattributed"} == set(parts)
     np.testing.assert_allclose(f[parts].sum(axis=1), f["wall_s"], rtol=0, atol=1e-12)
     np.testing.assert_allclose(f["exposed all_gather on dp_shard"], 0.006, atol=1e-12)
     np.testing.assert_allclose(f["exposed, unattributed"], 0.0, atol=1e-12)
+    np.testing.assert_allclose(f["unattributed"], 0.0, atol=1e-12)
     np.testing.assert_allclose(f["optimizer"], 0.005)
     assert (f["tokens"] == 1024).all()  # each rank's record holds its replica's 512: two replicas
     assert (diff.step_parts(rs, ex, dp=1)["tokens"] == 512).all()  # one replica (TP): its 512
