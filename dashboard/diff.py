@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-P2P_OPS = frozenset({"send", "recv"})  # the telemetry's point-to-point kinds: bubble, not exposed (stepstate)
+from meshscope.agent.contract import P2P_OPS
+
 LEVEL = 0.95
 RESAMPLES = 4000
 MIN_STEPS = 4  # fewer steady steps than this in a run: no interval (the verdict says so)

@@ -50,14 +50,18 @@ def repeats(load: views.Loader, *, run: str, meta: dict) -> list[str]:
 
 
 def noise_of(load_a: views.Loader, load_b: views.Loader, *, run_a: str, run_b: str, meta_a: dict,
-             meta_b: dict) -> dict | None:
+             meta_b: dict, means_a: dict[str, float], means_b: dict[str, float]) -> dict | None:
     """Run-to-run noise from the runs that repeat A (or B) in their stores: the relative SD of their mean
-    steady step times (``diff.run_noise``), from the side with more repeats; None with fewer than 3."""
+    steady step times (``diff.run_noise``), from the side with more repeats; None with fewer than 3.
+    ``means_a`` / ``means_b``: mean steady step times already read from each side's store (A's, B's): not
+    read again."""
+    if load_a is load_b:
+        means_a = means_b = {**means_a, **means_b}
     best: tuple[list[str], list[float]] = ([], [])
-    for load, run, meta in ((load_a, run_a, meta_a), (load_b, run_b, meta_b)):
+    for load, run, meta, known in ((load_a, run_a, meta_a, means_a), (load_b, run_b, meta_b, means_b)):
         names = repeats(load, run=run, meta=meta)
         if len(names) >= 3 and len(names) > len(best[0]):
-            means = [float(run_frame(load, run=r)[0]["wall_s"].mean()) for r in names]
+            means = [known[r] if r in known else float(run_frame(load, run=r)[0]["wall_s"].mean()) for r in names]
             best = (names, means)
     if not best[0]:
         return None
@@ -80,7 +84,8 @@ def build(load_a: views.Loader, load_b: views.Loader, *, run_a: str, run_b: str,
     stragglers) and ``new_stragglers``."""
     fa, meta_a, mem_a = run_frame(load_a, run=run_a)
     fb, meta_b, mem_b = run_frame(load_b, run=run_b)
-    noise = noise_of(load_a, load_b, run_a=run_a, run_b=run_b, meta_a=meta_a, meta_b=meta_b)
+    noise = noise_of(load_a, load_b, run_a=run_a, run_b=run_b, meta_a=meta_a, meta_b=meta_b,
+                     means_a={run_a: float(fa["wall_s"].mean())}, means_b={run_b: float(fb["wall_s"].mean())})
     out = {"a": run_a, "b": run_b,
            **diff.compare(fa, fb, meta_a=meta_a, meta_b=meta_b, resamples=resamples, noise=noise)}
     ra, rb = report.build(load_a, run=run_a), report.build(load_b, run=run_b)

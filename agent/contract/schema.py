@@ -27,6 +27,9 @@ OPS = (
     "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce",
     "send", "recv", "barrier",
 )
+# The point-to-point kinds: a pipeline stage waiting in one waits for its neighbour, so the step record counts
+# that wait as bubble, not exposed communication (agent.instrument.stepstate; dashboard.diff reads it so).
+P2P_OPS = frozenset({"send", "recv"})
 # Pipeline span kinds.
 SPAN_KINDS = ("forward", "backward", "weight")
 # Event kinds (run timeline).

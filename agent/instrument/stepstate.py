@@ -13,13 +13,13 @@ import time
 from typing import Any
 
 from meshscope.agent.contract import mfu as model_flops_utilisation
-from meshscope.agent.contract import span_record, step_record
+from meshscope.agent.contract import P2P_OPS, span_record, step_record
 from meshscope.agent.instrument.cpu import parse as parse_cpu
 from meshscope.agent.instrument.readout import as_float, read_loss
 
 _chain = itertools.chain.from_iterable
 COMPUTE_PHASES = frozenset({"forward", "backward", "optimizer", "pipeline", "compute"})
-_P2P = frozenset({"send", "recv"})
+_P2P = P2P_OPS
 
 
 class StepState:
