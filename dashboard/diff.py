@@ -6,9 +6,10 @@ the mean over the ranks that recorded it of ``wall_s`` and of its parts, so the 
 wall time (``analysis.step_time``'s figures are the means of these):
 
 - ``compute`` (the forward and backward: ``compute_s`` less the optimizer's share),
-- ``optimizer`` (``optimizer_s``, at most ``compute_s``: its exposed waits are communication),
+- ``optimizer`` (``optimizer_s``, the optimizer phase less its waits, at most ``compute_s``),
 - ``exposed <op> on <mesh dim>`` per collective kind and the job's own dim (``wait_s`` of the step's
-  collective records; point-to-point waits are the pipeline's bubble, as the telemetry counts them),
+  collective records; a stage's waits for the other stages, P2P and collectives over pp, are the
+  pipeline's bubble, as the telemetry counts them: ``agent.contract.is_stage_wait``),
 - ``exposed, unattributed`` (``exposed_comm_s`` less the per-op sum: records dropped or not timed, ~0),
 - ``bubble`` and ``other``,
 - ``unattributed``: the wall time the step record's parts leave (0 for the telemetry's own records).
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from meshscope.agent.contract import P2P_OPS
+from meshscope.agent.contract import is_stage_wait
 
 LEVEL = 0.95
 RESAMPLES = 4000
@@ -76,7 +77,11 @@ def step_parts(rank_steps: pd.DataFrame, exposed: pd.DataFrame, *, dp: int = 1) 
                         "optimizer": g["optimizer"].mean()})
     exposed_total = g["exposed_comm_s"].mean()
     attributed = pd.Series(0.0, index=out.index)
-    e = exposed[~exposed["op"].isin(P2P_OPS) & exposed["step"].isin(out.index)] if len(exposed) else exposed
+    if len(exposed):
+        stage = [is_stage_wait(o, d) for o, d in zip(exposed["op"], exposed["dim"].fillna(""))]
+        e = exposed[~np.array(stage, dtype=bool) & exposed["step"].isin(out.index).to_numpy()]
+    else:
+        e = exposed
     if len(e):
         e = e.assign(part=[part_name(o, m, d) for o, m, d in zip(e["op"], e["mesh_dim"].fillna(""),
                                                                   e["dim"].fillna(""))])
@@ -161,16 +166,21 @@ def _same(x: Any, y: Any) -> bool:
 
 
 def changes(meta_a: dict, meta_b: dict, *, fields: tuple[str, ...] = CHANGE_FIELDS) -> list[dict]:
-    """What differs between the two runs' records: ``fields`` and every key of the run's config (flattened,
-    ``config.<key>``), but the ones that differ between any two runs (names, output places)."""
+    """What differs between the two runs' records: ``fields``, every key of the run's config (flattened,
+    ``config.<key>``) but the ones that differ between any two runs (names, output places), and what the
+    run ran on (``env.<key>``: CUDA, NCCL and driver versions, the CPU, ``env.flags.<NAME>``) where both
+    records have it (schema 6 on)."""
     flat_a: dict[str, Any] = {}
     flat_b: dict[str, Any] = {}
-    for meta, flat in ((meta_a, flat_a), (meta_b, flat_b)):
+    envs = [_json(meta_a.get("environment")), _json(meta_b.get("environment"))]
+    for meta, flat, env in ((meta_a, flat_a, envs[0]), (meta_b, flat_b, envs[1])):
         for f in fields:
             flat[f] = _json(meta.get(f))
         cfg = _json(meta.get("config"))
         if isinstance(cfg, dict):
             _flat("config", cfg, flat)
+        if all(isinstance(e, dict) for e in envs):
+            _flat("env", env, flat)
     out = []
     for key in [k for k in flat_a if k in flat_b] + [k for k in flat_b if k not in flat_a] + \
             [k for k in flat_a if k not in flat_b]:
@@ -338,7 +348,10 @@ def verdict(result: dict) -> str:
 
 
 def _short(key: str) -> str:
-    return key[len("config."):] if key.startswith("config.") else key
+    for prefix in ("config.", "env.flags.", "env."):
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return key
 
 
 def _val(v: Any) -> str:

@@ -4,10 +4,13 @@ on a confident slowdown, the change list, per-token comparison. Real runs: tests
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
 
+from meshscope.agent.instrument import runenv
 from meshscope.dashboard import diff
 
 
@@ -87,6 +90,37 @@ def test_changes_list_what_differs_but_names_and_places():
     f = diff.step_parts(rs, ex)
     r = diff.compare(f, f, meta_a=a, meta_b=b, resamples=500)
     assert "microbatches 4 → 8" in r["verdict"] and r["verdict"].startswith("no significant difference")
+
+
+def test_environment_changes_are_listed_where_both_records_have_one():
+    env_a = {"cuda": "12.8", "nccl": "2.26.2", "driver": "570.1", "cpu": "x", "flags": {"NCCL_ALGO": "Ring"}}
+    env_b = {"cuda": "12.8", "nccl": "2.28.9", "driver": "570.1", "cpu": "x",
+             "flags": {"NCCL_ALGO": "Tree", "TORCH_NCCL_ENABLE_TIMING": "1"}}
+    a = {**META, "environment": json.dumps(env_a)}
+    b = {**META, "environment": json.dumps(env_b)}
+    ch = {c["key"]: (c["a"], c["b"]) for c in diff.changes(a, b)}
+    assert ch == {"env.nccl": ("2.26.2", "2.28.9"), "env.flags.NCCL_ALGO": ("Ring", "Tree"),
+                  "env.flags.TORCH_NCCL_ENABLE_TIMING": (None, "1")}
+    rs, ex = _rank_steps(10)
+    f = diff.step_parts(rs, ex)
+    r = diff.compare(f, f, meta_a=a, meta_b=b, resamples=200)
+    assert "nccl 2.26.2 → 2.28.9, NCCL_ALGO Ring → Tree, TORCH_NCCL_ENABLE_TIMING none → 1" in r["verdict"], r["verdict"]
+    # a record from before schema 6 has none: nothing is listed for it (not every key as "none → ...")
+    assert diff.changes({**META}, b) == []
+
+
+def test_the_environment_flags_are_bounded_and_hold_no_credentials():
+    environ = {"NCCL_ALGO": "Tree", "TORCHELASTIC_RUN_ID": "x", "MASTER_PORT": "29500", "HF_TOKEN": "s",
+               "NCCL_IB_SECRET_TOKEN": "s", "AWS_SECRET_ACCESS_KEY": "s", "OMP_NUM_THREADS": "1",
+               "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True" + "x" * 500,
+               **{f"UCX_X{i:03d}": "1" for i in range(100)}}  # sorted after the others
+    got = runenv.flags(environ)
+    assert "NCCL_ALGO" in got and "OMP_NUM_THREADS" in got and "PYTORCH_CUDA_ALLOC_CONF" in got
+    assert not {"TORCHELASTIC_RUN_ID", "MASTER_PORT", "HF_TOKEN", "NCCL_IB_SECRET_TOKEN",
+                "AWS_SECRET_ACCESS_KEY"} & set(got)
+    assert len(got) == runenv.MAX_FLAGS and max(map(len, got.values())) == runenv.MAX_VALUE_CHARS
+    env = runenv.environment(cuda=False, environ={"NCCL_ALGO": "Tree"})
+    assert env["flags"] == {"NCCL_ALGO": "Tree"} and env["cpu"] and "nccl" not in env
 
 
 def test_another_global_batch_is_compared_per_token_and_says_so():

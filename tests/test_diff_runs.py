@@ -30,7 +30,9 @@ def store(tmp_path_factory):
     base = tmp_path_factory.mktemp("diff")
     for k in range(SAME):
         run_job(base, f"same-{k}", 2, *ARGS)
-    run_job(base, "straggler", 2, *ARGS, "--straggler-ranks", "1", "--straggler-seconds", "0.05")
+    # an environment flag set for this job alone (NCCL's: no effect on gloo) that the change list must name
+    run_job(base, "straggler", 2, *ARGS, "--straggler-ranks", "1", "--straggler-seconds", "0.05",
+            env={"NCCL_ALGO": "Tree"})
     run_job(base, "pp-m4", 2, *PP, "--microbatches", "4")
     run_job(base, "pp-m8", 2, *PP, "--microbatches", "8")
     return base
@@ -74,7 +76,9 @@ def test_a_straggler_is_found_attributed_to_the_waiting_parts_named_and_fails_th
     assert comm + by["compute"]["diff_s"] > 0.8 * w["diff_s"]
     assert [s["rank"] for s in c["new_stragglers"]] == [1] and "new straggler: rank 1" in c["verdict"]
     assert {ch["key"]: (ch["a"], ch["b"]) for ch in c["changes"]} == {
-        "config.faults.straggler_ranks": ([], [1]), "config.faults.straggler_seconds": (0.0, 0.05)}, c["changes"]
+        "config.faults.straggler_ranks": ([], [1]), "config.faults.straggler_seconds": (0.0, 0.05),
+        "env.flags.NCCL_ALGO": (None, "Tree")}, c["changes"]
+    assert "NCCL_ALGO none → Tree" in c["verdict"], c["verdict"]
     named = c["verdict"].split("; ")[1]  # "<x> points of it <part>, <y> <part>": the two that carry it
     assert "compute" in named and "exposed all_reduce on dp" in named, c["verdict"]
     proc = _cli("--store", str(store), "same-0", "straggler", "--fail-above", "5", "--json")

@@ -103,6 +103,40 @@ def test_pipeline_bubble_is_region_minus_spans_and_p2p_waits_are_not_exposed():
     assert step["forward_s"] == pytest.approx(0.03)
 
 
+def test_a_wait_over_pp_after_the_schedule_is_bubble_and_other_phases_waits_do_not_shorten_it():
+    """The drain: the last stage leaves the schedule and waits in the gradient norm's all-reduce over pp for the
+    first stage's final backward. That wait is bubble (a stage waiting for the others), not exposed
+    communication; a data-parallel all-reduce in the optimizer stays exposed and leaves the pipeline's own
+    idle time whole; the optimizer's own time is its phase less both waits."""
+    tel, w = make()
+    with tel.step(0):
+        with tel.phase("pipeline"):
+            t0 = tel.clock.now()
+            tel._span_enter()
+            time.sleep(0.03)
+            tel._span_exit()
+            tel.record_span(stage=1, microbatch=0, kind="forward", t_start=t0, t_end=t0 + 0.03)
+            time.sleep(0.04)  # idle: waiting for the other stage
+        with tel.phase("optimizer"):
+            t1 = tel.clock.now()
+            time.sleep(0.05)
+            tel.record_collective(op="all_reduce", dim="pp", group="pp", group_size=2, nbytes=4, t_start=t1,
+                                  t_end=tel.clock.now(), wait_s=0.05, source="test")
+            t2 = tel.clock.now()
+            time.sleep(0.02)
+            tel.record_collective(op="all_reduce", dim="dp", group="dp", group_size=2, nbytes=4, t_start=t2,
+                                  t_end=tel.clock.now(), wait_s=0.02, source="test")
+            time.sleep(0.01)  # the optimizer's own work
+    tel.close()
+    (step,) = w.table("step")
+    assert step["bubble_s"] == pytest.approx(0.04 + 0.05, abs=0.015)
+    assert step["exposed_comm_s"] == pytest.approx(0.02)
+    assert step["optimizer_s"] == pytest.approx(0.01, abs=0.01)
+    assert step["compute_s"] == pytest.approx(0.03 + 0.01, abs=0.015)
+    assert step["wall_s"] == pytest.approx(step["compute_s"] + step["exposed_comm_s"] + step["bubble_s"]
+                                           + step["other_s"])
+
+
 def test_bounded_buffers_count_drops_and_writer_failures_never_raise():
     tel, w = make(MemoryWriter(fail=True), max_rows_per_kind=3)
     tel._stop.set()  # hold the flusher so the buffer fills

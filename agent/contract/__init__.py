@@ -32,11 +32,11 @@ from meshscope.agent.contract.records import (
     StepRecord, collective_record, event_record, gpu_record, hang_record, memory_record, record_types, run_record, span_record, step_record,
 )
 from meshscope.agent.contract.schema import (
-    DIMS, EVENT_KINDS, KINDS, OPS, P2P_OPS, SCHEMA_VERSION, SCHEMAS, SCHEMAS_BY_VERSION, SPAN_KINDS,
+    DIMS, EVENT_KINDS, KINDS, OPS, P2P_OPS, SCHEMA_VERSION, is_stage_wait, SCHEMAS, SCHEMAS_BY_VERSION, SPAN_KINDS,
 )
 
 __all__ = [
-    "DIMS", "EVENT_KINDS", "KINDS", "OPS", "P2P_OPS", "PACK_RE", "PART_RE", "RECORDS", "SCHEMAS", "SCHEMAS_BY_VERSION", "SCHEMA_VERSION",
+    "DIMS", "EVENT_KINDS", "KINDS", "OPS", "P2P_OPS", "is_stage_wait", "PACK_RE", "PART_RE", "RECORDS", "SCHEMAS", "SCHEMAS_BY_VERSION", "SCHEMA_VERSION",
     "SPAN_KINDS", "SPOOL_NAME", "AnchoredClock", "Clock", "CollectiveRecord", "EventRecord", "GpuRecord",
     "MemoryRecord", "RunRecord", "SpanRecord", "StepRecord", "algbw", "busbw", "busbw_factor", "check_run_name", "is_run_name",
     "pack_name", "part_name", "record_types", "spool_path", "FACTORIES", "TAGS", "collective_record", "event_record", "gpu_record", "hang_record", "HangRecord",

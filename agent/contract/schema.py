@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 # The parallel dimensions a collective can belong to (taken from the DeviceMesh dim names).
 DIMS = ("dp", "fsdp", "tp", "pp", "cp", "ep", "world", "other")
@@ -30,6 +30,14 @@ OPS = (
 # The point-to-point kinds: a pipeline stage waiting in one waits for its neighbour, so the step record counts
 # that wait as bubble, not exposed communication (agent.instrument.stepstate; dashboard.diff reads it so).
 P2P_OPS = frozenset({"send", "recv"})
+
+
+def is_stage_wait(op: str, dim: str) -> bool:
+    """Whether the time a rank waits in this op is a pipeline stage waiting for the other stages (bubble in
+    the step record) rather than exposed communication: a P2P op between stages, or any collective over the
+    pipeline dim. The first reduction over ``pp`` after the schedule (the gradient norm's, a loss's) is where
+    the last stage waits for the first one's final backward, the schedule's drain; its data is a scalar."""
+    return op in P2P_OPS or dim == "pp"
 # Pipeline span kinds.
 SPAN_KINDS = ("forward", "backward", "weight")
 # Event kinds (run timeline).
@@ -60,6 +68,9 @@ SCHEMAS: dict[str, pa.Schema] = {
         # v4: how flops_per_token was found ("trainer: ...", "analytic: 6*N ...") or why it is absent
         # ("off", "absent: <reason>"): what a page says where MFU is n/a
         ("flops_method", _str),
+        # v6: JSON of what the run ran on beyond its config (agent.instrument.runenv): CUDA, NCCL and driver
+        # versions, the CPU, and the environment flags of NCCL, torch and the thread pools
+        ("environment", _str),
     ]),
     # One per rank and optimizer step. wall = compute + exposed_comm + bubble + other.
     "step": pa.schema([
@@ -139,9 +150,10 @@ KINDS = tuple(SCHEMAS)
 
 # Older versions, as the columns added since: readers lift their batches to the current schema (the
 # columns NULL). Version 2 added ``step.cpu_s`` and ``step.cpu_wait_s``; version 3 ``memory.param_bytes``,
-# ``memory.grad_bytes`` and ``memory.optimizer_bytes``; version 4 ``run.flops_method`` and ``collective.mesh_dim``.
+# ``memory.grad_bytes`` and ``memory.optimizer_bytes``; version 4 ``run.flops_method`` and ``collective.mesh_dim``;
+# version 6 ``run.environment``.
 _ADDED = {2: {"step": ("cpu_s", "cpu_wait_s")}, 3: {"memory": ("param_bytes", "grad_bytes", "optimizer_bytes")},
-          4: {"run": ("flops_method",), "collective": ("mesh_dim",)}}
+          4: {"run": ("flops_method",), "collective": ("mesh_dim",)}, 6: {"run": ("environment",)}}
 # Kinds added since version 1 (version 5 added ``hang``): an older writer never wrote one.
 _KINDS_ADDED = {5: ("hang",)}
 

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from meshscope.agent.contract import mfu as model_flops_utilisation
-from meshscope.agent.contract import P2P_OPS, span_record, step_record
+from meshscope.agent.contract import P2P_OPS, is_stage_wait, span_record, step_record
 from meshscope.agent.instrument.cpu import parse as parse_cpu
 from meshscope.agent.instrument.readout import as_float, read_loss
 
@@ -24,7 +24,7 @@ _P2P = P2P_OPS
 
 class StepState:
     __slots__ = (
-        "step", "t_start", "phases", "phase", "waits_in_phase", "exposed", "pp_wait", "span_time",
+        "step", "t_start", "phases", "phase", "waits_in_phase", "exposed", "pp_wait", "stage_wait_outside", "span_time",
         "span_depth", "nonpp_wait_outside_spans", "span_kind_time", "n_collectives", "values", "cpu0",
         "phase_t0", "outer", "segments", "colls", "t_end", "cpu_end", "spans", "tensors", "key",
     )
@@ -52,6 +52,8 @@ class StepState:
         self.waits_in_phase: dict[str, float] = {}
         self.exposed = 0.0
         self.pp_wait = 0.0
+        # waits of collectives over the pipeline dim outside the pipeline phase: the drain (is_stage_wait)
+        self.stage_wait_outside = 0.0
         self.span_time = 0.0
         self.span_depth = 0
         self.nonpp_wait_outside_spans = 0.0
@@ -61,8 +63,8 @@ class StepState:
         # (phase, t0, t1) for every stretch of time a phase was the innermost open one, in order (raw
         # perf_counter times): the flusher finds the phase a collective completed in from these.
         self.segments: list[tuple[str, float, float]] | tuple = []  # flat once the step ended
-        # Collectives of this step as (op, t_end, wait_s), gathered by the flusher until the step is built.
-        self.colls: list[tuple[str, float, float]] | None = None
+        # Collectives of this step as (op, dim, t_end, wait_s), gathered by the flusher until the step is built.
+        self.colls: list[tuple[str, str, float, float]] | None = None
         # Set at the step's end (``Telemetry._end_step``): the clocks, the pipeline spans, the tensor census.
         self.t_end = 0.0
         self.cpu_end: Any = cpu0  # a ThreadCPU reading (cpu.parse makes it seconds)
@@ -187,19 +189,29 @@ def span_microbatch(value: Any) -> int:
     return value if type(value) is int else -1
 
 
-def account(state: StepState, op: str, wait_s: float, phase: str | None, outside_spans: bool) -> None:
+def account(state: StepState, op: str, dim: str, wait_s: float, phase: str | None, outside_spans: bool) -> None:
     """One collective's share of its step: exposed communication (the thread's blocked time), per phase
-    (compute phases subtract it) and, outside pipeline compute spans, what the bubble must not count."""
+    (compute phases subtract it) and, in the pipeline phase outside compute spans, what the bubble must not
+    count. A stage waiting for the other stages (``is_stage_wait``) is bubble: inside the pipeline phase it
+    is already that phase's idle time; outside it (the drain, waited for in the first reduction over pp) it
+    is added to the bubble."""
     state.n_collectives += 1
     if wait_s != wait_s:  # NaN: exposure unknown for this op (e.g. FSDP on NCCL): not summed
         return
-    if op in _P2P:  # a pipeline stage waiting for its neighbour: bubble, not exposed communication
-        state.pp_wait += wait_s
+    if is_stage_wait(op, dim):
+        if op in _P2P or phase == "pipeline":
+            state.pp_wait += wait_s
+            return
+        state.stage_wait_outside += wait_s
+        if phase is not None:
+            state.waits_in_phase[phase] = state.waits_in_phase.get(phase, 0.0) + wait_s
         return
     state.exposed += wait_s
     if phase is not None:
         state.waits_in_phase[phase] = state.waits_in_phase.get(phase, 0.0) + wait_s
-        if outside_spans:
+        # only the pipeline phase's own time holds the bubble: a wait in another phase (the optimizer's
+        # all-reduce) is not in it and must not shorten it
+        if outside_spans and phase == "pipeline":
             state.nonpp_wait_outside_spans += wait_s
 
 
@@ -218,12 +230,12 @@ def account_deferred(state: StepState, spans: Any) -> None:
     segs = state.segments  # flat: (phase, t0, t1, phase, t0, t1, ...)
     seg_starts = segs[1::3]
     span_starts = [s[3] for s in spans]
-    for op, t_end, wait_s in state.colls:
+    for op, dim, t_end, wait_s in state.colls:
         i = bisect.bisect_right(seg_starts, t_end) - 1
         phase = segs[3 * i] if i >= 0 and t_end <= segs[3 * i + 2] else None
         j = bisect.bisect_right(span_starts, t_end) - 1
         in_span = j >= 0 and t_end <= spans[j][4]
-        account(state, op, wait_s, phase, not in_span)
+        account(state, op, dim, wait_s, phase, not in_span)
     state.colls = None
 
 
@@ -244,11 +256,13 @@ def step_rows(state: StepState, *, t_end: float, cpu_end: Any, spans: Any, epoch
     wall = t_end - state.t_start
     v = state.values
     pipeline_time = state.phases.get("pipeline", 0.0)
-    bubble = 0.0
+    pipeline_bubble = 0.0
     if pipeline_time > 0:
-        bubble = max(0.0, pipeline_time - state.span_time - state.nonpp_wait_outside_spans)
+        pipeline_bubble = max(0.0, pipeline_time - state.span_time - state.nonpp_wait_outside_spans)
+    # the drain's wait is already out of its phase's compute (waits_in_phase)
+    bubble = pipeline_bubble + state.stage_wait_outside
     compute = sum(t - state.waits_in_phase.get(p, 0.0) for p, t in state.phases.items() if p in COMPUTE_PHASES)
-    compute = max(0.0, compute - bubble)
+    compute = max(0.0, compute - pipeline_bubble)
     other = max(0.0, wall - compute - state.exposed - bubble)
     if state.span_time > 0:
         fwd = state.span_kind_time.get("forward", 0.0)
@@ -262,7 +276,9 @@ def step_rows(state: StepState, *, t_end: float, cpu_end: Any, spans: Any, epoch
     return span_rows, step_record(
         step=state.step, t_start=state.t_start, t_end=t_end, wall_s=wall, compute_s=compute,
         exposed_comm_s=state.exposed, bubble_s=bubble, other_s=other, data_s=state.phases.get("data", 0.0),
-        forward_s=fwd, backward_s=bwd, optimizer_s=state.phases.get("optimizer", 0.0),
+        # the optimizer's own time: its waits (a gradient norm's reduction) are communication or bubble
+        forward_s=fwd, backward_s=bwd,
+        optimizer_s=max(0.0, state.phases.get("optimizer", 0.0) - state.waits_in_phase.get("optimizer", 0.0)),
         tokens=int(v.get("tokens", 0)), flops=flops, mfu=mfu, loss=loss,
         # a loss given and not finite; no loss given (None) is absent, not a NaN loss
         loss_nonfinite=given is not None and not math.isfinite(given),

@@ -13,13 +13,16 @@
     tel.close()
 
 Step time accounting (per rank), wall = compute + exposed_comm + bubble + other:
-- exposed_comm: time the training thread was blocked on collectives (not P2P sends/receives; hooks
-  report each op's ``wait_s`` on the thread that waited);
-- bubble (pipeline phase only): phase time − Σ compute spans − non-pipeline waits outside spans, i.e.
-  the stage's idle time including its P2P waits (on CPU a P2P wait cannot be split into transfer and
-  idle; both are time the stage had nothing to compute);
+- exposed_comm: time the training thread was blocked on collectives (not a stage waiting for the other
+  stages: P2P sends/receives and collectives over the pp dim; hooks report each op's ``wait_s`` on the
+  thread that waited);
+- bubble: the pipeline phase's time − Σ compute spans − its non-pipeline waits outside spans, i.e. the
+  stage's idle time including its P2P waits (on CPU a P2P wait cannot be split into transfer and idle;
+  both are time the stage had nothing to compute), plus its waits in collectives over pp after the
+  schedule (the drain: the last stage waiting for the first one's final backward;
+  ``agent.contract.is_stage_wait``);
 - compute: time in compute phases (forward, backward, optimizer, pipeline, compute) minus the waits and
-  bubble inside them;
+  bubble inside them (``optimizer_s`` likewise: the optimizer phase minus its waits);
 - other: the rest (data loading, logging, host overhead between phases).
 
 The training thread does only what cannot be deferred: per step, a clock read and a read of its own CPU
@@ -50,7 +53,7 @@ from meshscope.agent.contract import (
     SCHEMAS, AnchoredClock, Clock, StepRecord, collective_record, event_record, hang_record, run_record, span_record,
     algbw, busbw_factor, spool_path,
 )
-from meshscope.agent.instrument import flightrec, hangdump, memory
+from meshscope.agent.instrument import flightrec, hangdump, memory, runenv
 from meshscope.agent.instrument.cpu import ThreadCPU
 from meshscope.agent.instrument.deeptrace import for_telemetry as deeptrace_for
 from meshscope.agent.instrument.config import TelemetryConfig
@@ -145,6 +148,8 @@ class Telemetry:
             "host": socket.gethostname(), "pid": os.getpid(), "attempt": self.attempt, "t_start": self.clock.now(),
             "torch_version": torch.__version__, "meshscope_version": version(),
             "python_version": platform.python_version(),
+            "environment": json.dumps(runenv.environment(cuda=str(info.get("device", "cpu")) != "cpu"),
+                                      sort_keys=True),
         }
         for key, value in info.items():
             row.setdefault(key, json.dumps(value, sort_keys=True) if isinstance(value, dict) else value)
@@ -328,14 +333,14 @@ class Telemetry:
         if context is DIRECT:
             state = self._cur
             if state is not None:
-                account(state, op, wait_s, state.phase, state.span_depth == 0)
+                account(state, op, dim, wait_s, state.phase, state.span_depth == 0)
             step = state.step if state is not None else self._last_step
         elif context is not None:  # a StepState.key: that step's record is not built yet, unless gone
             state = self._pending.get(context)
             if state is not None:
                 if state.colls is None:
                     state.colls = []
-                state.colls.append((op, t_end - self.epoch, wait_s))
+                state.colls.append((op, dim, t_end - self.epoch, wait_s))
                 step = state.step
             else:
                 step = self._pending.step_of(context, self._last_step)

@@ -34,18 +34,22 @@ def trainer_env() -> dict[str, str]:
     return env
 
 
-def _checked(cmd: list[str], *, timeout: float, check: bool) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=timeout)
+def _checked(cmd: list[str], *, timeout: float, check: bool,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=ROOT, env={**trainer_env(), **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
 
 
-def torchrun(nproc: int, *args: str, timeout: float = 240, check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``torchrun --standalone --nproc_per_node=nproc -m meshscope.trainer.train *args`` from the repo root."""
+def torchrun(nproc: int, *args: str, timeout: float = 240, check: bool = True,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``torchrun --standalone --nproc_per_node=nproc -m meshscope.trainer.train *args`` from the repo root
+    (``env``: variables set for the job on top of ``trainer_env``)."""
     return _checked([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                     "-m", "meshscope.trainer.train", *args], timeout=timeout, check=check)
+                     "-m", "meshscope.trainer.train", *args], timeout=timeout, check=check, env=env)
 
 
 def single(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
@@ -68,9 +72,10 @@ def ingest(store: Path) -> None:
     _checked([sys.executable, "-m", "meshscope.cli", "ingest", "--store", str(store)], timeout=120, check=True)
 
 
-def run_job(store: Path, run: str, nproc: int, *args: str) -> subprocess.CompletedProcess:
+def run_job(store: Path, run: str, nproc: int, *args: str,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """A torchrun job with telemetry into ``store`` as run ``run``, then ingested."""
-    proc = torchrun(nproc, "--store", str(store), "--run-name", run, *args)
+    proc = torchrun(nproc, "--store", str(store), "--run-name", run, *args, env=env)
     ingest(store)
     return proc
 
