@@ -340,11 +340,16 @@ def verdict(result: dict) -> str:
                 f", {abs(p['diff_pct']):.1f} {p['part']}" for p in carried[1:])
     changed = result.get("changes", [])
     if changed:
-        shown = ", ".join(f"{_short(c['key'])} {_val(c['a'])} → {_val(c['b'])}" for c in changed[:4])
+        shown = ", ".join(change_line(c) for c in changed[:4])
         head += f"; changed: {shown}" + (f" (+{len(changed) - 4} more)" if len(changed) > 4 else "")
     if result.get("not_comparable"):
         head += f" (compared per token: {', '.join(result['not_comparable'])} differ)"
     return head
+
+
+def change_line(change: dict) -> str:
+    """One change as the verdict says it: ``microbatches 8 → 4``, ``NCCL_ALGO none → Tree``."""
+    return f"{_short(change['key'])} {_val(change['a'])} → {_val(change['b'])}"
 
 
 def _short(key: str) -> str:

@@ -563,11 +563,48 @@ def diff_waterfall(parts: list[dict], *, unit: str = "step") -> go.Figure:
                    y=label, height=420)
 
 
-def diff_distributions(a: pd.Series, b: pd.Series, *, names: tuple[str, str]) -> go.Figure:
-    """The steady steps' times of the two runs, side by side (box with every step)."""
-    fig = go.Figure([go.Box(y=a * 1e3, name=names[0], boxpoints="all", jitter=0.4, marker_color=_PALETTE[0]),
-                     go.Box(y=b * 1e3, name=names[1], boxpoints="all", jitter=0.4, marker_color=_PALETTE[1])])
+def diff_distributions(walls: dict[str, pd.Series]) -> go.Figure:
+    """The steady steps' times of each run (the baseline first), side by side (box with every step)."""
+    fig = go.Figure([go.Box(y=w * 1e3, name=name, boxpoints="all", jitter=0.4,
+                            marker_color=_PALETTE[i % len(_PALETTE)]) for i, (name, w) in enumerate(walls.items())])
     return _layout(fig, title="Steady step times (mean over ranks)", x="run", y="ms per step")
+
+
+def _part_color(part: str, i: int) -> str:
+    fixed = {"compute": COLORS["compute_s"], "bubble": COLORS["bubble_s"], "other": COLORS["other_s"],
+             "optimizer": "#66bb6a", "unattributed": "#bdbdbd", "exposed, unattributed": "#ef9a9a"}
+    return fixed.get(part, _PALETTE[(i + 3) % len(_PALETTE)])
+
+
+def diff_several(results: dict[str, dict]) -> go.Figure:
+    """Each compared run against the one baseline: its parts' changes stacked (points of the baseline's step
+    time; a part that shrank stacks to the left) and the whole's change with its interval (a diamond with
+    error bars), one row per run (``dashboard.diff``'s results, by run name)."""
+    runs = list(results)
+    parts: list[str] = []
+    for c in results.values():
+        parts += [p["part"] for p in c["parts"] if p["part"] != "step" and p["part"] not in parts]
+    fig = go.Figure()
+    for i, part in enumerate(parts):
+        x = []
+        for run in runs:
+            by = {p["part"]: p for p in results[run]["parts"]}
+            x.append(by[part]["diff_pct"] if part in by and by[part]["diff_pct"] is not None else 0.0)
+        if any(abs(v) > 0.05 for v in x):  # a part that moved in none of the runs stays out of the legend
+            fig.add_bar(y=runs, x=x, name=part, orientation="h", marker_color=_part_color(part, i),
+                        hovertemplate="%{y}: %{x:+.1f} points<extra>" + part + "</extra>")
+    wholes = [next((p for p in results[r]["parts"] if p["part"] == "step"), None) for r in runs]
+    have = [(r, w) for r, w in zip(runs, wholes) if w is not None and w["diff_pct"] is not None]
+    if have:
+        fig.add_scatter(y=[r for r, _ in have], x=[w["diff_pct"] for _, w in have], mode="markers",
+                        name="step (interval)", marker=dict(symbol="diamond", size=11, color="black"),
+                        error_x=dict(type="data", symmetric=False, array=[w["hi_pct"] - w["diff_pct"] for _, w in have],
+                                     arrayminus=[w["diff_pct"] - w["lo_pct"] for _, w in have]),
+                        hovertemplate="%{y}: %{x:+.1f} %<extra>step</extra>")
+    fig.update_layout(barmode="relative")
+    fig.add_vline(x=0, line_width=1, line_color="#616161")
+    return _layout(fig, title="Each run against the baseline: the step's change (interval) and its parts",
+                   x="% of the baseline's step time", y="", height=max(300, 140 + 48 * len(runs)))
 
 
 def diff_comm(parts: list[dict], *, names: tuple[str, str], unit: str = "step") -> go.Figure:

@@ -123,8 +123,9 @@ def _bubble(tmp_path, run: str, *args: str, schedule: str, p: int, m: int, v: in
     """Median measured bubble per stage over steady steps: 1 − Σ(own spans) / pipeline extent, the extent
     running from the first span start to the last span end over all stages (the window the theory
     describes). The per-rank ``bubble_s`` of the step record is local to each rank: the drain at the end of
-    a step (the last stage waiting for the first one's final backward) lands in that rank's first
-    collective after the schedule (exposed communication), which a single rank cannot tell apart.
+    a step (the last stage waiting for the first one's final backward) is that rank's wait in its first
+    reduction over pp after the schedule, which the record counts as bubble (tests/test_diff_runs.py holds
+    the record's bubble to the schedule).
 
     Beside it, ``replay_bubble``: the schedule simulator fed each step's measured op times and transfer
     time (``pipeline_sim.replay``), an independent model of what the schedule makes the stages wait; and
