@@ -186,3 +186,24 @@ def test_the_run_and_step_range_are_in_the_url(monkeypatch, synthetic):
     other.query_params["run"] = "nope"
     other.run()
     assert not other.exception and other.sidebar.selectbox[0].value == "pp-8"
+
+
+def test_compare_takes_a_baseline_and_several_runs(monkeypatch, tmp_path):
+    for k, straggler in enumerate((None, Straggler(rank=2, cause="throttle"), None)):
+        write_store(tmp_path, config=SyntheticConfig(run=f"ddp-{k}", mesh={"dp": 4}, steps=12, seed=k,
+                                                     straggler=straggler, t0=1.8e9 + 3600 * k))
+    at = _app(monkeypatch, "--store", str(tmp_path)).run()
+    _visit(at, "compare")
+    at.selectbox(key="meshscope.compare_a").set_value("ddp-0").run()
+    at.multiselect(key="meshscope.compare_bs").set_value(["ddp-1", "ddp-2"]).run()
+    assert not at.exception and not at.error, (at.exception, _texts(at.error))
+    several = at.dataframe[0].value
+    assert several["run"].tolist() == ["ddp-1", "ddp-2"]
+    # the straggler's run is the one significantly slower, and what carries it is named
+    slow = several.set_index("run").loc["ddp-1"]
+    assert slow["B − A (%)"] > 0 and slow["interval excludes 0"] and slow["carried by"] != "—", several
+    assert any(s.value.startswith("2 runs against ddp-0") for s in at.subheader)
+    assert len(at.get("plotly_chart")) >= 2 + 3  # several: parts and distributions; detail: waterfall, comm, dist
+    at.selectbox(key="meshscope.compare_detail").set_value("ddp-2").run()
+    assert any(s.value == "ddp-2 against ddp-0" for s in at.subheader)
+    assert not at.exception and not at.error

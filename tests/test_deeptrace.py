@@ -110,7 +110,7 @@ def _spool(store: Path, run: str, *, rank: int = 0, pid: int, events: tuple[str,
             virtual_stages=1, model="tiny", n_params=1, n_params_nonembedding=1, n_layers=1, d_model=1, seq_len=1,
             global_batch=1, flops_per_token=1.0, peak_flops=1.0, peak_source="", device="cpu", backend="gloo",
             dtype="fp32", torch_version="", meshscope_version="", python_version="", config="{}",
-            flops_method="")])
+            flops_method="", environment="{}")])
     for kind in events:
         w.submit("event", [EventRecord(t=time.time(), step=5, kind=kind, message="")])
     w.flush()

@@ -62,7 +62,8 @@ def store(tmp_path_factory):
             strategy="pp", mesh='{"pp": 2}', coords="{}", schedule="1f1b", microbatches=2, virtual_stages=1,
             model="tiny", n_params=1, n_params_nonembedding=1, n_layers=1, d_model=1, seq_len=1, global_batch=1,
             flops_per_token=1.0, peak_flops=1.0, peak_source="override", device="cpu", backend="gloo", dtype="fp32",
-            torch_version="2.13", meshscope_version="0.1", python_version="3.11", config="{}", flops_method="")])
+            torch_version="2.13", meshscope_version="0.1", python_version="3.11", config="{}", flops_method="",
+            environment="{}")])
         w.flush()
         assert w.close()
     Ingestor(store=store, state=MetricsState(), clock=Clock()).ingest_all()

@@ -347,6 +347,8 @@ def _run_row(cfg: SyntheticConfig, *, rank: int, coord, model: dict, flops_per_t
         "peak_flops": PEAK_FLOPS, "peak_source": "table:H100", "device": "NVIDIA H100 80GB HBM3", "backend": "nccl", "dtype": "bfloat16", "torch_version": "2.13.0",
         "meshscope_version": "0.1.0", "python_version": "3.11.2",
         "config": json.dumps({"synthetic": True, "seed": cfg.seed, "activation_checkpoint": False}),
+        "environment": json.dumps({"cuda": "12.8", "nccl": "2.26.2", "driver": "570.124.06", "cpu": "synthetic",
+                                   "flags": {"NCCL_ALGO": "Ring"}}),
     }.items()}
 
 
