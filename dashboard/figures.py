@@ -601,7 +601,7 @@ def diff_several(results: dict[str, dict]) -> go.Figure:
                         error_x=dict(type="data", symmetric=False, array=[w["hi_pct"] - w["diff_pct"] for _, w in have],
                                      arrayminus=[w["diff_pct"] - w["lo_pct"] for _, w in have]),
                         hovertemplate="%{y}: %{x:+.1f} %<extra>step</extra>")
-    fig.update_layout(barmode="relative")
+    fig.update_layout(barmode="relative", yaxis=dict(autorange="reversed"))  # the first run on top, as listed
     fig.add_vline(x=0, line_width=1, line_color="#616161")
     return _layout(fig, title="Each run against the baseline: the step's change (interval) and its parts",
                    x="% of the baseline's step time", y="", height=max(300, 140 + 48 * len(runs)))

@@ -28,7 +28,8 @@ def _several_rows(results: dict[str, dict]) -> pd.DataFrame:
     rows = []
     for run, c in results.items():
         w = diff.whole(c)
-        carried = [p for p in diff.parts_carrying(c) if p["significant"]][:2] if w is not None else []
+        # as the verdict says it: what carries a difference, where there is one
+        carried = [p for p in diff.parts_carrying(c) if p["significant"]][:2] if w is not None and w["significant"] else []
         changed = c["changes"]
         rows.append({"run": run, "diff_pct": None if w is None else w["diff_pct"],
                      "lo_pct": None if w is None else w["lo_pct"], "hi_pct": None if w is None else w["hi_pct"],
