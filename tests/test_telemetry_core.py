@@ -83,16 +83,23 @@ def test_step_breakdown_adds_up_and_matches_injected_times():
     assert len(w.table("memory")) == 1 and w.table("memory")[0]["rss_bytes"] > 0
 
 
+def _pipeline_phase(tel, *, stage: int) -> float:
+    """A pipeline phase of one 0.03 s forward span, then 0.04 s idle (waiting for the other stage): its start."""
+    with tel.phase("pipeline"):
+        t0 = tel.clock.now()
+        tel._span_enter()
+        time.sleep(0.03)
+        tel._span_exit()
+        tel.record_span(stage=stage, microbatch=0, kind="forward", t_start=t0, t_end=t0 + 0.03)
+        time.sleep(0.04)
+    return t0
+
+
 def test_pipeline_bubble_is_region_minus_spans_and_p2p_waits_are_not_exposed():
     tel, w = make()
     with tel.step(0):
-        with tel.phase("pipeline"):
-            t0 = tel.clock.now()
-            tel._span_enter()
-            time.sleep(0.03)
-            tel._span_exit()
-            tel.record_span(stage=0, microbatch=0, kind="forward", t_start=t0, t_end=t0 + 0.03)
-            time.sleep(0.04)  # idle: waiting for the next stage
+        t0 = _pipeline_phase(tel, stage=0)
+        with tel.phase("pipeline"):  # the receive that waited, completing in the same phase
             tel.record_collective(op="recv", dim="pp", group="pp", group_size=2, nbytes=10, t_start=t0,
                                   t_end=tel.clock.now(), wait_s=0.04, peer=1, source="test")
     tel.close()
@@ -110,13 +117,7 @@ def test_a_wait_over_pp_after_the_schedule_is_bubble_and_other_phases_waits_do_n
     idle time whole; the optimizer's own time is its phase less both waits."""
     tel, w = make()
     with tel.step(0):
-        with tel.phase("pipeline"):
-            t0 = tel.clock.now()
-            tel._span_enter()
-            time.sleep(0.03)
-            tel._span_exit()
-            tel.record_span(stage=1, microbatch=0, kind="forward", t_start=t0, t_end=t0 + 0.03)
-            time.sleep(0.04)  # idle: waiting for the other stage
+        _pipeline_phase(tel, stage=1)
         with tel.phase("optimizer"):
             t1 = tel.clock.now()
             time.sleep(0.05)
