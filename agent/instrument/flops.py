@@ -7,12 +7,15 @@ that rank's share of the step's model FLOPs / its wall time / its device peak.
 
 The peak comes from, in order: an explicit override; a per-device table of dense bf16 peaks (GPU); on
 CPU a short fp32 matmul benchmark at start, because no table can know a CPU's effective peak and a
-measured one is the only honest denominator there.
+measured one is the only honest denominator there (the best this host has shown: ``cpu_peak``).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -58,6 +61,48 @@ def calibrate_cpu_peak(*, size: int = 512, min_seconds: float = 0.2, dtype: torc
             return best
 
 
+CPU_PEAK_FILE = "cpu-peak.json"  # in meshscope's cache directory (agent.env.cache_root)
+
+
+def _cpu_key() -> str:
+    from meshscope.agent.instrument.runenv import cpu_model
+
+    return f"{cpu_model()} | {torch.get_num_threads()} threads | fp32 512"
+
+
+def cpu_peak(*, cache: Path | None) -> float:
+    """The best FLOP/s this host's CPU has shown for this process's thread count: this start's calibration
+    or a higher one from an earlier start, kept in ``cache`` (a JSON file; None: this start's alone).
+
+    A start calibrates while the job's other ranks start too: on 2 cores, two ranks read 59-102 GF/s where
+    the host gives 100-103 to one process alone (2026-12-07), so one start's figure made MFU swing by up to
+    70 % between identical runs. The best seen is the host's peak, the same for every rank and run. The file
+    is read and written once per start; failing either is this start's calibration alone, never an error."""
+    measured = calibrate_cpu_peak()
+    if cache is None:
+        return measured
+    key = _cpu_key()
+    try:
+        stored = json.loads(cache.read_text())
+        if not isinstance(stored, dict):
+            stored = {}
+    except (OSError, ValueError):
+        stored = {}
+    try:
+        known = float(stored.get(key) or 0.0)
+    except (TypeError, ValueError):
+        known = 0.0
+    if measured > known:
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
+            tmp.write_text(json.dumps({**stored, key: measured}, indent=1, sort_keys=True))
+            os.replace(tmp, cache)  # whole or not at all: ranks starting together may write at once
+        except OSError:
+            pass
+    return max(measured, known)
+
+
 def device_peak(device: torch.device, *, override: float = 0.0, calibrate_gpu: bool = True) -> tuple[float, str]:
     """(peak FLOP/s, where it came from). ``calibrate_gpu=False``: a GPU missing from the table has no
     peak (0.0, "unknown:<name>"), for callers that must not allocate or synchronise on the device (a job
@@ -73,7 +118,9 @@ def device_peak(device: torch.device, *, override: float = 0.0, calibrate_gpu: b
         if not calibrate_gpu:
             return 0.0, f"unknown:{name}"
         return _calibrate_cuda(device), f"calibrated:{name}"
-    return calibrate_cpu_peak(), "calibrated-cpu"
+    from meshscope.agent.env import cache_root
+
+    return cpu_peak(cache=cache_root() / CPU_PEAK_FILE), "calibrated-cpu"
 
 
 def _calibrate_cuda(device: torch.device, *, size: int = 8192) -> float:
