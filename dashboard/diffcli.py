@@ -138,10 +138,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--store-b", action="append", default=None, metavar="DIR",
                    help="the store(s) holding B, where it is not in --store; repeatable")
     p.add_argument("run_a", metavar="RUN_A", help="the baseline run")
-    p.add_argument("run_b", metavar="RUN_B", help="the run compared with it")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("run_b", metavar="RUN_B", nargs="+", help="the run compared with it (or several, each against A)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (a list of them for several runs B)")
     p.add_argument("--fail-above", type=float, default=None, metavar="PCT",
-                   help="exit 1 when B is slower than A by more than PCT %% with confidence")
+                   help="exit 1 when B (any of them) is slower than A by more than PCT %% with confidence")
     return p
 
 
@@ -153,14 +154,22 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--fail-above must be a percentage >= 0, got {a.fail_above!r}")
         store_a = report.open_stores(a.store, prog="meshscope diff")
         store_b = report.open_stores(a.store_b, prog="meshscope diff") if a.store_b else store_a
-        c = build(views.direct_loader(store_a), views.direct_loader(store_b), run_a=a.run_a, run_b=a.run_b)
-        failed = a.fail_above is not None and diff.gate(c, fail_above_pct=a.fail_above)
-        if a.fail_above is not None:
-            c["gate"] = {"fail_above_pct": a.fail_above, "failed": failed}
-        print(json.dumps(c, indent=2, default=str) if a.json else format_text(c))
-        if a.fail_above is not None and not a.json:
-            print(f"gate: B is {'' if failed else 'not '}slower than A by more than {a.fail_above:g} % with "
-                  f"confidence" + (" (exit 1)" if failed else ""))
-        return 1 if failed else 0
+        load_a, load_b = views.direct_loader(store_a), views.direct_loader(store_b)
+        results, any_failed = [], False
+        for i, run_b in enumerate(a.run_b):
+            c = build(load_a, load_b, run_a=a.run_a, run_b=run_b)
+            failed = a.fail_above is not None and diff.gate(c, fail_above_pct=a.fail_above)
+            any_failed |= failed
+            if a.fail_above is not None:
+                c["gate"] = {"fail_above_pct": a.fail_above, "failed": failed}
+            results.append(c)
+            if not a.json:
+                print(("\n" if i else "") + format_text(c))
+                if a.fail_above is not None:
+                    print(f"gate: {run_b} is {'' if failed else 'not '}slower than {a.run_a} by more than "
+                          f"{a.fail_above:g} % with confidence" + (" (exit 1)" if failed else ""))
+        if a.json:
+            print(json.dumps(results[0] if len(results) == 1 else results, indent=2, default=str))
+        return 1 if any_failed else 0
 
     return run_command(prog="meshscope diff", parser=_parser(), argv=argv, body=body)

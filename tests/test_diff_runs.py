@@ -60,9 +60,14 @@ def test_every_pair_of_runs_of_one_layout_and_seed_is_no_significant_difference(
         assert not diff.gate(c, fail_above_pct=5.0)
     covered = [v for v in verdicts if v[2] <= 0 <= v[3]]
     assert len(covered) == len(verdicts) == 10, verdicts
-    proc = _cli("--store", str(store), "same-0", "same-1", "--fail-above", "5")
-    assert proc.returncode == 0, proc.stderr
-    assert "no significant difference" in proc.stdout and "gate: B is not slower" in proc.stdout
+    # several runs against one baseline: each one's comparison and gate; the straggler's fails the command
+    proc = _cli("--store", str(store), "same-0", "same-1", "straggler", "--fail-above", "5")
+    assert proc.returncode == 1, proc.stderr
+    first, second = proc.stdout.split("\n\n")
+    assert first.startswith("same-1 against same-0: no significant difference"), first
+    assert "gate: same-1 is not slower than same-0 by more than 5 % with confidence" in first, first
+    assert second.startswith("straggler against same-0: B is "), second
+    assert "gate: straggler is slower than same-0 by more than 5 % with confidence (exit 1)" in second, second
 
 
 def test_a_straggler_is_found_attributed_to_the_waiting_parts_named_and_fails_the_gate(load, store):
