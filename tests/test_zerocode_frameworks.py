@@ -36,10 +36,23 @@ def ddp_bytes_per_step(store: Path, run: str):
     return dp.groupby(["rank", "step"])["bytes"].sum()
 
 
+# What a rank prints when its interpreter exits with one of the job's own C++ threads still joinable (HF's
+# Trainer leaves the gloo process group to the interpreter's teardown): std::terminate, SIGABRT, the
+# launcher fails the job. Seen in the plain run, without meshscope (full suite 2026-12-08 00:32 UTC, and once
+# on 2026-11-29).
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def plain_run(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
-    """The same job without meshscope (the environment ``meshscope_run`` gives it, less meshscope)."""
+    """The same job without meshscope (the environment ``meshscope_run`` gives it, less meshscope). It is the
+    baseline the observed run is held to, so a plain run that the job's own teardown aborted is run again
+    (twice at most): the baseline must be a run that ended as the job means to end."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(list(argv), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    for _ in range(3):
+        proc = subprocess.run(list(argv), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        if proc.returncode == 0 or TEARDOWN_ABORT not in proc.stderr:
+            return proc
+    return proc
 
 
 def test_a_hugging_face_trainer_with_accumulation(tmp_path, monkeypatch):
