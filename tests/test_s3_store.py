@@ -187,6 +187,20 @@ def test_report_over_the_bucket_says_what_it_says_over_the_local_store(killed_ru
     assert [s["rank"] for s in remote["stragglers"]] == [1], remote["stragglers"]
 
 
+def test_diff_compares_a_run_in_the_bucket_with_one_in_a_local_store(killed_run):
+    """``meshscope diff --store s3://... --store-b DIR``: A read from the bucket, B from the local store. The
+    same run's records on both sides: every part's difference is exactly 0 and nothing changed."""
+    work, url, run, _, _ = killed_run
+    proc = subprocess.run([sys.executable, "-m", "meshscope", "diff", "--store", url, "--store-b", str(work), run, run,
+                           "--json", "--fail-above", "0"], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    c = json.loads(proc.stdout)
+    assert c["unit"] == "step" and c["changes"] == [] and c["gate"]["failed"] is False
+    assert c["steps"][0] == c["steps"][1] > 100
+    assert all(p["diff_s"] == 0 and p["a_s"] == p["b_s"] for p in c["parts"]), c["parts"]
+    assert c["verdict"].startswith("no significant difference")
+
+
 def test_dashboard_over_the_bucket_shows_what_it_shows_over_the_local_store(killed_run, monkeypatch):
     work, url, run, _, _ = killed_run
 
