@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from meshscope.agent.contract import is_stage_wait
+from meshscope.agent.contract import P2P_OPS, is_stage_wait
 
 LEVEL = 0.95
 RESAMPLES = 4000
@@ -59,13 +59,16 @@ def part_name(op: str, mesh_dim: str, dim: str = "") -> str:
     return f"exposed {op}" + (f" on {where}" if where else "")
 
 
-def step_parts(rank_steps: pd.DataFrame, exposed: pd.DataFrame, *, dp: int = 1) -> pd.DataFrame:
+def step_parts(rank_steps: pd.DataFrame, exposed: pd.DataFrame, *, dp: int = 1,
+               stage_waits: bool = True) -> pd.DataFrame:
     """Per steady step (index ``step``): ``wall_s`` and the parts (columns named as the module says), each
     the mean over the ranks that recorded the step; ``tokens``, the step's global tokens: a rank's record
     holds its replica's (global / dp), so the mean over ranks times ``dp`` (the data-parallel degree).
 
     ``rank_steps``: ``rank``, ``step``, ``wall_s``, ``compute_s``, ``exposed_comm_s``, ``bubble_s``, ``other_s``,
-    ``optimizer_s``; ``exposed``: ``step``, ``op``, ``mesh_dim``, ``dim``, ``wait_s`` (summed over the ranks)."""
+    ``optimizer_s``; ``exposed``: ``step``, ``op``, ``mesh_dim``, ``dim``, ``wait_s`` (summed over the ranks).
+    ``stage_waits``: the records count a stage's waits over pp as bubble (schema 6 on); before, only P2P
+    waits were bubble and a collective's over pp was exposed, so its row is an exposed part there."""
     r = rank_steps.copy()
     for c in ("compute_s", "exposed_comm_s", "bubble_s", "other_s", "optimizer_s"):
         r[c] = r[c].fillna(0.0) if c in r else 0.0
@@ -78,7 +81,8 @@ def step_parts(rank_steps: pd.DataFrame, exposed: pd.DataFrame, *, dp: int = 1) 
     exposed_total = g["exposed_comm_s"].mean()
     attributed = pd.Series(0.0, index=out.index)
     if len(exposed):
-        stage = [is_stage_wait(o, d) for o, d in zip(exposed["op"], exposed["dim"].fillna(""))]
+        stage = [is_stage_wait(o, d) if stage_waits else o in P2P_OPS
+                 for o, d in zip(exposed["op"], exposed["dim"].fillna(""))]
         e = exposed[~np.array(stage, dtype=bool) & exposed["step"].isin(out.index).to_numpy()]
     else:
         e = exposed
@@ -179,7 +183,7 @@ def changes(meta_a: dict, meta_b: dict, *, fields: tuple[str, ...] = CHANGE_FIEL
         cfg = _json(meta.get("config"))
         if isinstance(cfg, dict):
             _flat("config", cfg, flat)
-        if all(isinstance(e, dict) for e in envs):
+        if all(isinstance(e, dict) and e for e in envs):  # "{}": the writer could not read it
             _flat("env", env, flat)
     out = []
     for key in [k for k in flat_a if k in flat_b] + [k for k in flat_b if k not in flat_a] + \

@@ -32,7 +32,9 @@ def run_frame(load: views.Loader, *, run: str) -> tuple[Any, dict, dict]:
     rank_steps = d["rank_steps"]
     if len(rank_steps):
         _, rank_steps = views.steady_rank_steps(rank_steps, meta=meta)
-    frame = diff.step_parts(rank_steps, d["exposed"], dp=views._dp(meta, fallback=1) if "mesh" in meta else 1)
+    # a run record with an ``environment`` (schema 6 on) comes with step records that count stage waits as bubble
+    frame = diff.step_parts(rank_steps, d["exposed"], dp=views._dp(meta, fallback=1) if "mesh" in meta else 1,
+                            stage_waits="environment" in meta)
     peak = d["memory"]["peak_bytes"].max() if len(d["memory"]) else None
     return frame, meta, {"peak_bytes": None if views._isna(peak) else int(peak)}
 
@@ -88,6 +90,10 @@ def build(load_a: views.Loader, load_b: views.Loader, *, run_a: str, run_b: str,
                      means_a={run_a: float(fa["wall_s"].mean())}, means_b={run_b: float(fb["wall_s"].mean())})
     out = {"a": run_a, "b": run_b,
            **diff.compare(fa, fb, meta_a=meta_a, meta_b=meta_b, resamples=resamples, noise=noise)}
+    if ("environment" in meta_a) != ("environment" in meta_b):
+        old = "A" if "environment" not in meta_a else "B"
+        out["verdict"] += (f"; {old} was recorded before schema 6: its optimizer time holds its waits and its "
+                           "waits over pp are exposed communication, not bubble")
     ra, rb = report.build(load_a, run=run_a), report.build(load_b, run=run_b)
     out["summary"] = {"a": _summary(ra, mem_a), "b": _summary(rb, mem_b)}
     out["new_stragglers"] = diff.new_stragglers(out["summary"]["a"]["stragglers"], out["summary"]["b"]["stragglers"])

@@ -32,7 +32,7 @@ def test_the_best_figure_seen_is_kept_and_used(tmp_path, monkeypatch):
     assert flops.cpu_peak(cache=None) == 90e9
 
 
-@pytest.mark.parametrize("content", ["not json", "[1, 2]", '{"%s": "fast"}'])
+@pytest.mark.parametrize("content", ["not json", "[1, 2]", '{"%s": "fast"}', '{"%s": Infinity}', '{"%s": -1}'])
 def test_a_broken_or_unwritable_file_is_this_starts_figure_never_an_error(tmp_path, monkeypatch, content):
     monkeypatch.setattr(flops, "calibrate_cpu_peak", lambda: 42e9)
     cache = tmp_path / flops.CPU_PEAK_FILE

@@ -118,6 +118,10 @@ def test_the_environment_flags_are_bounded_and_hold_no_credentials():
     assert "NCCL_ALGO" in got and "OMP_NUM_THREADS" in got and "PYTORCH_CUDA_ALLOC_CONF" in got
     assert not {"TORCHELASTIC_RUN_ID", "MASTER_PORT", "HF_TOKEN", "NCCL_IB_SECRET_TOKEN",
                 "AWS_SECRET_ACCESS_KEY"} & set(got)
+    places = runenv.flags({"CUDA_VISIBLE_DEVICES": "3", "TORCHINDUCTOR_CACHE_DIR": "/tmp/x", "TORCH_HOME": "/h",
+                           "NCCL_DEBUG_FILE": "/tmp/n", "NCCL_IB_PKEY": "0x2", "NCCL_AUTH_MODE": "s",
+                           "NCCL_PROXY_URL": "http://user:pass@proxy:3128/"})
+    assert places == {"NCCL_IB_PKEY": "0x2", "NCCL_PROXY_URL": "http://proxy:3128/"}, places
     assert len(got) == runenv.MAX_FLAGS and max(map(len, got.values())) == runenv.MAX_VALUE_CHARS
     env = runenv.environment(cuda=False, environ={"NCCL_ALGO": "Tree"})
     assert env["flags"] == {"NCCL_ALGO": "Tree"} and env["cpu"] and "nccl" not in env

@@ -12,8 +12,11 @@ measured one is the only honest denominator there (the best this host has shown:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,44 +65,89 @@ def calibrate_cpu_peak(*, size: int = 512, min_seconds: float = 0.2, dtype: torc
 
 
 CPU_PEAK_FILE = "cpu-peak.json"  # in meshscope's cache directory (agent.env.cache_root)
+LOCK_WAIT_S = 5.0  # the most a start waits for the other ranks' calibrations (then calibrates without the lock)
 
 
 def _cpu_key() -> str:
     from meshscope.agent.instrument.runenv import cpu_model
 
-    return f"{cpu_model()} | {torch.get_num_threads()} threads | fp32 512"
+    return f"{cpu_model()} | {torch.get_num_threads()} threads | fp32 512 | torch {torch.__version__}"
+
+
+@contextlib.contextmanager
+def _locked(lock: Path, *, wait_s: float):
+    """An exclusive ``flock`` on ``lock`` for the block, waited for up to ``wait_s``; without it (no lock
+    before the deadline, a file system that cannot lock) the block still runs."""
+    fd = None
+    try:
+        import fcntl
+
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
+    except (OSError, ImportError):
+        pass
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+
+def _stored(cache: Path) -> dict:
+    try:
+        stored = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        return {}
+    return stored if isinstance(stored, dict) else {}
 
 
 def cpu_peak(*, cache: Path | None) -> float:
-    """The best FLOP/s this host's CPU has shown for this process's thread count: this start's calibration
-    or a higher one from an earlier start, kept in ``cache`` (a JSON file; None: this start's alone).
+    """The best FLOP/s this host's CPU has shown for this process's thread count and torch: this start's
+    calibration or a higher one from an earlier start, kept in ``cache`` (a JSON file; None: this start's
+    alone).
 
     A start calibrates while the job's other ranks start too: on 2 cores, two ranks read 59-102 GF/s where
     the host gives 100-103 to one process alone (2026-12-07), so one start's figure made MFU swing by up to
-    70 % between identical runs. The best seen is the host's peak, the same for every rank and run. The file
-    is read and written once per start; failing either is this start's calibration alone, never an error."""
-    measured = calibrate_cpu_peak()
+    70 % between identical runs. The best seen is the host's peak, the same for every rank and run. The ranks
+    of a host calibrate one at a time (a lock beside the file, waited for up to ``LOCK_WAIT_S``): alone on
+    their core, and none overwrites a better figure another just wrote. Failing to read, lock or write is
+    this start's calibration alone, never an error."""
     if cache is None:
-        return measured
+        return calibrate_cpu_peak()
     key = _cpu_key()
-    try:
-        stored = json.loads(cache.read_text())
-        if not isinstance(stored, dict):
-            stored = {}
-    except (OSError, ValueError):
-        stored = {}
-    try:
-        known = float(stored.get(key) or 0.0)
-    except (TypeError, ValueError):
-        known = 0.0
-    if measured > known:
+    with _locked(cache.with_name(cache.name + ".lock"), wait_s=LOCK_WAIT_S):
+        measured = calibrate_cpu_peak()
+        stored = _stored(cache)
         try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
-            tmp.write_text(json.dumps({**stored, key: measured}, indent=1, sort_keys=True))
-            os.replace(tmp, cache)  # whole or not at all: ranks starting together may write at once
-        except OSError:
-            pass
+            known = float(stored.get(key) or 0.0)
+        except (TypeError, ValueError):
+            known = 0.0
+        if not (math.isfinite(known) and known > 0):
+            known = 0.0
+        if measured > known:
+            tmp = None
+            try:
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=f".{cache.name}.")
+                with os.fdopen(fd, "w") as f:
+                    json.dump({**stored, key: measured}, f, indent=1, sort_keys=True)
+                os.replace(tmp, cache)  # whole or not at all
+                tmp = None
+            except OSError:
+                pass
+            finally:
+                if tmp is not None:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
     return max(measured, known)
 
 

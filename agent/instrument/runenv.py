@@ -10,33 +10,40 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 from typing import Any, Mapping
 
 # Variables whose value changes what a job does or how fast (NCCL's algorithms and transports, torch's
-# allocator and distributed knobs, thread pools, inductor). Launcher bookkeeping that differs between any
-# two runs (TORCHELASTIC_*, MASTER_PORT, RANK, ...) and meshscope's own names and places are not among them.
+# allocator and distributed knobs, thread pools, inductor), the first prefixes first where the cap cuts.
+# Launcher bookkeeping that differs between any two runs (TORCHELASTIC_*, MASTER_PORT, RANK, ...), meshscope's
+# own names and places, and places in general (which devices, directories, files) are not among them.
 FLAG_PREFIXES = ("NCCL_", "TORCH_", "PYTORCH_", "CUDA_", "CUBLAS_", "CUBLASLT_", "CUDNN_", "NVTE_", "GLOO_",
                  "TORCHINDUCTOR_", "OMP_", "MKL_", "KMP_", "UCX_", "FI_")
 FLAG_EXCLUDED_PREFIXES = ("TORCHELASTIC_",)
-# names that may hold a credential: never written to a store
-SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "KEY")
+FLAG_EXCLUDED = ("CUDA_VISIBLE_DEVICES",)
+PLACE_SUFFIXES = ("_DIR", "_FILE", "_PATH", "_HOME", "_ROOT")
+# name components that may mark a credential: never written to a store (``NCCL_IB_PKEY`` is a partition key)
+SECRET_WORDS = frozenset({"TOKEN", "SECRET", "PASSWORD", "PASSWD", "PASS", "PWD", "CREDENTIAL", "CREDENTIALS",
+                          "KEY", "AUTH", "CERT", "PRIVATE"})
+_USERINFO = re.compile(r"(://)[^/@\s]+@")  # user:password@ in a URL value
 MAX_FLAGS = 64  # bounded: the record is one row per rank, not a dump of the environment
 MAX_VALUE_CHARS = 200
 
 
+def _kept(name: str) -> bool:
+    if not name.startswith(FLAG_PREFIXES) or name.startswith(FLAG_EXCLUDED_PREFIXES) or name in FLAG_EXCLUDED:
+        return False
+    return not name.endswith(PLACE_SUFFIXES) and not SECRET_WORDS & set(name.upper().split("_"))
+
+
 def flags(environ: Mapping[str, str]) -> dict[str, str]:
-    """The environment's flags of ``FLAG_PREFIXES`` (sorted, at most ``MAX_FLAGS``, values cut to
-    ``MAX_VALUE_CHARS``), without launcher bookkeeping or anything named like a credential."""
-    out: dict[str, str] = {}
-    for name in sorted(environ):
-        if not name.startswith(FLAG_PREFIXES) or name.startswith(FLAG_EXCLUDED_PREFIXES):
-            continue
-        if any(word in name.upper() for word in SECRET_WORDS):
-            continue
-        out[name] = str(environ[name])[:MAX_VALUE_CHARS]
-        if len(out) == MAX_FLAGS:
-            break
-    return out
+    """The environment's flags of ``FLAG_PREFIXES`` (at most ``MAX_FLAGS``, taken in the prefixes' order,
+    values cut to ``MAX_VALUE_CHARS`` with a URL's user and password left out), without launcher
+    bookkeeping, places or anything named like a credential; sorted by name."""
+    names = sorted((n for n in list(environ) if _kept(n)),
+                   key=lambda n: (next(i for i, p in enumerate(FLAG_PREFIXES) if n.startswith(p)), n))
+    out = {n: _USERINFO.sub(r"\1", str(environ.get(n, "")))[:MAX_VALUE_CHARS] for n in names[:MAX_FLAGS]}
+    return dict(sorted(out.items()))
 
 
 def cpu_model() -> str:
@@ -45,7 +52,7 @@ def cpu_model() -> str:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
                 if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                    return line.partition(":")[2].strip()
     except OSError:
         pass
     return platform.processor() or platform.machine()

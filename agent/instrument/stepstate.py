@@ -13,13 +13,12 @@ import time
 from typing import Any
 
 from meshscope.agent.contract import mfu as model_flops_utilisation
-from meshscope.agent.contract import P2P_OPS, is_stage_wait, span_record, step_record
+from meshscope.agent.contract import is_stage_wait, span_record, step_record
 from meshscope.agent.instrument.cpu import parse as parse_cpu
 from meshscope.agent.instrument.readout import as_float, read_loss
 
 _chain = itertools.chain.from_iterable
 COMPUTE_PHASES = frozenset({"forward", "backward", "optimizer", "pipeline", "compute"})
-_P2P = P2P_OPS
 
 
 class StepState:
@@ -193,13 +192,15 @@ def account(state: StepState, op: str, dim: str, wait_s: float, phase: str | Non
     """One collective's share of its step: exposed communication (the thread's blocked time), per phase
     (compute phases subtract it) and, in the pipeline phase outside compute spans, what the bubble must not
     count. A stage waiting for the other stages (``is_stage_wait``) is bubble: inside the pipeline phase it
-    is already that phase's idle time; outside it (the drain, waited for in the first reduction over pp) it
-    is added to the bubble."""
+    is already that phase's idle time; outside it (the drain, waited for in the first reduction over pp; a
+    send or receive a loop makes outside its schedule) it is added to the bubble and taken out of its
+    phase's compute. On a mesh of pp alone every collective is over pp: all of them are stages waiting for
+    each other."""
     state.n_collectives += 1
     if wait_s != wait_s:  # NaN: exposure unknown for this op (e.g. FSDP on NCCL): not summed
         return
     if is_stage_wait(op, dim):
-        if op in _P2P or phase == "pipeline":
+        if phase == "pipeline":
             state.pp_wait += wait_s
             return
         state.stage_wait_outside += wait_s

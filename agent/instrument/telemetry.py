@@ -148,13 +148,21 @@ class Telemetry:
             "host": socket.gethostname(), "pid": os.getpid(), "attempt": self.attempt, "t_start": self.clock.now(),
             "torch_version": torch.__version__, "meshscope_version": version(),
             "python_version": platform.python_version(),
-            "environment": json.dumps(runenv.environment(cuda=str(info.get("device", "cpu")) != "cpu"),
-                                      sort_keys=True),
+            "environment": self._environment(info),
         }
         for key, value in info.items():
             row.setdefault(key, json.dumps(value, sort_keys=True) if isinstance(value, dict) else value)
         self._push("run", run_record(**{name: row.get(name, default) for name, default in _RUN_DEFAULTS.items()}))
         self.event("start", f"rank {self.rank} of {self.world_size} attempt {self.attempt}")
+
+    def _environment(self, info: dict[str, Any]) -> str:
+        """The run record's ``environment`` (JSON); "{}" where reading it failed (counted, never raised)."""
+        cuda = str(info.get("device") or "cpu") != "cpu" or getattr(self._device, "type", "") == "cuda"
+        try:
+            return json.dumps(runenv.environment(cuda=cuda), sort_keys=True)
+        except Exception as e:  # noqa: BLE001 - a probe of the host never fails the job
+            self.record_error("environment", e)
+            return "{}"
 
     def attach(self, *, model_parts: list | None = None, mesh: Any = None, schedule: Any = None,
                stages: list | None = None) -> None:

@@ -27,7 +27,8 @@ def main(ctx: ui.Context) -> None:
     where = f"steps {view.op_steps[0]}–{view.op_steps[1]}" if view.op_steps else "the selected steps"
     st.caption("Exposed = wait_s, the time the training thread was blocked on the op; overlapped = duration − wait, "
                f"hidden behind compute. Per op, from the collective records of {where}: the ops' exposed time sums "
-               f"to {s['exposed_s'].sum() * 1e3:.2f} ms per rank-step.")
+               f"to {s['exposed_s'].sum() * 1e3:.2f} ms per rank-step. A pipeline stage's waits in P2P ops and in "
+               "collectives over pp are it waiting for the other stages: the step breakdown counts them as bubble.")
     if view.skew is None:
         st.info("No collectives (only P2P or nothing) to compare arrival times and link bandwidth.")
         return

@@ -56,6 +56,7 @@ from meshscope.dashboard.environment import MIN_STEADY_STEPS, cpu_wait_share
 from meshscope.dashboard.memory_model import memory_model, spec_from_meta
 from meshscope.dashboard.pipeline_sim import replay
 from meshscope.dashboard.stragglers import first_steady_step
+from meshscope.agent.contract import is_stage_wait
 from meshscope.agent.contract.layout import MULTI_STAGE
 
 SHARED = 1.15  # a run whose sharing φ exceeds this was oversubscribed (a rank alone on a core reads 1.01-1.09)
@@ -293,7 +294,9 @@ def measure(meta: dict, frames: dict[str, pd.DataFrame], *, model: ModelShape) -
                        small=comm["bytes"] / comm["n"].clip(lower=1) < SMALL_BYTES)
     bulk = comm[~comm["small"]]
     per = bulk.groupby("traffic")[["n", "bytes", "duration_s", "wait_s"]].sum() / (n_steps * n_ranks)
-    waits_all = float(comm["wait_s"].sum()) / (n_steps * n_ranks)
+    # what the step records count as exposed: not a stage's waits for the others (bubble there)
+    exposed_rows = [not is_stage_wait(o, d) for o, d in zip(comm["op"], comm["dim"])]
+    waits_all = float(comm.loc[exposed_rows, "wait_s"].sum()) / (n_steps * n_ranks)
     # Exposed seconds per rank and step by kind of traffic; ``planner.exposure`` sets them against the model's
     # transfer time for this run's layout (so the run's own layout reproduces them).
     exposed = {kind: float(per.loc[kind, "wait_s"]) for kind in per.index if kind in TRAFFIC}
