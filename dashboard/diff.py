@@ -366,7 +366,7 @@ def _short(key: str) -> str:
 def _val(v: Any) -> str:
     if isinstance(v, (dict, list)):
         return json.dumps(v, sort_keys=True, separators=(",", ":"))
-    return "none" if v is None else str(v)
+    return "none" if v is None or v == "" else str(v)  # "schedule 1f1b → none", not "1f1b → "
 
 
 def gate(result: dict, *, fail_above_pct: float) -> bool:
